@@ -1,0 +1,36 @@
+"""Typed errors of the checkpoint package.
+
+Every message names the file, directory or key at fault and says what to do next.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by `ckpt`.
+
+    `path` is the file or directory at fault, when there is one.
+    """
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(message)
+        self.path: Path | None = None if path is None else Path(path)
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is truncated, fails its checksum, or holds data that does not parse."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint was written in a format newer than this version of elastic-train reads."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The requested step, or the requested rank of it, is not committed in this directory."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (disk full, permissions, ...); nothing partial is visible."""

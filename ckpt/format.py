@@ -1,0 +1,80 @@
+"""The on-disk format version and strict parsing of its JSON records (manifest, COMMIT)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ckpt.errors import CheckpointCorruptError, CheckpointVersionError
+
+FORMAT_VERSION = 1
+"""Version of the checkpoint layout written by this code; readers accept this or older."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def loads_object(data: bytes, *, path: Path, what: str) -> dict[str, Any]:
+    """Parse strict JSON (no NaN/Infinity literals) that must be an object."""
+    try:
+        obj = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointCorruptError(
+            f"{path}: {what} is not valid JSON ({exc}); the file is damaged: "
+            f"delete its checkpoint step directory and restore an earlier step",
+            path=path,
+        ) from exc
+    if not isinstance(obj, dict):
+        raise corrupt(path, f"{what} is a JSON {type(obj).__name__}, expected an object")
+    return obj
+
+
+def corrupt(path: Path, problem: str) -> CheckpointCorruptError:
+    """A CheckpointCorruptError naming `path`, with the standard advice."""
+    return CheckpointCorruptError(
+        f"{path}: {problem}; the file is damaged: delete its checkpoint step directory "
+        f"and restore an earlier step",
+        path=path,
+    )
+
+
+def check_format_version(obj: dict[str, Any], *, path: Path) -> int:
+    """The record's format_version; raises if it is missing, malformed or too new."""
+    version = obj.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise corrupt(path, f"format_version is {version!r}, expected a positive int")
+    if version > FORMAT_VERSION:
+        raise CheckpointVersionError(
+            f"{path}: format_version {version} was written by a newer elastic-train "
+            f"(this one reads up to {FORMAT_VERSION}); upgrade elastic-train to load it",
+            path=path,
+        )
+    return version
+
+
+def get_int(obj: dict[str, Any], key: str, *, path: Path, minimum: int = 0) -> int:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise corrupt(path, f"key {key!r} is {value!r}, expected an int >= {minimum}")
+    return value
+
+
+def get_str(obj: dict[str, Any], key: str, *, path: Path) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise corrupt(path, f"key {key!r} is {value!r}, expected a string")
+    return value
+
+
+def get_object(obj: dict[str, Any], key: str, *, path: Path) -> dict[str, Any]:
+    value = obj.get(key)
+    if not isinstance(value, dict):
+        raise corrupt(path, f"key {key!r} is {type(value).__name__}, expected an object")
+    return value
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact, strict JSON (raises on NaN/Infinity), key order preserved."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False, ensure_ascii=True).encode()

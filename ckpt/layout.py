@@ -1,0 +1,82 @@
+"""Names of the directories and files of a checkpoint under the tier-1 root.
+
+    <root>/step_000000000120/
+        rank_00000/state.safetensors
+        rank_00000/manifest.json
+        rank_00001/...
+        COMMIT
+
+A rank writes into `step_.../.tmp-rank_00000-<hex>/` and renames it to `rank_00000/`.
+A step exists only once COMMIT exists. Anything whose name starts with `.tmp-` is
+scratch of an unfinished (or crashed) write.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+STATE_FILE = "state.safetensors"
+MANIFEST_FILE = "manifest.json"
+COMMIT_FILE = "COMMIT"
+TMP_PREFIX = ".tmp-"
+
+_STEP_DIGITS = 12
+_RANK_DIGITS = 5
+_STEP_RE = re.compile(r"step_(\d{%d,})" % _STEP_DIGITS)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:0{_STEP_DIGITS}d}"
+
+
+def parse_step_dir_name(name: str) -> int | None:
+    """The step of a step directory name, or None if `name` is not one (or not canonical)."""
+    match = _STEP_RE.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_dir_name(step) == name else None
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank_{rank:0{_RANK_DIGITS}d}"
+
+
+def temp_name(label: str) -> str:
+    """A unique scratch name in the same directory as its final target."""
+    return f"{TMP_PREFIX}{label}-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths of checkpoints under one tier-1 root."""
+
+    root: Path
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def rank_dir(self, step: int, rank: int) -> Path:
+        return self.step_dir(step) / rank_dir_name(rank)
+
+    def temp_rank_dir(self, step: int, rank: int) -> Path:
+        return self.step_dir(step) / temp_name(rank_dir_name(rank))
+
+    def commit_path(self, step: int) -> Path:
+        return self.step_dir(step) / COMMIT_FILE
+
+    def step_dirs(self) -> dict[int, Path]:
+        """Every step directory under the root, committed or not; empty if the root is missing."""
+        try:
+            entries = list(self.root.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        found: dict[int, Path] = {}
+        for entry in entries:
+            step = parse_step_dir_name(entry.name)
+            if step is not None and entry.is_dir():
+                found[step] = entry
+        return found

@@ -1,0 +1,159 @@
+"""The per-rank manifest.json: what a rank wrote, with checksums and the state skeleton."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt.format import (
+    FORMAT_VERSION,
+    check_format_version,
+    corrupt,
+    dumps,
+    get_int,
+    get_object,
+    get_str,
+    loads_object,
+)
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+@functools.cache
+def package_version() -> str:
+    """The installed elastic-train version, or "0.0.0" when running from a bare checkout."""
+    try:
+        return importlib.metadata.version("elastic-train")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """Size and checksum of one data file of a rank."""
+
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives and what it is."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Everything needed to check and rebuild one rank's state of one step."""
+
+    step: int
+    rank: int
+    world_size: int
+    files: dict[str, FileEntry]
+    tensors: dict[str, TensorEntry]
+    state: Any
+    format_version: int = FORMAT_VERSION
+    package_version: str = field(default_factory=package_version)
+
+    def to_bytes(self) -> bytes:
+        return dumps(
+            {
+                "format_version": self.format_version,
+                "package_version": self.package_version,
+                "step": self.step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "files": {
+                    name: {"sha256": f.sha256, "bytes": f.bytes} for name, f in self.files.items()
+                },
+                "tensors": {
+                    name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
+                    for name, t in self.tensors.items()
+                },
+                "state": self.state,
+            }
+        )
+
+
+def parse_manifest(data: bytes, *, path: Path) -> Manifest:
+    """Parse and validate a manifest. Raises CheckpointCorruptError / CheckpointVersionError."""
+    obj = loads_object(data, path=path, what="manifest")
+    version = check_format_version(obj, path=path)
+    world_size = get_int(obj, "world_size", path=path, minimum=1)
+    rank = get_int(obj, "rank", path=path)
+    if rank >= world_size:
+        raise corrupt(path, f"rank {rank} is not below world_size {world_size}")
+    if "state" not in obj:
+        raise corrupt(path, "key 'state' is missing")
+
+    files: dict[str, FileEntry] = {}
+    for name, entry in get_object(obj, "files", path=path).items():
+        check_file_name(name, path=path)
+        if not isinstance(entry, dict):
+            raise corrupt(path, f"files entry {name!r} is not an object")
+        sha = entry.get("sha256")
+        if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
+            raise corrupt(path, f"files entry {name!r} has invalid sha256 {sha!r}")
+        files[name] = FileEntry(sha, get_int(entry, "bytes", path=path))
+
+    tensors: dict[str, TensorEntry] = {}
+    for name, entry in get_object(obj, "tensors", path=path).items():
+        if not isinstance(entry, dict):
+            raise corrupt(path, f"tensors entry {name!r} is not an object")
+        file = entry.get("file")
+        if file not in files:
+            raise corrupt(path, f"tensor {name!r} refers to file {file!r}, not listed in 'files'")
+        shape = entry.get("shape")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
+        tensors[name] = TensorEntry(file, get_str(entry, "dtype", path=path), tuple(shape))
+
+    return Manifest(
+        format_version=version,
+        package_version=get_str(obj, "package_version", path=path),
+        step=get_int(obj, "step", path=path),
+        rank=rank,
+        world_size=world_size,
+        files=files,
+        tensors=tensors,
+        state=obj["state"],
+    )
+
+
+def check_file_name(name: str, *, path: Path) -> None:
+    """Reject a file entry that is not a plain name inside the rank directory."""
+    if (
+        not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or os.path.isabs(name)
+    ):
+        raise corrupt(
+            path, f"file entry {name!r} is not a plain file name inside the rank directory"
+        )
+
+
+def resolve_file(rank_dir: Path, name: str, *, manifest_path: Path) -> Path:
+    """The path of data file `name`, refusing names and symlinks that lead outside `rank_dir`."""
+    check_file_name(name, path=manifest_path)
+    candidate = rank_dir / name
+    real_dir = os.path.realpath(rank_dir)
+    real = os.path.realpath(candidate)
+    if os.path.dirname(real) != real_dir:
+        raise corrupt(
+            manifest_path,
+            f"file entry {name!r} resolves to {real}, outside the rank directory {rank_dir}",
+        )
+    return candidate

@@ -1,0 +1,239 @@
+"""Read and write safetensors files.
+
+Writing is ours and streams: header first, then each tensor's bytes straight from its
+memory, hashing as it goes, so no second copy of the state is built. Reading goes through
+`safetensors.safe_open` (mmap), after this module has checked the header itself, so a
+damaged file raises CheckpointCorruptError instead of a huge allocation or a raw
+SafetensorError. numpy is not needed.
+
+File layout: 8-byte little-endian header length N, N bytes of JSON header
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}
+padded with spaces so the data starts 8-byte aligned, then the tensor bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ckpt.format import corrupt, loads_object
+
+MAX_HEADER_BYTES = 100_000_000
+"""Largest header accepted (the limit of the safetensors library itself)."""
+
+_CHUNK = 16 << 20
+_METADATA = "__metadata__"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+}
+for _name, _attr in (
+    ("U64", "uint64"),
+    ("U32", "uint32"),
+    ("U16", "uint16"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype ("BF16", ...). Raises TypeError if unsupported."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(
+            f"dtype {dtype} cannot be stored in safetensors; supported: "
+            f"{', '.join(str(d) for d in _DTYPE_NAMES)}"
+        ) from None
+
+
+def write_safetensors(
+    path: Path, tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None
+) -> tuple[int, str]:
+    """Create `path` (which must not exist) holding `tensors`; fsync it.
+
+    Returns (bytes written, sha256 hex digest of the whole file). Raises TypeError for a
+    tensor that cannot be stored (unsupported dtype, sparse, meta) before anything is written.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors files are little-endian; big-endian hosts are unsupported")
+    # Largest elements first keeps every tensor aligned to its element size.
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, object] = {}
+    if metadata:
+        header[_METADATA] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+            raise TypeError(
+                f"tensor {name!r} ({tensor.layout}, device {tensor.device}) cannot be stored; "
+                f"only dense tensors with data can"
+            )
+        try:
+            dtype = dtype_name(tensor.dtype)
+        except TypeError as exc:
+            raise TypeError(f"tensor {name!r}: {exc}") from None
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"{len(tensors)} tensors need a header over {MAX_HEADER_BYTES} bytes")
+
+    digest = hashlib.sha256()
+    written = 0
+    with open(path, "xb") as f:
+
+        def emit(buf: bytes | memoryview) -> None:
+            nonlocal written
+            f.write(buf)
+            digest.update(buf)
+            written += len(buf)
+
+        emit(struct.pack("<Q", len(header_bytes)))
+        emit(header_bytes)
+        for name in order:
+            _emit_tensor(tensors[name], emit)
+        f.flush()
+        os.fsync(f.fileno())
+    expected = 8 + len(header_bytes) + offset
+    assert written == expected, f"wrote {written} bytes to {path}, expected {expected}"
+    return written, digest.hexdigest()
+
+
+def _emit_tensor(tensor: torch.Tensor, emit: Callable[[memoryview], None]) -> None:
+    data = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    nbytes = data.numel() * data.element_size()
+    if nbytes == 0:
+        return
+    # A zero-copy view of the tensor's memory; `data` stays alive until the loop ends.
+    view = memoryview((ctypes.c_char * nbytes).from_address(data.data_ptr())).cast("B")
+    for start in range(0, nbytes, _CHUNK):
+        emit(view[start : start + _CHUNK])
+    view.release()
+    del data
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a safetensors header."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and check the header of `path`: (tensor entries by name, metadata).
+
+    Raises CheckpointCorruptError naming the file when the length field, JSON, dtypes,
+    shapes or offsets do not describe the file exactly.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise corrupt(path, f"safetensors file is {size} bytes, too short for a header")
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > MAX_HEADER_BYTES or header_len > size - 8:
+            raise corrupt(
+                path,
+                f"safetensors header length field says {header_len} bytes but the file has "
+                f"{size} bytes (limit {MAX_HEADER_BYTES})",
+            )
+        raw = f.read(header_len)
+    header = loads_object(raw, path=path, what="safetensors header")
+    data_len = size - 8 - header_len
+
+    metadata_obj = header.pop(_METADATA, {})
+    if not isinstance(metadata_obj, dict) or not all(
+        isinstance(v, str) for v in metadata_obj.values()
+    ):
+        raise corrupt(path, "safetensors __metadata__ is not a str -> str object")
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        infos[name] = _parse_entry(path, name, entry)
+    cursor = 0
+    for name, info in sorted(infos.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != cursor:
+            raise corrupt(path, f"tensor {name!r} starts at {info.begin}, expected {cursor}")
+        cursor = info.end
+    if cursor != data_len:
+        raise corrupt(
+            path, f"tensor data is {data_len} bytes but the header describes {cursor} bytes"
+        )
+    return infos, dict(metadata_obj)
+
+
+def _parse_entry(path: Path, name: str, entry: object) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise corrupt(path, f"header entry {name!r} is not an object")
+    dtype = entry.get("dtype")
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    if dtype not in _DTYPES:
+        raise corrupt(path, f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise corrupt(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise corrupt(
+            path,
+            f"tensor {name!r} spans {offsets[1] - offsets[0]} bytes but {dtype}{shape} "
+            f"needs {nbytes}",
+        )
+    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Load every tensor of `path` (CPU) after checking its header."""
+    infos, _ = read_header(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in infos}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise corrupt(path, f"safetensors could not read it ({exc})") from exc
+    for name, info in infos.items():
+        tensor = tensors[name]
+        if tensor.dtype != _DTYPES[info.dtype] or tuple(tensor.shape) != info.shape:
+            raise corrupt(path, f"tensor {name!r} read back as {tensor.dtype}{list(tensor.shape)}")
+    return tensors

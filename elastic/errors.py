@@ -1,0 +1,49 @@
+"""Typed errors of the elastic package. Messages name the endpoint, key or node and say what to do."""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+
+
+class ElasticError(Exception):
+    """Base class for errors raised by `elastic`."""
+
+
+class EtcdBinaryNotFoundError(ElasticError):
+    """No etcd server binary could be found for the embedded etcd."""
+
+
+class EtcdStartError(ElasticError):
+    """The embedded etcd did not start or did not become healthy in time."""
+
+
+class EtcdUnavailableError(RendezvousConnectionError, ElasticError):
+    """etcd could not be reached within the deadline."""
+
+
+class NodeIdConflictError(RendezvousError, ElasticError):
+    """Another live agent already registered the same node id in the same run."""
+
+
+class ElasticRendezvousTimeoutError(RendezvousTimeoutError, ElasticError):
+    """A rendezvous round did not complete within its deadline."""
+
+
+class ElasticRendezvousClosedError(RendezvousClosedError, ElasticError):
+    """The run's rendezvous is closed: the job finished or was shut down."""
+
+
+__all__ = [
+    "ElasticError",
+    "ElasticRendezvousClosedError",
+    "ElasticRendezvousTimeoutError",
+    "EtcdBinaryNotFoundError",
+    "EtcdStartError",
+    "EtcdUnavailableError",
+    "NodeIdConflictError",
+]

@@ -1,0 +1,167 @@
+"""Connecting to etcd v3: endpoint lists with failover, TLS, auth, and bounded retries.
+
+Every call into etcd from this package goes through `EtcdClient.call`, which retries transient
+failures (connection refused, deadline exceeded, leader change) with exponential backoff and jitter
+until a deadline, then raises `EtcdUnavailableError` naming the endpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import etcd3
+import etcd3.exceptions
+import grpc
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
+from elastic.errors import EtcdUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TRANSIENT = (
+    etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.ConnectionTimeoutError,
+    etcd3.exceptions.NoServerAvailableError if hasattr(etcd3.exceptions, "NoServerAvailableError") else etcd3.exceptions.ConnectionFailedError,
+)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, _TRANSIENT):
+        return True
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return False
+
+
+def parse_endpoints(spec: str) -> tuple[tuple[str, int, bool], ...]:
+    """Parse `host:port[,host:port...]`, each optionally with an http:// or https:// scheme.
+
+    Returns (host, port, secure) triples. Raises ValueError naming the bad entry.
+    """
+    result = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        secure = item.startswith("https://")
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        item = item.rstrip("/")
+        host, sep, port_s = item.rpartition(":")
+        if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+            raise ValueError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
+        result.append((host.strip("[]"), int(port_s), secure))
+    if not result:
+        raise ValueError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
+    return tuple(result)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdClientConfig:
+    endpoints: str
+    """Comma-separated `host:port` list (optionally http:// or https://); the client fails over between them."""
+    ca_cert: str | None = None
+    """CA bundle (PEM) that signed the etcd server certificates; enables TLS."""
+    cert: str | None = None
+    """Client certificate (PEM) for mutual TLS."""
+    key: str | None = None
+    """Client private key (PEM) for mutual TLS."""
+    user: str | None = None
+    """etcd user name for password authentication."""
+    password: str | None = None
+    """etcd password for `user`."""
+    request_timeout: timedelta = timedelta(seconds=3)
+    """Deadline of one etcd RPC."""
+    retry_deadline: timedelta = timedelta(seconds=15)
+    """How long `call` keeps retrying transient failures before giving up."""
+
+    def __post_init__(self) -> None:
+        parse_endpoints(self.endpoints)
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("etcd TLS needs both a client certificate and its key (cert= and key=), or neither")
+        if (self.user is None) != (self.password is None):
+            raise ValueError("etcd auth needs both user= and password=, or neither")
+        if self.request_timeout <= timedelta(0) or self.retry_deadline <= timedelta(0):
+            raise ValueError(f"etcd timeouts must be positive, got {self.request_timeout} and {self.retry_deadline}")
+
+    @property
+    def secure(self) -> bool:
+        return self.ca_cert is not None or any(s for _, _, s in parse_endpoints(self.endpoints))
+
+
+class EtcdClient:
+    """A connected etcd v3 client with bounded retries. `raw` is the python-etcd3 client."""
+
+    def __init__(self, config: EtcdClientConfig) -> None:
+        self.config = config
+        self.raw: etcd3.MultiEndpointEtcd3Client = self.call(self._connect, what="connect")
+
+    def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
+        cfg = self.config
+        creds = None
+        if cfg.secure:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(cfg.ca_cert),
+                private_key=_read(cfg.key),
+                certificate_chain=_read(cfg.cert),
+            )
+        endpoints = [
+            etcd3.Endpoint(host, port, secure=cfg.secure, creds=creds, time_retry=1.0)
+            for host, port, _ in parse_endpoints(cfg.endpoints)
+        ]
+        client = etcd3.MultiEndpointEtcd3Client(
+            endpoints=endpoints,
+            timeout=cfg.request_timeout.total_seconds(),
+            user=cfg.user,
+            password=cfg.password,
+            failover=True,
+        )
+        client.status()  # proves the endpoint answers (and that auth worked)
+        return client
+
+    def call(self, fn: Callable[[], T], *, what: str, deadline: timedelta | None = None) -> T:
+        """Run `fn`, retrying transient etcd failures with jittered exponential backoff until `deadline`."""
+        limit = (deadline or self.config.retry_deadline).total_seconds()
+        retrying = Retrying(
+            stop=stop_after_delay(limit),
+            wait=wait_random_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception(_is_transient),
+            reraise=True,
+        )
+        try:
+            return retrying(fn)
+        except Exception as exc:
+            if _is_transient(exc):
+                raise EtcdUnavailableError(
+                    f"etcd at {self.config.endpoints} did not answer `{what}` within {limit:.0f}s ({type(exc).__name__}: {exc}). "
+                    "Is etcd running and reachable? Check --rdzv-endpoint and the network."
+                ) from exc
+            if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in (
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.PERMISSION_DENIED,
+            ):
+                raise EtcdUnavailableError(
+                    f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. "
+                    "Check the user/password and TLS settings in --rdzv-conf."
+                ) from exc
+            raise
+
+    def close(self) -> None:
+        try:
+            self.raw.close()
+        except Exception:  # noqa: BLE001 - closing a dead channel must not mask the real error
+            log.debug("closing etcd client failed", exc_info=True)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()

@@ -1,0 +1,134 @@
+"""Node membership on etcd v3: one leased key per live agent.
+
+An agent registers `/<prefix>/<run_id>/nodes/<node_id>` under a lease and a keep-alive thread holds
+the lease. When the agent dies, the lease expires and etcd deletes the key, so "who is alive" is a
+range read (or a watch) away, never a guess based on timeouts of collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from elastic.errors import NodeIdConflictError
+from elastic.etcd_client import EtcdClient
+
+log = logging.getLogger(__name__)
+
+
+def run_prefix(prefix: str, run_id: str) -> str:
+    """The etcd key prefix of one run. Different run ids never share keys."""
+    return f"/{prefix.strip('/')}/{run_id}/"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MembershipConfig:
+    prefix: str = "elastic-train"
+    """Top-level etcd key prefix shared by all runs."""
+    run_id: str
+    """The job's run id (`--rdzv-id`)."""
+    node_id: str
+    """This agent's id, unique among the run's live agents."""
+    lease_ttl: timedelta = timedelta(seconds=3)
+    """Lease time-to-live: how long after an agent dies its peers learn of it."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise ValueError(f"run id {self.run_id!r} must be non-empty and contain no '/'")
+        if not self.node_id or "/" in self.node_id:
+            raise ValueError(f"node id {self.node_id!r} must be non-empty and contain no '/'")
+        if self.lease_ttl < timedelta(seconds=1):
+            raise ValueError(f"lease_ttl must be at least 1s (etcd leases count whole seconds), got {self.lease_ttl}")
+
+
+class Membership:
+    """Registers this node under a lease and reports the run's live nodes."""
+
+    def __init__(self, client: EtcdClient, config: MembershipConfig) -> None:
+        self._client = client
+        self.config = config
+        self.nodes_prefix = run_prefix(config.prefix, config.run_id) + "nodes/"
+        self.key = self.nodes_prefix + config.node_id
+        self._lease: object | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    def join(self, info: dict[str, object] | None = None) -> None:
+        """Register under a fresh lease and start the keep-alive thread. Idempotent."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._register(info or {})
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._keep_alive, name=f"elastic-lease-{self.node_id}", daemon=True)
+            self._thread.start()
+
+    def _register(self, info: dict[str, object]) -> None:
+        raw = self._client.raw
+        ttl = max(1, math.ceil(self.config.lease_ttl.total_seconds()))
+        lease = self._client.call(lambda: raw.lease(ttl), what=f"grant a {ttl}s lease")
+        value = json.dumps({"node_id": self.node_id, "joined_at": time.time(), **info})
+        ok, _ = self._client.call(
+            lambda: raw.transaction(
+                compare=[raw.transactions.version(self.key) == 0],
+                success=[raw.transactions.put(self.key, value, lease=lease)],
+                failure=[],
+            ),
+            what=f"register {self.key}",
+        )
+        if not ok:
+            self._client.call(lease.revoke, what="revoke an unused lease")
+            raise NodeIdConflictError(
+                f"node id {self.node_id!r} is already registered by a live agent at {self.key}. "
+                "Give each agent a unique node id (--rdzv-conf node_id=...), or wait "
+                f"{self.config.lease_ttl.total_seconds():.0f}s for the old agent's lease to expire."
+            )
+        self._lease = lease
+        self._info = info
+        log.info("membership: joined as %s (lease %x, ttl %ss)", self.key, lease.id, ttl)
+
+    def _keep_alive(self) -> None:
+        # Refresh at a third of the TTL so two lost refreshes in a row still keep the lease.
+        interval = self.config.lease_ttl.total_seconds() / 3
+        while not self._stop.wait(interval):
+            lease = self._lease
+            try:
+                responses = list(self._client.raw.refresh_lease(lease.id))  # type: ignore[attr-defined]
+                if responses and responses[0].TTL <= 0:
+                    log.warning("membership: lease of %s expired; registering again", self.key)
+                    self._register(self._info)
+            except NodeIdConflictError:
+                log.error("membership: %s was taken by another agent; giving up the keep-alive", self.key)
+                return
+            except Exception as exc:  # noqa: BLE001 - thread boundary: log and keep trying
+                log.warning("membership: refreshing the lease of %s failed: %s", self.key, exc)
+
+    def live_nodes(self) -> list[str]:
+        """Node ids with a live lease, in registration order (by creation revision)."""
+        raw = self._client.raw
+        items = self._client.call(lambda: list(raw.get_prefix(self.nodes_prefix)), what=f"list {self.nodes_prefix}")
+        items.sort(key=lambda kv: kv[1].create_revision)
+        return [kv[1].key.decode()[len(self.nodes_prefix):] for kv in items]
+
+    def leave(self) -> None:
+        """Stop the keep-alive and revoke the lease, so peers see this node leave at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            try:
+                self._client.call(lease.revoke, what=f"revoke the lease of {self.key}", deadline=timedelta(seconds=3))  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - the lease expires on its own within the TTL
+                log.warning("membership: could not revoke the lease of %s (%s); it expires within the TTL", self.key, exc)

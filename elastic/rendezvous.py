@@ -1,0 +1,339 @@
+"""The `etcd-v3` rendezvous handler for torch.distributed.elastic (and so for torchrun and elastic-run).
+
+This module is the thin I/O shell around the pure protocol in `elastic/round.py`:
+read the run's keys, decide, compare-and-set on mod_revision, or wait on a watch, all under one
+deadline. Once a round closes, the rank-0 node hosts a fresh TCPStore for the round and publishes
+its address in etcd under its own lease; the agent and the workers use that store (torchrun's
+`use_agent_store` contract), so worker scripts run unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+
+from elastic import round as protocol
+from elastic.errors import (
+    ElasticRendezvousClosedError,
+    ElasticRendezvousTimeoutError,
+    EtcdUnavailableError,
+)
+from elastic.etcd_client import EtcdClient, EtcdClientConfig
+from elastic.membership import Membership, MembershipConfig, run_prefix
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "etcd-v3"
+
+
+def _seconds(value: str | int | float | None, default: float, name: str) -> timedelta:
+    if value is None or value == "":
+        return timedelta(seconds=default)
+    try:
+        seconds = float(value)
+    except ValueError as exc:
+        raise ValueError(f"--rdzv-conf {name}={value!r} must be a number of seconds") from exc
+    if seconds <= 0:
+        raise ValueError(f"--rdzv-conf {name}={value!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousConfig:
+    run_id: str
+    """The job's run id (`--rdzv-id`); runs with different ids never mix."""
+    node_id: str
+    """This agent's id (`--rdzv-conf node_id=`); default `<hostname>-<pid>-<random>`."""
+    min_nodes: int
+    """Fewest nodes a round may close with (`--nnodes MIN:MAX`)."""
+    max_nodes: int
+    """Most nodes in a round; more wait as spares."""
+    local_addr: str
+    """Address other nodes reach this node's TCPStore at (`--local-addr`)."""
+    etcd: EtcdClientConfig
+    """How to reach etcd (`--rdzv-endpoint` plus TLS/auth from `--rdzv-conf`)."""
+    prefix: str = "elastic-train"
+    """etcd key prefix shared by all runs (`--rdzv-conf prefix=`)."""
+    lease_ttl: timedelta = timedelta(seconds=3)
+    """Membership lease TTL (`--rdzv-conf lease_ttl=`)."""
+    join_timeout: timedelta = timedelta(seconds=600)
+    """Deadline for one rendezvous round (`--rdzv-conf join_timeout=`)."""
+    last_call_timeout: timedelta = timedelta(seconds=30)
+    """How long a round with >= min nodes waits for a live node that does not join (`last_call_timeout=`)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_nodes <= self.max_nodes:
+            raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: need 0 < min <= max")
+
+    @staticmethod
+    def from_parameters(params: RendezvousParameters) -> RendezvousConfig:
+        conf = params.config
+        default_node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        return RendezvousConfig(
+            run_id=params.run_id,
+            node_id=str(conf.get("node_id") or default_node),
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            local_addr=params.local_addr or socket.getfqdn(),
+            etcd=EtcdClientConfig(
+                endpoints=params.endpoint,
+                ca_cert=conf.get("cacert") or conf.get("ca_cert"),
+                cert=conf.get("cert"),
+                key=conf.get("key"),
+                user=conf.get("user"),
+                password=conf.get("password"),
+                retry_deadline=_seconds(conf.get("etcd_timeout"), 15, "etcd_timeout"),
+            ),
+            prefix=str(conf.get("prefix") or "elastic-train"),
+            lease_ttl=_seconds(conf.get("lease_ttl"), 3, "lease_ttl"),
+            join_timeout=_seconds(conf.get("join_timeout"), 600, "join_timeout"),
+            last_call_timeout=_seconds(conf.get("last_call_timeout"), 30, "last_call_timeout"),
+        )
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    state: protocol.RoundState | None
+    state_revision: int  # mod_revision of the state key, 0 if absent
+    live: frozenset[str]
+    stores: dict[int, dict[str, object]]  # generation -> published store address
+    revision: int  # highest mod_revision seen under the run prefix
+
+
+class EtcdV3RendezvousHandler(RendezvousHandler):
+    """torch `RendezvousHandler` on etcd v3: leases, compare-and-set on mod_revision, watches."""
+
+    def __init__(self, config: RendezvousConfig, client: EtcdClient | None = None) -> None:
+        self.config = config
+        self._client = client or EtcdClient(config.etcd)
+        self._prefix = run_prefix(config.prefix, config.run_id)
+        self._state_key = self._prefix + "rdzv/state"
+        self._store_prefix = self._prefix + "rdzv/store/"
+        self.membership = Membership(
+            self._client,
+            MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id, lease_ttl=config.lease_ttl),
+        )
+        self._completed_generation = 0
+        self._round: tuple[str, ...] = ()
+        self._store_server: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+
+    # -- RendezvousHandler -------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def get_run_id(self) -> str:
+        return self.config.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        started = time.monotonic()
+        self.membership.join({"addr": self.config.local_addr, "pid": os.getpid()})
+        done = self._join_round(started + self.config.join_timeout.total_seconds())
+        store, addr, port = self._round_store(done, started + self.config.join_timeout.total_seconds())
+        self._completed_generation = done.generation
+        self._round = done.participants
+        log.info(
+            "rendezvous: node %s is rank %d of %d in round %d of run %s (%.2fs)",
+            self.config.node_id, done.rank, done.world_size, done.generation, self.config.run_id, time.monotonic() - started,
+        )
+        return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
+
+    def is_closed(self) -> bool:
+        snap = self._read()
+        return bool(snap.state and snap.state.shutdown)
+
+    def set_closed(self) -> None:
+        self._close_run()
+
+    def num_nodes_waiting(self) -> int:
+        # Called by the agent every monitor interval while workers are healthy. A node lost from
+        # our round counts too: its peers must restart now instead of hanging in a collective.
+        try:
+            snap = self._read(deadline=timedelta(seconds=1))
+        except EtcdUnavailableError as exc:
+            log.warning("rendezvous: etcd unreachable while workers are healthy; keeping them running (%s)", exc)
+            return 0
+        return protocol.nodes_waiting(snap.state, self._knowledge(snap), self._round)
+
+    def shutdown(self) -> bool:
+        try:
+            self._close_run()
+            return True
+        except Exception as exc:  # noqa: BLE001 - process boundary: the agent is exiting anyway
+            log.warning("rendezvous: shutdown of run %s failed: %s", self.config.run_id, exc)
+            return False
+        finally:
+            self.membership.leave()
+            self._store_server = None
+            self._client.close()
+
+    # -- protocol loop -------------------------------------------------------------------------
+
+    def _knowledge(self, snap: _Snapshot, last_call_expired: bool = False) -> protocol.Knowledge:
+        return protocol.Knowledge(
+            node_id=self.config.node_id,
+            live=snap.live,
+            min_nodes=self.config.min_nodes,
+            max_nodes=self.config.max_nodes,
+            completed_generation=self._completed_generation,
+            last_call_expired=last_call_expired,
+        )
+
+    def _join_round(self, deadline: float) -> protocol.Done:
+        last_call_at: float | None = None
+        last_call_generation = -1
+        last_reason = ""
+        while True:
+            snap = self._read()
+            now = time.monotonic()
+            expired = last_call_at is not None and now >= last_call_at
+            decision = protocol.decide(snap.state, self._knowledge(snap, expired))
+            if isinstance(decision, protocol.Done):
+                return decision
+            if isinstance(decision, protocol.Closed):
+                raise ElasticRendezvousClosedError(
+                    f"run {self.config.run_id!r} is closed: its job finished or was shut down. Start a new job with a new --rdzv-id."
+                )
+            if isinstance(decision, protocol.Write):
+                if self._compare_and_set(decision.state, snap.state_revision):
+                    log.info("rendezvous: %s", decision.why)
+                continue
+            last_reason = decision.reason
+            generation = snap.state.generation if snap.state else 0
+            if decision.last_call_armed and (last_call_at is None or generation != last_call_generation):
+                last_call_at = now + self.config.last_call_timeout.total_seconds()
+                last_call_generation = generation
+            elif not decision.last_call_armed:
+                last_call_at = None
+            if now >= deadline:
+                raise ElasticRendezvousTimeoutError(
+                    f"rendezvous of run {self.config.run_id!r} did not complete within "
+                    f"{self.config.join_timeout.total_seconds():.0f}s: {last_reason}. Live nodes: {sorted(snap.live)}. "
+                    "Are the other agents running with the same --rdzv-endpoint and --rdzv-id?"
+                )
+            wake = min(deadline, last_call_at) if last_call_at is not None else deadline
+            self._wait_for_change(snap.revision, max(0.0, wake - now))
+
+    def _read(self, deadline: timedelta | None = None) -> _Snapshot:
+        raw = self._client.raw
+        items = self._client.call(lambda: list(raw.get_prefix(self._prefix)), what=f"read {self._prefix}", deadline=deadline)
+        state, state_rev, live, stores, revision = None, 0, set(), {}, 0
+        for value, meta in items:
+            key = meta.key.decode()
+            revision = max(revision, meta.mod_revision)
+            if key == self._state_key:
+                state, state_rev = protocol.RoundState.from_json(value), meta.mod_revision
+            elif key.startswith(self.membership.nodes_prefix):
+                live.add(key[len(self.membership.nodes_prefix):])
+            elif key.startswith(self._store_prefix):
+                stores[int(key[len(self._store_prefix):])] = json.loads(value)
+        return _Snapshot(state, state_rev, frozenset(live), stores, revision)
+
+    def _compare_and_set(self, state: protocol.RoundState, expected_revision: int) -> bool:
+        raw = self._client.raw
+        txn = raw.transactions
+        guard = txn.version(self._state_key) == 0 if expected_revision == 0 else txn.mod(self._state_key) == expected_revision
+        ok, _ = self._client.call(
+            lambda: raw.transaction(compare=[guard], success=[txn.put(self._state_key, state.to_json())], failure=[]),
+            what=f"update {self._state_key}",
+        )
+        return bool(ok)
+
+    def _wait_for_change(self, seen_revision: int, timeout: float) -> None:
+        """Block until any key of the run changes after `seen_revision`, or `timeout` seconds pass."""
+        changed = threading.Event()
+        raw = self._client.raw
+        watch_id = self._client.call(
+            lambda: raw.add_watch_prefix_callback(self._prefix, lambda _resp: changed.set(), start_revision=seen_revision + 1),
+            what=f"watch {self._prefix}",
+        )
+        try:
+            changed.wait(min(timeout, 5.0))  # re-read at least every 5s in case a watch event was lost
+        finally:
+            try:
+                raw.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - a dead watch needs no cancelling
+                log.debug("cancel_watch failed", exc_info=True)
+
+    # -- the round's store ---------------------------------------------------------------------
+
+    def _round_store(self, done: protocol.Done, deadline: float) -> tuple[dist.Store, str, int]:
+        key = f"{self._store_prefix}{done.generation}"
+        timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        if done.rank == 0:
+            # A fresh TCPStore per round: keys of an earlier round can never leak into this one.
+            server = dist.TCPStore(self.config.local_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout, multi_tenant=True)
+            self._store_server = server
+            addr, port = self.config.local_addr, int(server.port)
+            raw = self._client.raw
+            lease = self.membership._lease  # noqa: SLF001 - the address dies with rank 0's lease
+            self._client.call(
+                lambda: raw.put(key, json.dumps({"addr": addr, "port": port}), lease=lease),
+                what=f"publish {key}",
+            )
+            self._prune_stores(done.generation)
+            return server, addr, port
+        self._store_server = None
+        while True:
+            snap = self._read()
+            published = snap.stores.get(done.generation)
+            if published is not None:
+                addr, port = str(published["addr"]), int(published["port"])  # type: ignore[call-overload]
+                return dist.TCPStore(addr, port, is_master=False, timeout=timeout), addr, port
+            if time.monotonic() >= deadline:
+                raise ElasticRendezvousTimeoutError(
+                    f"rank 0 of round {done.generation} ({done.participants[0]}) did not publish its store at {key} in time"
+                )
+            self._wait_for_change(snap.revision, deadline - time.monotonic())
+
+    def _prune_stores(self, generation: int) -> None:
+        raw = self._client.raw
+        stale = [raw.transactions.delete(f"{self._store_prefix}{g}") for g in range(max(1, generation - 8), generation)]
+        if stale:
+            self._client.call(lambda: raw.transaction(compare=[], success=stale, failure=[]), what="prune old store keys")
+
+    def _close_run(self) -> None:
+        while True:
+            snap = self._read(deadline=timedelta(seconds=3))
+            base = snap.state or protocol.RoundState(generation=0, status="closed", participants=())
+            if base.shutdown:
+                return
+            closed = protocol.RoundState(base.generation, base.status, base.participants, base.previous, shutdown=True)
+            if self._compare_and_set(closed, snap.state_revision):
+                log.info("rendezvous: run %s closed", self.config.run_id)
+                return
+
+
+def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:
+    """The creator torch's rendezvous registry calls for `--rdzv-backend etcd-v3`."""
+    return EtcdV3RendezvousHandler(RendezvousConfig.from_parameters(params))
+
+
+def register() -> None:
+    """Register `etcd-v3` in this process's torch rendezvous registry (idempotent)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    try:
+        rendezvous_handler_registry.register(BACKEND_NAME, create_handler)
+    except ValueError:
+        pass  # already registered, e.g. through the entry point

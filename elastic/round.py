@@ -1,0 +1,169 @@
+"""The rendezvous protocol as a pure state machine: given the shared round state and what this node
+knows, decide the next move. No I/O here; `elastic/rendezvous.py` does the reads, the
+compare-and-set writes and the waiting.
+
+Shared state (one JSON document per run, written only by compare-and-set on its mod_revision):
+
+    generation    round number, +1 for every new round
+    status        "joining" (nodes may join) or "closed" (ranks fixed, the round runs)
+    participants  node ids; join order while joining, rank order once closed
+    previous      rank order of the last closed round, so survivors keep their relative order
+    shutdown      the job ended: every further rendezvous fails with a closed error
+
+Rules:
+- A round closes as soon as every live registered node has joined and there are >= min nodes, or
+  at once when it reaches max nodes. Membership is known, so there is no fixed last-call wait;
+  the last-call timeout only bounds a live node that never joins.
+- Participants whose lease expired are dropped from a joining round.
+- A node that arrives while a full round runs with all its members alive waits as a spare.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class RoundState:
+    generation: int
+    status: Literal["joining", "closed"]
+    participants: tuple[str, ...]
+    previous: tuple[str, ...] = ()
+    shutdown: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(raw: str | bytes) -> RoundState:
+        doc = json.loads(raw)
+        return RoundState(
+            generation=int(doc["generation"]),
+            status=doc["status"],
+            participants=tuple(doc["participants"]),
+            previous=tuple(doc.get("previous", ())),
+            shutdown=bool(doc.get("shutdown", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do until the state or the membership changes (or the last call expires)."""
+
+    reason: str
+    last_call_armed: bool = False
+
+
+@dataclass(frozen=True)
+class Write:
+    """Compare-and-set the shared state to `state`."""
+
+    state: RoundState
+    why: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """This node is rank `rank` of a closed round of `world_size` nodes."""
+
+    generation: int
+    rank: int
+    world_size: int
+    participants: tuple[str, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The job was shut down; no further rounds."""
+
+
+Decision = Wait | Write | Done | Closed
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knowledge:
+    """What this node knows besides the shared state."""
+
+    node_id: str
+    live: frozenset[str]
+    """Nodes whose lease is alive (includes this node once registered)."""
+    min_nodes: int
+    max_nodes: int
+    completed_generation: int
+    """The last generation this node ran in (0 if none): a closed round at or below it is stale."""
+    last_call_expired: bool = False
+    """The last-call timer, armed when >= min nodes joined, has run out."""
+
+
+def rank_order(participants: tuple[str, ...], previous: tuple[str, ...]) -> tuple[str, ...]:
+    """Survivors of the previous round keep their relative order; newcomers follow in join order."""
+    position = {node: i for i, node in enumerate(previous)}
+    joined = {node: i for i, node in enumerate(participants)}
+    return tuple(sorted(participants, key=lambda n: (position.get(n, len(previous)), joined[n])))
+
+
+def _close(state: RoundState, participants: tuple[str, ...], why: str) -> Write:
+    return Write(replace(state, status="closed", participants=rank_order(participants, state.previous)), why)
+
+
+def decide(state: RoundState | None, k: Knowledge) -> Decision:
+    """The next move of node `k.node_id` given the shared `state` (None: no round yet)."""
+    me = k.node_id
+    if state is None:
+        first = RoundState(generation=1, status="joining", participants=(me,))
+        if k.max_nodes == 1:
+            return _close(first, first.participants, "first round, max 1 node")
+        return Write(first, "open the first round")
+    if state.shutdown:
+        return Closed()
+
+    if state.status == "closed":
+        if me in state.participants and state.generation > k.completed_generation:
+            return Done(state.generation, state.participants.index(me), len(state.participants), state.participants)
+        running_full = len(state.participants) >= k.max_nodes and all(p in k.live for p in state.participants)
+        if running_full and me not in state.participants:
+            return Wait(f"round {state.generation} is full ({k.max_nodes} nodes) and healthy; waiting as a spare")
+        nxt = RoundState(generation=state.generation + 1, status="joining", participants=(me,), previous=state.participants)
+        if k.max_nodes == 1:
+            return _close(nxt, nxt.participants, f"round {nxt.generation} with max 1 node")
+        return Write(nxt, f"open round {nxt.generation} after round {state.generation}")
+
+    # status == "joining"
+    alive = tuple(p for p in state.participants if p in k.live or p == me)
+    if alive != state.participants:
+        gone = sorted(set(state.participants) - set(alive))
+        return Write(replace(state, participants=alive), f"drop {gone} from round {state.generation}: lease expired")
+    if me not in state.participants:
+        if len(state.participants) >= k.max_nodes:
+            return Wait(f"round {state.generation} already has max {k.max_nodes} nodes; waiting as a spare")
+        joined = (*state.participants, me)
+        if len(joined) >= k.max_nodes:
+            return _close(state, joined, f"join round {state.generation} and close it at max {k.max_nodes}")
+        return Write(replace(state, participants=joined), f"join round {state.generation}")
+    n = len(state.participants)
+    if n < k.min_nodes:
+        return Wait(f"round {state.generation} has {n} of min {k.min_nodes} nodes")
+    missing = sorted(k.live - set(state.participants))
+    if not missing:
+        return _close(state, state.participants, f"all {n} live nodes joined round {state.generation}")
+    if k.last_call_expired:
+        return _close(state, state.participants, f"last call expired; closing round {state.generation} without {missing}")
+    return Wait(f"round {state.generation}: waiting for live nodes {missing}", last_call_armed=True)
+
+
+def nodes_waiting(state: RoundState | None, k: Knowledge, my_round: tuple[str, ...]) -> int:
+    """For a node running round `k.completed_generation`: how many reasons there are to re-rendezvous now.
+
+    Counts nodes waiting in a newer round (a newer closed round without us counts once: we must
+    rejoin), plus members of our round whose lease expired (their peers would otherwise hang in a
+    collective until its timeout).
+    """
+    if state is None or state.shutdown:
+        return 0
+    waiting = 0
+    if state.generation > k.completed_generation:
+        waiting = len(state.participants) if state.status == "joining" else 1
+    lost = [p for p in my_round if p not in k.live]
+    return waiting + len(lost)
