@@ -18,7 +18,11 @@ class CommitMarker:
 
     def to_bytes(self) -> bytes:
         return dumps(
-            {"format_version": self.format_version, "step": self.step, "world_size": self.world_size}
+            {
+                "format_version": self.format_version,
+                "step": self.step,
+                "world_size": self.world_size,
+            }
         )
 
 

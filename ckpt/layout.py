@@ -25,7 +25,7 @@ TMP_PREFIX = ".tmp-"
 
 _STEP_DIGITS = 12
 _RANK_DIGITS = 5
-_STEP_RE = re.compile(r"step_(\d{%d,})" % _STEP_DIGITS)
+_STEP_RE = re.compile(rf"step_(\d{{{_STEP_DIGITS},}})")
 
 
 def step_dir_name(step: int) -> str:

@@ -71,6 +71,20 @@ def dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
+def check_storable(name: str, tensor: torch.Tensor) -> None:
+    """Raise TypeError, naming the tensor, if it cannot be written to safetensors."""
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+        raise TypeError(
+            f"tensor {name!r} ({tensor.layout}, device {tensor.device}) cannot be stored; "
+            f"only dense tensors with data can: convert it first"
+        )
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise TypeError(
+            f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store; "
+            f"supported: {', '.join(str(d) for d in _DTYPE_NAMES)}"
+        )
+
+
 def write_safetensors(
     path: Path, tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None
 ) -> tuple[int, str]:
@@ -89,15 +103,8 @@ def write_safetensors(
     offset = 0
     for name in order:
         tensor = tensors[name]
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
-            raise TypeError(
-                f"tensor {name!r} ({tensor.layout}, device {tensor.device}) cannot be stored; "
-                f"only dense tensors with data can"
-            )
-        try:
-            dtype = dtype_name(tensor.dtype)
-        except TypeError as exc:
-            raise TypeError(f"tensor {name!r}: {exc}") from None
+        check_storable(name, tensor)
+        dtype = dtype_name(tensor.dtype)
         nbytes = tensor.numel() * tensor.element_size()
         header[name] = {
             "dtype": dtype,
