@@ -1,0 +1,83 @@
+"""Shared fixtures: a real etcd server on free ports, unique run ids, and process bookkeeping that
+ends every process a test starts (by pid / process group, never by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd_server import EtcdServer
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "examples" / "train_tiny.py"
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdServer]:
+    """One real etcd for the whole session; tests isolate themselves with unique run ids."""
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture
+def etcd(etcd_server: EtcdServer) -> EtcdServer:
+    return etcd_server
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+class Procs:
+    """Starts processes in their own process groups and ends them all at teardown."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, args: list[str], **kwargs: object) -> subprocess.Popen[str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}  # type: ignore[dict-item]
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True, env=env, **kwargs,  # type: ignore[arg-type]
+        )
+        self.started.append(proc)
+        return proc
+
+    def elastic_run(self, *args: str, **kwargs: object) -> subprocess.Popen[str]:
+        return self.start([sys.executable, "-m", "elastic.launcher", *args], **kwargs)
+
+    def kill_group(self, proc: subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                self.kill_group(proc, signal.SIGTERM)
+        for proc in self.started:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill_group(proc, signal.SIGKILL)
+                proc.wait(timeout=10)
+            # Workers live in the agent's group; make sure none outlive the test.
+            self.kill_group(proc, signal.SIGKILL)
+
+
+@pytest.fixture
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.cleanup()
