@@ -61,9 +61,9 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any]) -> Path:
         """Write this rank's `state` for `step` atomically; return the rank directory.
 
-        Raises TypeError/ValueError for a state that cannot be stored (before any I/O),
-        ValueError if `step` is already committed, and CheckpointWriteError when the disk
-        refuses (the partial write is removed first).
+        Raises TypeError/ValueError for a state that cannot be stored (before any I/O) and
+        CheckpointWriteError when the disk refuses (the partial write is removed first).
+        Saving a step that is committed here un-commits it first; commit it again afterwards.
         """
         _check_index("step", step, minimum=0)
         if not isinstance(state, Mapping):
@@ -72,15 +72,11 @@ class Checkpointer:
         for name, tensor in tensors.items():
             check_storable(name, tensor)  # TypeError before touching the disk
         step_dir = self._layout.step_dir(step)
-        if self._layout.commit_path(step).exists():
-            raise ValueError(
-                f"step {step} is already committed in {step_dir}; a committed checkpoint is "
-                f"never rewritten: save under a new step"
-            )
         final = self._layout.rank_dir(step, self.rank)
         started = time.monotonic()
         tmp: Path | None = None
         try:
+            self._uncommit(step)
             if not step_dir.is_dir():
                 step_dir.mkdir(parents=True, exist_ok=True)
                 fsync_dir(step_dir.parent)
@@ -123,6 +119,16 @@ class Checkpointer:
         )
         return final
 
+    def _uncommit(self, step: int) -> None:
+        # Saving a step that is already committed here (a group that resumed from an older
+        # step because another node lacked this one) replaces it. Remove COMMIT first, so
+        # that until the new commit the step is invisible rather than a mix of two saves.
+        commit_path = self._layout.commit_path(step)
+        if commit_path.exists():
+            logger.warning("step %d is committed in %s; replacing it", step, commit_path.parent)
+            commit_path.unlink(missing_ok=True)
+            fsync_dir(commit_path.parent)
+
     def commit(self, step: int) -> None:
         """Mark `step` complete in this local_dir, then delete checkpoints beyond retention.
 
@@ -130,13 +136,17 @@ class Checkpointer:
         """
         _check_index("step", step, minimum=0)
         step_dir = self._layout.step_dir(step)
-        if not any(p.name.startswith("rank_") for p in _list_dir(step_dir)):
+        rank_dirs = self._layout.rank_dirs(step)
+        if not any(rank < self.world_size for rank in rank_dirs):
             raise CheckpointNotFoundError(
                 f"nothing was saved for step {step} in {step_dir}; call save({step}, ...) on "
                 f"every rank before commit({step})",
                 path=step_dir,
             )
         marker = CommitMarker(step=step, world_size=self.world_size)
+        for rank, path in rank_dirs.items():
+            if rank >= self.world_size:  # left by an earlier save with a larger world
+                _discard_quietly(path)
         try:
             write_atomic(self._layout.commit_path(step), marker.to_bytes())
         except OSError as exc:
@@ -167,10 +177,7 @@ class Checkpointer:
                     step,
                     path,
                 )
-                try:
-                    discard_tree(path)
-                except OSError as exc:
-                    logger.warning("could not remove %s: %s", path, exc)
+                _discard_quietly(path)
         for entry in _list_dir(self._layout.root):
             if entry.name.startswith(TMP_PREFIX):
                 remove_quietly(entry)
@@ -199,8 +206,14 @@ class Checkpointer:
 
     def has_rank(self, step: int, rank: int) -> bool:
         """Whether `step` is committed here and this local_dir holds rank `rank` of it."""
+        try:
+            marker = self._read_commit(step)
+        except CheckpointCorruptError:
+            return False
         return (
-            self._layout.commit_path(step).is_file() and self._layout.rank_dir(step, rank).is_dir()
+            marker is not None
+            and rank < marker.world_size
+            and self._layout.rank_dir(step, rank).is_dir()
         )
 
     def saved_world_size(self, step: int) -> int:
@@ -307,6 +320,13 @@ def _verify_file(path: Path, entry: FileEntry) -> None:
         raise corrupt(path, f"file cannot be read ({_strerror(exc)})") from exc
     if digest.hexdigest() != entry.sha256:
         raise corrupt(path, "sha256 does not match the manifest (bit rot or a partial write)")
+
+
+def _discard_quietly(path: Path) -> None:
+    try:
+        discard_tree(path)
+    except OSError as exc:
+        logger.warning("could not remove %s: %s", path, exc)
 
 
 def _list_dir(path: Path) -> list[Path]:

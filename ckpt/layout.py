@@ -26,6 +26,7 @@ TMP_PREFIX = ".tmp-"
 _STEP_DIGITS = 12
 _RANK_DIGITS = 5
 _STEP_RE = re.compile(rf"step_(\d{{{_STEP_DIGITS},}})")
+_RANK_RE = re.compile(rf"rank_(\d{{{_RANK_DIGITS},}})")
 
 
 def step_dir_name(step: int) -> str:
@@ -43,6 +44,15 @@ def parse_step_dir_name(name: str) -> int | None:
 
 def rank_dir_name(rank: int) -> str:
     return f"rank_{rank:0{_RANK_DIGITS}d}"
+
+
+def parse_rank_dir_name(name: str) -> int | None:
+    """The rank of a rank directory name, or None if `name` is not one (or not canonical)."""
+    match = _RANK_RE.fullmatch(name)
+    if match is None:
+        return None
+    rank = int(match.group(1))
+    return rank if rank_dir_name(rank) == name else None
 
 
 def temp_name(label: str) -> str:
@@ -67,6 +77,19 @@ class Layout:
 
     def commit_path(self, step: int) -> Path:
         return self.step_dir(step) / COMMIT_FILE
+
+    def rank_dirs(self, step: int) -> dict[int, Path]:
+        """Every published rank directory of `step`; empty if the step directory is missing."""
+        try:
+            entries = list(self.step_dir(step).iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        found: dict[int, Path] = {}
+        for entry in entries:
+            rank = parse_rank_dir_name(entry.name)
+            if rank is not None and entry.is_dir():
+                found[rank] = entry
+        return found
 
     def step_dirs(self) -> dict[int, Path]:
         """Every step directory under the root, committed or not; empty if the root is missing."""

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ckpt import CheckpointConfig, CheckpointCorruptError, CheckpointError, Checkpointer, CheckpointNotFoundError
+from ckpt import CheckpointConfig, Checkpointer, CheckpointError, CheckpointVersionError
 from trainer import rng
 from trainer.data import ElasticSampler
 from trainer.errors import StateMismatchError
@@ -124,7 +124,9 @@ class Resumable:
         source = rank if self.checkpointer.has_rank(step, rank) else 0
         try:
             return self.checkpointer.load(step, rank=source)
-        except (CheckpointCorruptError, CheckpointNotFoundError) as exc:
+        except CheckpointVersionError:
+            raise  # written by a newer elastic-train: falling back to an older step would hide that
+        except CheckpointError as exc:
             log.warning("skipping checkpoint step %d: %s", step, exc)
             return None
 
@@ -180,8 +182,12 @@ class Resumable:
             log.error("checkpoint of step %d failed on rank %d: %s", step, self.topology.rank, exc)
             ok = 0
         # Commit only if every rank wrote its part; one process per checkpoint dir writes the marker.
+        # A failed checkpoint is logged and training goes on: the previous checkpoint stays valid.
         if self.topology.all_min(ok) == 1 and self.topology.local_rank == 0:
-            self.checkpointer.commit(step)
+            try:
+                self.checkpointer.commit(step)
+            except CheckpointError as exc:
+                log.error("commit of checkpoint step %d failed: %s", step, exc)
         self.topology.barrier()
 
     def close(self) -> None:

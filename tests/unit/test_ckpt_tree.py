@@ -34,7 +34,7 @@ def assert_identical(a: Any, b: Any, path: str = "") -> None:
             assert_identical(a[key], b[key], f"{path}/{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_identical(x, y, f"{path}/{i}")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
@@ -125,7 +125,7 @@ def test_adam_state_dict_roundtrip_and_resume_is_identical() -> None:
         o.zero_grad()
         m(x).sum().backward()
         o.step()
-    for p1, p2 in zip(model.parameters(), model2.parameters()):
+    for p1, p2 in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(p1, p2)
 
 

@@ -1,0 +1,334 @@
+"""Unit tests of ckpt.Checkpointer against real files in tmp_path."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckpt.checkpointer
+from ckpt import (
+    CheckpointConfig,
+    CheckpointCorruptError,
+    Checkpointer,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    CheckpointWriteError,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def make(root: Path, rank: int = 0, world_size: int = 1, keep_last: int = 3) -> Checkpointer:
+    return Checkpointer(
+        CheckpointConfig(local_dir=root, keep_last=keep_last), rank=rank, world_size=world_size
+    )
+
+
+def rank_state(rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(rank)
+    return {
+        "model": {
+            "w": torch.randn(4, 3, generator=g),
+            "b16": torch.randn(3, generator=g).bfloat16(),
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(5.0)}},
+            "param_groups": [{"betas": (0.9, 0.99)}],
+        },
+        "rng": {"torch": torch.get_rng_state(), "py": (3, (1, 2), None)},
+        "data": {"epoch": 2, "position": 1024 + rank},
+        "blob": bytes([rank, 255]),
+        "loss": float("nan"),
+    }
+
+
+def saved_and_committed(root: Path, step: int = 10) -> tuple[Checkpointer, Path]:
+    c = make(root)
+    rank_dir = c.save(step, rank_state(0))
+    c.commit(step)
+    return c, rank_dir
+
+
+def test_two_rank_save_commit_load_is_bitwise_equal(tmp_path: Path) -> None:
+    ranks = [make(tmp_path, rank=r, world_size=2) for r in range(2)]
+    states = [rank_state(r) for r in range(2)]
+    dirs = [c.save(120, s) for c, s in zip(ranks, states, strict=True)]
+    assert dirs == [tmp_path / "step_000000000120" / f"rank_0000{r}" for r in range(2)]
+    assert ranks[0].latest() is None  # saved but not yet committed
+    ranks[0].commit(120)
+
+    commit = json.loads((tmp_path / "step_000000000120" / "COMMIT").read_text())
+    assert commit == {"format_version": 1, "step": 120, "world_size": 2}
+    for r, c in enumerate(ranks):
+        assert c.latest() == 120
+        assert c.saved_world_size(120) == 2
+        assert c.has_rank(120, r)
+        loaded = c.load(120)
+        expected = states[r]
+        assert raw_bytes(loaded["model"]["w"]) == raw_bytes(expected["model"]["w"])
+        assert loaded["model"]["b16"].dtype == torch.bfloat16
+        assert raw_bytes(loaded["model"]["b16"]) == raw_bytes(expected["model"]["b16"])
+        assert torch.equal(loaded["rng"]["torch"], expected["rng"]["torch"])
+        assert loaded["rng"]["py"] == (3, (1, 2), None)
+        assert loaded["optim"]["state"][0]["step"].item() == 5.0
+        assert loaded["optim"]["param_groups"][0]["betas"] == (0.9, 0.99)
+        assert loaded["data"] == {"epoch": 2, "position": 1024 + r}
+        assert loaded["blob"] == bytes([r, 255])
+    other = ranks[0].load(120, rank=1)
+    assert raw_bytes(other["model"]["w"]) == raw_bytes(states[1]["model"]["w"])
+
+
+def test_latest_ignores_uncommitted_step_and_stale_temp_dirs(tmp_path: Path) -> None:
+    c, _ = saved_and_committed(tmp_path, step=10)
+    c.save(20, rank_state(0))  # crash before commit
+    stale = tmp_path / "step_000000000030" / ".tmp-rank_00000-deadbeef"
+    stale.mkdir(parents=True)  # crash mid-write
+    (stale / "state.safetensors").write_bytes(b"partial")
+    assert c.committed_steps() == [10]
+    assert c.latest() == 10
+    assert not c.has_rank(20, 0)
+    with pytest.raises(CheckpointNotFoundError, match="step 20 is not committed"):
+        c.load(20)
+
+
+def test_retention_keeps_last_k_and_removes_older_uncommitted(tmp_path: Path) -> None:
+    c = make(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        c.save(step, {"x": torch.tensor(step)})
+        c.commit(step)
+    c.save(4, {"x": torch.tensor(4)})  # uncommitted, older than the next commit
+    c.save(5, {"x": torch.tensor(5)})
+    stale = tmp_path / "step_000000000005" / ".tmp-rank_00001-abc"
+    stale.mkdir()
+    c.save(6, {"x": torch.tensor(6)})  # uncommitted, newer: may still be in progress
+    c.commit(5)
+
+    assert c.committed_steps() == [5, 3]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step_000000000003", "step_000000000005", "step_000000000006"]
+    assert not stale.exists()
+    assert c.load(3)["x"].item() == 3
+
+
+def test_resave_after_crashed_attempt_replaces_leftover_rank_dir(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    rank_dir = c.save(7, {"x": torch.tensor(1)})
+    (rank_dir / "junk").write_bytes(b"from the crashed attempt")
+    c.save(7, {"x": torch.tensor(2)})
+    c.commit(7)
+    assert not (rank_dir / "junk").exists()
+    assert c.load(7)["x"].item() == 2
+
+
+def test_resaving_committed_step_uncommits_then_replaces_it(tmp_path: Path) -> None:
+    # A group that resumed from an older step (another node lacked this one) saves it again,
+    # here with a smaller world.
+    for rank in range(4):
+        make(tmp_path, rank=rank, world_size=4).save(10, {"x": torch.tensor(rank)})
+    make(tmp_path, rank=0, world_size=4).commit(10)
+    small = [make(tmp_path, rank=r, world_size=2) for r in range(2)]
+
+    small[0].save(10, {"x": torch.tensor(100)})
+    assert small[0].latest() is None  # invisible until committed again, never a mix
+    small[1].save(10, {"x": torch.tensor(101)})
+    small[0].commit(10)
+
+    assert small[0].saved_world_size(10) == 2
+    assert [small[r].load(10)["x"].item() for r in range(2)] == [100, 101]
+    assert sorted(p.name for p in (tmp_path / "step_000000000010").iterdir()) == [
+        "COMMIT",
+        "rank_00000",
+        "rank_00001",
+    ]
+    assert not small[0].has_rank(10, 3)
+
+
+def test_truncated_state_file_is_corrupt(tmp_path: Path) -> None:
+    c, rank_dir = saved_and_committed(tmp_path)
+    state = rank_dir / "state.safetensors"
+    state.write_bytes(state.read_bytes()[:-10])
+    with pytest.raises(CheckpointCorruptError, match="state.safetensors.*truncated") as info:
+        c.load(10)
+    assert info.value.path == state
+
+
+def test_bit_flip_is_caught_by_checksum(tmp_path: Path) -> None:
+    c, rank_dir = saved_and_committed(tmp_path)
+    state = rank_dir / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[-5] ^= 0x01
+    state.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match="state.safetensors.*sha256"):
+        c.load(10)
+
+
+def test_missing_state_file_is_corrupt(tmp_path: Path) -> None:
+    c, rank_dir = saved_and_committed(tmp_path)
+    (rank_dir / "state.safetensors").unlink()
+    with pytest.raises(CheckpointCorruptError, match="state.safetensors.*missing"):
+        c.load(10)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete"])
+def test_damaged_manifest_is_corrupt(tmp_path: Path, damage: str) -> None:
+    c, rank_dir = saved_and_committed(tmp_path)
+    manifest = rank_dir / "manifest.json"
+    if damage == "truncate":
+        manifest.write_bytes(manifest.read_bytes()[:40])
+    elif damage == "garbage":
+        manifest.write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        manifest.unlink()
+    with pytest.raises(CheckpointCorruptError, match="manifest.json") as info:
+        c.load(10)
+    assert info.value.path == manifest
+    assert "restore an earlier step" in str(info.value)
+
+
+def edit_manifest(rank_dir: Path, **changes: Any) -> None:
+    path = rank_dir / "manifest.json"
+    obj = json.loads(path.read_text())
+    obj.update(changes)
+    path.write_text(json.dumps(obj))
+
+
+@pytest.mark.parametrize("entry", ["../x", "/etc/hostname"])
+def test_manifest_entry_escaping_rank_dir_is_rejected(tmp_path: Path, entry: str) -> None:
+    c, rank_dir = saved_and_committed(tmp_path)
+    files = json.loads((rank_dir / "manifest.json").read_text())["files"]
+    edit_manifest(rank_dir, files={entry: files["state.safetensors"]}, tensors={})
+    (tmp_path / "x").write_bytes(b"outside")
+    with pytest.raises(CheckpointCorruptError, match="manifest.json.*file entry"):
+        c.load(10)
+
+
+def test_garbage_header_with_matching_checksum_is_corrupt(tmp_path: Path) -> None:
+    import hashlib
+
+    c, rank_dir = saved_and_committed(tmp_path)
+    state = rank_dir / "state.safetensors"
+    garbage = struct.pack("<Q", 2**63 - 1) + b"\0" * 1000
+    state.write_bytes(garbage)
+    manifest = json.loads((rank_dir / "manifest.json").read_text())
+    entry = {"sha256": hashlib.sha256(garbage).hexdigest(), "bytes": len(garbage)}
+    edit_manifest(rank_dir, files={**manifest["files"], "state.safetensors": entry})
+    with pytest.raises(CheckpointCorruptError, match="state.safetensors.*header length"):
+        c.load(10)
+
+
+def test_newer_format_version_raises_version_error(tmp_path: Path) -> None:
+    c, rank_dir = saved_and_committed(tmp_path)
+    edit_manifest(rank_dir, format_version=99)
+    with pytest.raises(CheckpointVersionError, match="manifest.json.*upgrade"):
+        c.load(10)
+
+
+def test_commit_with_newer_format_version_is_listed_but_not_loaded(tmp_path: Path) -> None:
+    c, _ = saved_and_committed(tmp_path, step=10)
+    commit = tmp_path / "step_000000000010" / "COMMIT"
+    commit.write_text(json.dumps({"format_version": 2, "step": 10, "world_size": 1}))
+    assert c.latest() == 10
+    with pytest.raises(CheckpointVersionError, match="COMMIT.*upgrade"):
+        c.load(10)
+
+
+def test_damaged_commit_marker_is_ignored(tmp_path: Path) -> None:
+    c, _ = saved_and_committed(tmp_path, step=10)
+    c.save(20, rank_state(0))
+    c.commit(20)
+    (tmp_path / "step_000000000020" / "COMMIT").write_bytes(b'{"format_vers')
+    assert c.committed_steps() == [10]
+    with pytest.raises(CheckpointCorruptError, match="COMMIT"):
+        c.saved_world_size(20)
+
+
+def test_load_of_rank_not_on_this_node_raises_not_found(tmp_path: Path) -> None:
+    node_a = make(tmp_path, rank=0, world_size=2)  # rank 1 lives on another node's local_dir
+    node_a.save(10, rank_state(0))
+    node_a.commit(10)
+    assert node_a.has_rank(10, 0) and not node_a.has_rank(10, 1)
+    with pytest.raises(CheckpointNotFoundError, match="rank 1 of step 10"):
+        node_a.load(10, rank=1)
+    with pytest.raises(CheckpointNotFoundError, match="rank 5 of step 10"):
+        node_a.load(10, rank=5)
+
+
+def test_commit_without_any_save_raises_not_found(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="nothing was saved for step 3"):
+        c.commit(3)
+    assert c.latest() is None
+
+
+def test_local_dir_that_is_a_file_raises_write_error(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"")
+    c = make(not_a_dir)
+    with pytest.raises(CheckpointWriteError, match="step 10.*Not a directory"):
+        c.save(10, rank_state(0))
+    assert c.latest() is None
+    assert not_a_dir.read_bytes() == b""
+
+
+def test_disk_full_during_save_leaves_nothing_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c, _ = saved_and_committed(tmp_path, step=10)
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(ckpt.checkpointer, "write_new_file", full_disk)
+    with pytest.raises(CheckpointWriteError, match="step 20.*No space left on device") as info:
+        c.save(20, rank_state(0))
+    assert isinstance(info.value.__cause__, OSError)
+    step_dir = tmp_path / "step_000000000020"
+    assert list(step_dir.iterdir()) == []  # temp dir (with its state file) removed
+    assert c.committed_steps() == [10]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_local_dir_raises_write_error(tmp_path: Path) -> None:
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o500)
+    try:
+        with pytest.raises(CheckpointWriteError, match="Permission denied"):
+            make(root).save(1, rank_state(0))
+    finally:
+        root.chmod(0o700)
+    assert list(root.iterdir()) == []
+
+
+def test_unsupported_state_fails_before_touching_disk(tmp_path: Path) -> None:
+    c = make(tmp_path)
+    with pytest.raises(TypeError, match="'model/act'"):
+        c.save(1, {"model": {"act": torch.nn.ReLU()}})
+    with pytest.raises(TypeError, match="'w'.*complex128"):
+        c.save(1, {"w": torch.zeros(1, dtype=torch.complex128)})
+    assert not tmp_path.joinpath("step_000000000001").exists()
+
+
+def test_config_and_constructor_validation(tmp_path: Path) -> None:
+    config = CheckpointConfig(local_dir=tmp_path)
+    assert config.local_dir == str(tmp_path) and isinstance(config.local_dir, str)
+    assert config.keep_last == 3
+    with pytest.raises(ValueError, match="keep_last.*0"):
+        CheckpointConfig(local_dir=tmp_path, keep_last=0)
+    with pytest.raises(ValueError, match="local_dir"):
+        CheckpointConfig(local_dir="")
+    with pytest.raises(ValueError, match="rank 2 must be below world_size 2"):
+        Checkpointer(config, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="step"):
+        make(tmp_path).save(-1, {})
