@@ -8,6 +8,7 @@ until a deadline, then raises `EtcdUnavailableError` naming the endpoints.
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +16,7 @@ from typing import TypeVar
 
 import etcd3
 import etcd3.exceptions
+import etcd3.watch
 import grpc
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
@@ -22,6 +24,11 @@ from elastic.errors import EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# python3-etcd3 0.13's watch thread calls `six.itervalues` on a broken stream without importing
+# six, so a closed channel kills that thread with a NameError instead of failing the watches.
+if not hasattr(etcd3.watch, "six"):
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))  # type: ignore[attr-defined]
 
 _TRANSIENT = (
     etcd3.exceptions.ConnectionFailedError,

@@ -34,7 +34,10 @@ from elastic.errors import (
     EtcdUnavailableError,
 )
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
+from elastic.events import emit
+from elastic.liveness import Beacon, Monitor
 from elastic.membership import Membership, MembershipConfig, run_prefix
+from elastic.view import RunView, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +109,6 @@ class RendezvousConfig:
         )
 
 
-@dataclass(frozen=True)
-class _Snapshot:
-    state: protocol.RoundState | None
-    state_revision: int  # mod_revision of the state key, 0 if absent
-    live: frozenset[str]
-    stores: dict[int, dict[str, object]]  # generation -> published store address
-    revision: int  # highest mod_revision seen under the run prefix
-
-
 class EtcdV3RendezvousHandler(RendezvousHandler):
     """torch `RendezvousHandler` on etcd v3: leases, compare-and-set on mod_revision, watches."""
 
@@ -124,6 +118,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._prefix = run_prefix(config.prefix, config.run_id)
         self._state_key = self._prefix + "rdzv/state"
         self._store_prefix = self._prefix + "rdzv/store/"
+        self.view = RunView(self._client, self._prefix)
+        self._beacon: Beacon | None = None
+        self._monitor: Monitor | None = None
         self.membership = Membership(
             self._client,
             MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id, lease_ttl=config.lease_ttl),
@@ -147,11 +144,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
-        self.membership.join({"addr": self.config.local_addr, "pid": os.getpid()})
+        self._start_membership()
         done = self._join_round(started + self.config.join_timeout.total_seconds())
         store, addr, port = self._round_store(done, started + self.config.join_timeout.total_seconds())
         self._completed_generation = done.generation
         self._round = done.participants
+        emit("round_closed", run_id=self.config.run_id, node=self.config.node_id, generation=done.generation,
+             rank=done.rank, world_size=done.world_size, participants=list(done.participants),
+             rendezvous_s=round(time.monotonic() - started, 3))
         log.info(
             "rendezvous: node %s is rank %d of %d in round %d of run %s (%.2fs)",
             self.config.node_id, done.rank, done.world_size, done.generation, self.config.run_id, time.monotonic() - started,
@@ -159,21 +159,28 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
 
     def is_closed(self) -> bool:
-        snap = self._read()
+        snap = self.view.read()
         return bool(snap.state and snap.state.shutdown)
 
     def set_closed(self) -> None:
         self._close_run()
 
     def num_nodes_waiting(self) -> int:
-        # Called by the agent every monitor interval while workers are healthy. A node lost from
-        # our round counts too: its peers must restart now instead of hanging in a collective.
+        # Called by the agent every monitor interval while workers are healthy; answered from the
+        # watch-fed view, without a round trip. A node lost from our round counts too: its peers
+        # must restart now instead of hanging in a collective. While etcd is unreachable the view
+        # keeps the last membership, so healthy workers keep training (degraded mode).
         try:
-            snap = self._read(deadline=timedelta(seconds=1))
+            snap = self.view.snapshot()
         except EtcdUnavailableError as exc:
             log.warning("rendezvous: etcd unreachable while workers are healthy; keeping them running (%s)", exc)
             return 0
         return protocol.nodes_waiting(snap.state, self._knowledge(snap), self._round)
+
+    @property
+    def degraded(self) -> bool:
+        """True while etcd cannot be reached (workers keep running on the last known membership)."""
+        return self.view.degraded_since is not None
 
     def shutdown(self) -> bool:
         try:
@@ -183,13 +190,49 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             log.warning("rendezvous: shutdown of run %s failed: %s", self.config.run_id, exc)
             return False
         finally:
-            self.membership.leave()
+            self._stop_membership()
             self._store_server = None
             self._client.close()
 
+    # -- membership, liveness and the watch ------------------------------------------------------
+
+    def _start_membership(self) -> None:
+        if self._beacon is None:
+            self._beacon = Beacon(self.config.local_addr)
+            self._monitor = Monitor(self._peer_lost)
+            self.view.on_change = self._track_peers
+            self.membership.join({"addr": self.config.local_addr, "pid": os.getpid(), "beacon": self._beacon.address})
+            emit("join", run_id=self.config.run_id, node=self.config.node_id)
+            self.view.start()
+        else:
+            self.membership.join({"addr": self.config.local_addr, "pid": os.getpid(), "beacon": self._beacon.address})
+
+    def _stop_membership(self) -> None:
+        self.view.stop()
+        if self._monitor is not None:
+            self._monitor.close()
+        self.membership.leave()
+        if self._beacon is not None:
+            self._beacon.close()
+        emit("leave", run_id=self.config.run_id, node=self.config.node_id, reason="shutdown")
+
+    def _track_peers(self, snap: Snapshot) -> None:
+        if self._monitor is not None:
+            self._monitor.track({n: str(r["beacon"]) for n, r in snap.nodes.items()
+                                 if n != self.config.node_id and r.get("beacon")})
+
+    def _peer_lost(self, node: str) -> None:
+        # The peer's agent process is gone: revoke its lease now instead of waiting out the TTL.
+        record = self.view.snapshot().nodes.get(node)
+        lease_id = int(record.get("lease_id") or 0) if record else 0  # type: ignore[call-overload]
+        if lease_id:
+            self._client.call(lambda: self._client.raw.revoke_lease(lease_id), what=f"revoke the lease of {node}",
+                              deadline=timedelta(seconds=3))
+        emit("leave", run_id=self.config.run_id, node=node, reported_by=self.config.node_id, reason="agent process gone")
+
     # -- protocol loop -------------------------------------------------------------------------
 
-    def _knowledge(self, snap: _Snapshot, last_call_expired: bool = False) -> protocol.Knowledge:
+    def _knowledge(self, snap: Snapshot, last_call_expired: bool = False) -> protocol.Knowledge:
         return protocol.Knowledge(
             node_id=self.config.node_id,
             live=snap.live,
@@ -204,7 +247,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         last_call_generation = -1
         last_reason = ""
         while True:
-            snap = self._read()
+            snap = self.view.read()
             now = time.monotonic()
             expired = last_call_at is not None and now >= last_call_at
             decision = protocol.decide(snap.state, self._knowledge(snap, expired))
@@ -232,22 +275,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     "Are the other agents running with the same --rdzv-endpoint and --rdzv-id?"
                 )
             wake = min(deadline, last_call_at) if last_call_at is not None else deadline
-            self._wait_for_change(snap.revision, max(0.0, wake - now))
-
-    def _read(self, deadline: timedelta | None = None) -> _Snapshot:
-        raw = self._client.raw
-        items = self._client.call(lambda: list(raw.get_prefix(self._prefix)), what=f"read {self._prefix}", deadline=deadline)
-        state, state_rev, live, stores, revision = None, 0, set(), {}, 0
-        for value, meta in items:
-            key = meta.key.decode()
-            revision = max(revision, meta.mod_revision)
-            if key == self._state_key:
-                state, state_rev = protocol.RoundState.from_json(value), meta.mod_revision
-            elif key.startswith(self.membership.nodes_prefix):
-                live.add(key[len(self.membership.nodes_prefix):])
-            elif key.startswith(self._store_prefix):
-                stores[int(key[len(self._store_prefix):])] = json.loads(value)
-        return _Snapshot(state, state_rev, frozenset(live), stores, revision)
+            self.view.wait_changed(snap, max(0.0, wake - now))
 
     def _compare_and_set(self, state: protocol.RoundState, expected_revision: int) -> bool:
         raw = self._client.raw
@@ -258,22 +286,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             what=f"update {self._state_key}",
         )
         return bool(ok)
-
-    def _wait_for_change(self, seen_revision: int, timeout: float) -> None:
-        """Block until any key of the run changes after `seen_revision`, or `timeout` seconds pass."""
-        changed = threading.Event()
-        raw = self._client.raw
-        watch_id = self._client.call(
-            lambda: raw.add_watch_prefix_callback(self._prefix, lambda _resp: changed.set(), start_revision=seen_revision + 1),
-            what=f"watch {self._prefix}",
-        )
-        try:
-            changed.wait(min(timeout, 5.0))  # re-read at least every 5s in case a watch event was lost
-        finally:
-            try:
-                raw.cancel_watch(watch_id)
-            except Exception:  # noqa: BLE001 - a dead watch needs no cancelling
-                log.debug("cancel_watch failed", exc_info=True)
 
     # -- the round's store ---------------------------------------------------------------------
 
@@ -295,7 +307,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             return server, addr, port
         self._store_server = None
         while True:
-            snap = self._read()
+            snap = self.view.read()
             published = snap.stores.get(done.generation)
             if published is not None:
                 addr, port = str(published["addr"]), int(published["port"])  # type: ignore[call-overload]
@@ -304,7 +316,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 raise ElasticRendezvousTimeoutError(
                     f"rank 0 of round {done.generation} ({done.participants[0]}) did not publish its store at {key} in time"
                 )
-            self._wait_for_change(snap.revision, deadline - time.monotonic())
+            self.view.wait_changed(snap, deadline - time.monotonic())
 
     def _prune_stores(self, generation: int) -> None:
         raw = self._client.raw
@@ -314,7 +326,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _close_run(self) -> None:
         while True:
-            snap = self._read(deadline=timedelta(seconds=3))
+            snap = self.view.read(deadline=timedelta(seconds=3))
             base = snap.state or protocol.RoundState(generation=0, status="closed", participants=())
             if base.shutdown:
                 return

@@ -1,0 +1,132 @@
+"""Fast detection of a dead agent process, ahead of its lease expiring.
+
+Each agent listens on a "beacon" socket for as long as it lives, and publishes its address in its
+membership record. Peers hold one idle TCP connection to every beacon. When an agent process dies,
+even by SIGKILL, its kernel closes the socket and the peers read EOF at once; they then revoke the
+dead node's lease, so everyone sees it leave through the normal watch. When a whole machine or its
+network goes away no EOF arrives, and the lease TTL remains the (slower) safety net.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class Beacon:
+    """A listening socket held open for this agent's lifetime."""
+
+    def __init__(self, host: str) -> None:
+        self._sock = socket.create_server((host, 0), backlog=64)
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self._peers: list[socket.socket] = []
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="elastic-beacon", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            self._peers.append(conn)  # held, never read: only its closing carries meaning
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        except OSError:
+            pass
+        for s in [self._sock, *self._peers]:
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._thread.join(timeout=2)
+
+
+class Monitor:
+    """Holds a connection to each peer's beacon and calls `on_lost(node_id)` when one closes."""
+
+    def __init__(self, on_lost: Callable[[str], None]) -> None:
+        self._on_lost = on_lost
+        self._selector = selectors.DefaultSelector()
+        self._conns: dict[str, socket.socket] = {}
+        self._addresses: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._run, name="elastic-liveness", daemon=True)
+        self._thread.start()
+
+    def track(self, peers: dict[str, str]) -> None:
+        """Watch exactly these peers (node id -> beacon `host:port`); connect to new ones."""
+        with self._lock:
+            for node in list(self._conns):
+                if node not in peers or peers[node] != self._addresses.get(node):
+                    self._drop(node)
+            for node, address in peers.items():
+                if node in self._conns:
+                    continue
+                host, _, port = address.rpartition(":")
+                try:
+                    conn = socket.create_connection((host, int(port)), timeout=1.0)
+                except (OSError, ValueError):
+                    continue  # unreachable beacon: the lease still covers this peer
+                conn.setblocking(False)
+                self._conns[node], self._addresses[node] = conn, address
+                self._selector.register(conn, selectors.EVENT_READ, node)
+        self._wake_w.send(b"x")
+
+    def _drop(self, node: str) -> None:
+        conn = self._conns.pop(node, None)
+        self._addresses.pop(node, None)
+        if conn is not None:
+            try:
+                self._selector.unregister(conn)
+            except (KeyError, ValueError):
+                pass
+            conn.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=1.0):
+                if key.data is None:
+                    self._wake_r.recv(4096)
+                    continue
+                node = key.data
+                try:
+                    data = key.fileobj.recv(1)  # type: ignore[union-attr]
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if data == b"":
+                    with self._lock:
+                        if self._conns.get(node) is key.fileobj:
+                            self._drop(node)
+                        else:
+                            continue
+                    log.warning("liveness: the agent of node %s closed its beacon: it is gone", node)
+                    try:
+                        self._on_lost(node)
+                    except Exception:  # noqa: BLE001 - thread boundary; the lease TTL is the fallback
+                        log.warning("liveness: reporting %s lost failed", node, exc_info=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake_w.send(b"x")
+        self._thread.join(timeout=2)
+        with self._lock:
+            for node in list(self._conns):
+                self._drop(node)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()

@@ -1,0 +1,192 @@
+"""A live view of one run's keys in etcd, kept current by a watch.
+
+The rendezvous reads it to decide, waits on it for the next change, and the agent's monitor loop
+asks it every 0.1 s whether a peer was lost, without a round trip to etcd. One background thread
+holds one prefix watch; every event (a join, a lease expiry or revoke, a state write) triggers a
+fresh range read, and a periodic re-read covers a watch that broke silently. When etcd cannot be
+reached the view keeps its last snapshot and reports itself degraded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from elastic import round as protocol
+from elastic.etcd_client import EtcdClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    state: protocol.RoundState | None
+    state_revision: int
+    """mod_revision of the state key; 0 if it does not exist (compare-and-set guard)."""
+    live: frozenset[str]
+    nodes: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Registered node id -> its membership record (plus `lease_id`)."""
+    stores: dict[int, dict[str, object]] = field(default_factory=dict)
+    """Round generation -> the TCPStore address its rank 0 published."""
+    revision: int = 0
+    """Highest mod_revision seen under the run prefix."""
+
+
+class RunView:
+    """Reads and watches `/<prefix>/<run_id>/`; `snapshot()` is never older than the last event."""
+
+    RESYNC = timedelta(seconds=2)
+
+    def __init__(self, client: EtcdClient, run_prefix: str) -> None:
+        self._client = client
+        self.prefix = run_prefix
+        self.state_key = run_prefix + "rdzv/state"
+        self.nodes_prefix = run_prefix + "nodes/"
+        self.store_prefix = run_prefix + "rdzv/store/"
+        self._cond = threading.Condition()
+        self._snapshot: Snapshot | None = None
+        self._version = 0
+        self._dirty = threading.Event()
+        self._watch_broken = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.degraded_since: float | None = None
+        self.on_change: Callable[[Snapshot], None] | None = None
+        """Called (from the reading thread) with each new snapshot."""
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def read(self, deadline: timedelta | None = None) -> Snapshot:
+        """A fresh, linearizable read of the run's keys (also publishes it to waiters)."""
+        raw = self._client.raw
+        items = self._client.call(lambda: list(raw.get_prefix(self.prefix)), what=f"read {self.prefix}", deadline=deadline)
+        state, state_rev, revision = None, 0, 0
+        nodes: dict[str, dict[str, object]] = {}
+        stores: dict[int, dict[str, object]] = {}
+        for value, meta in items:
+            key = meta.key.decode()
+            revision = max(revision, meta.mod_revision)
+            if key == self.state_key:
+                state, state_rev = protocol.RoundState.from_json(value), meta.mod_revision
+            elif key.startswith(self.nodes_prefix):
+                record = _json_or_empty(value)
+                record["lease_id"] = meta.lease_id
+                nodes[key[len(self.nodes_prefix):]] = record
+            elif key.startswith(self.store_prefix):
+                stores[int(key[len(self.store_prefix):])] = _json_or_empty(value)
+        snap = Snapshot(state, state_rev, frozenset(nodes), nodes, stores, revision)
+        self._publish(snap)
+        return snap
+
+    def snapshot(self) -> Snapshot:
+        """The latest known snapshot (reads once if the watch has not delivered one yet)."""
+        with self._cond:
+            snap = self._snapshot
+        return snap if snap is not None else self.read()
+
+    @property
+    def version(self) -> int:
+        with self._cond:
+            return self._version
+
+    def wait_newer(self, version: int, timeout: float) -> bool:
+        """Block until a snapshot newer than `version` is published, or `timeout` seconds pass."""
+        end = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self._version <= version:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def wait_changed(self, seen: Snapshot, timeout: float) -> bool:
+        """Block until the published snapshot differs from `seen`, or `timeout` seconds pass."""
+        end = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self._snapshot == seen:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def _publish(self, snap: Snapshot) -> None:
+        with self._cond:
+            changed = self._snapshot != snap
+            self._snapshot = snap
+            if changed:
+                self._version += 1
+                self._cond.notify_all()
+        if changed and self.on_change is not None:
+            try:
+                self.on_change(snap)
+            except Exception:  # noqa: BLE001 - a subscriber's failure must not stop the view
+                log.warning("view: on_change subscriber failed", exc_info=True)
+
+    # -- the watch thread ----------------------------------------------------------------------
+
+    def start(self) -> RunView:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=f"elastic-view{self.prefix}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._dirty.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        watch_id = None
+        while not self._stop.is_set():
+            try:
+                snap = self.read(deadline=timedelta(seconds=2))
+                if self.degraded_since is not None:
+                    log.warning("view: etcd reachable again after %.1fs", time.monotonic() - self.degraded_since)
+                    self.degraded_since = None
+                if self._watch_broken:
+                    watch_id = self._cancel(watch_id)
+                    self._watch_broken = False
+                if watch_id is None:
+                    watch_id = self._client.raw.add_watch_prefix_callback(
+                        self.prefix, self._on_event, start_revision=snap.revision + 1
+                    )
+            except Exception as exc:  # noqa: BLE001 - thread boundary: stay degraded, retry
+                if self.degraded_since is None:
+                    self.degraded_since = time.monotonic()
+                    log.warning("view: etcd unreachable, keeping the last known membership (%s)", exc)
+                watch_id = self._cancel(watch_id)
+            self._dirty.wait(self.RESYNC.total_seconds())
+            self._dirty.clear()
+        self._cancel(watch_id)
+
+    def _on_event(self, response: object) -> None:
+        if isinstance(response, Exception):
+            log.debug("view: watch broke: %s", response)
+            self._watch_broken = True
+        self._dirty.set()
+
+    def _cancel(self, watch_id: object) -> None:
+        if watch_id is not None:
+            try:
+                self._client.raw.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - a broken watch needs no cancelling
+                log.debug("view: cancel_watch failed", exc_info=True)
+        return None
+
+
+def _json_or_empty(value: bytes) -> dict[str, object]:
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
