@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from elastic.etcd_server import EtcdServer, free_port  # noqa: E402
+from elastic.proctree import descendants, kill_tree  # noqa: E402
 
 WORKER = REPO / "bench" / "recovery_worker.py"
 STEP = re.compile(r"step=(\d+) world=(\d+) t=([\d.]+)")
@@ -59,20 +60,21 @@ class Node:
                 self.steps.append((int(m[1]), int(m[2]), float(m[3])))
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the agent and every worker (torch puts workers in sessions of their own)."""
+        kill_tree(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
+        workers = descendants(self.proc.pid)
         if self.proc.poll() is None:
+            self.proc.terminate()
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(timeout=15)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 pass
-        self.kill()
+        for pid in [self.proc.pid, *workers]:
+            kill_tree(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
 
 
 def launcher_cmd(kind: str, nodes: int, endpoint: str, run_id: str, index: int) -> list[str]:
@@ -102,20 +104,21 @@ def one_recovery(kind: str, nodes: int, etcd: EtcdServer | None, timeout: float)
             started.append(Node(launcher_cmd(kind, nodes, endpoint, run_id, i), f"{kind}-{i}"))
             if i == 0 and kind == "torchrun":
                 time.sleep(1.0)  # let the first agent bind the c10d store port
-        survivor, victim = started[0], started[-1]
+        victim = started[-1]  # never the c10d store host (the first agent)
 
-        def trained_at(world: int, count: int) -> bool:
-            return sum(1 for _, w, _ in survivor.steps if w == world) >= count
+        def steps() -> list[tuple[int, int, float]]:
+            # Whichever node holds global rank 0 prints the steps; ranks move when the group re-forms.
+            return [s for node in started for s in node.steps]
 
-        wait_for(lambda: trained_at(nodes, 20), 120, f"{kind}: {nodes} nodes training together")
+        wait_for(lambda: sum(1 for _, w, _ in steps() if w == nodes) >= 20, 120, f"{kind}: {nodes} nodes training together")
         killed_at = time.time()
         victim.kill()
-        wait_for(lambda: any(w == nodes - 1 and t > killed_at for _, w, t in survivor.steps), timeout,
+        wait_for(lambda: any(w == nodes - 1 and t > killed_at for _, w, t in steps()), timeout,
                  f"{kind}: first step at world size {nodes - 1} after the kill")
-        first = min(t for _, w, t in survivor.steps if w == nodes - 1 and t > killed_at)
+        first = min(t for _, w, t in steps() if w == nodes - 1 and t > killed_at)
         return round(first - killed_at, 3)
     except TimeoutError as exc:
-        tail = "".join(started[0].lines[-20:]) if started else ""
+        tail = "".join(line for node in started for line in node.lines[-10:])
         raise TimeoutError(f"{exc}\n--- survivor output tail ---\n{tail}") from exc
     finally:
         for node in started:

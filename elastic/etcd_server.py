@@ -141,7 +141,8 @@ class EtcdServer:
             "--log-level", "warn",
             *cfg.extra_args,
         ]
-        guard = [sys.executable, "-m", "elastic._etcd_guard", "--parent", str(os.getpid())]
+        guard = [sys.executable, str(Path(__file__).with_name("_etcd_guard.py")), "--parent", str(os.getpid()),
+                 "--remove-file", self.log_path]
         if self._owns_data_dir:
             guard += ["--remove-dir", self.data_dir]
         log_file = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child

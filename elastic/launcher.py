@@ -3,7 +3,9 @@
 It reuses `torch.distributed.run`'s argument parser and launch config, and torch's
 `LocalElasticAgent` (through `elastic_launch`) for process supervision, restarts and error files.
 What it adds: the `etcd-v3` backend by default, a private embedded etcd when no
-`--rdzv-endpoint` is given (or with `--standalone`), flag validation up front, and clean errors.
+`--rdzv-endpoint` is given (or with `--standalone`), the agent extensions of `elastic/agent.py`
+(hang detection, membership-aware restart accounting, events, metrics), flag validation up front,
+and clean errors.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import os
 import sys
 import uuid
 from argparse import ArgumentParser, Namespace
+from datetime import timedelta
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
-from torch.distributed.launcher.api import elastic_launch
 
 from elastic import rendezvous
+from elastic.agent import AgentConfig, launch
 from elastic.errors import ElasticError
 from elastic.etcd_server import EtcdServer
 
@@ -40,6 +43,20 @@ def build_parser() -> ArgumentParser:
         default=None,
         help="This agent's id in the run (default: <hostname>-<pid>-<random>). Same as --rdzv-conf node_id=...",
     )
+    ours.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Kill a worker that reported progress (trainer steps) but none for this long, so the group restarts. Off by default.",
+    )
+    ours.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="Serve Prometheus metrics (members, generation, restarts, last recovery, degraded) on PORT; 0 picks one.",
+    )
     return parser
 
 
@@ -58,9 +75,11 @@ def _validate(parser: ArgumentParser, args: Namespace) -> None:
     if args.monitor_interval <= 0:
         parser.error(f"--monitor-interval {args.monitor_interval}: must be positive")
     try:
-        torchrun.determine_local_world_size(args.nproc_per_node)
+        nproc = torchrun.determine_local_world_size(args.nproc_per_node)
     except ValueError as exc:
         parser.error(f"--nproc-per-node {args.nproc_per_node!r}: {exc}")
+    if nproc <= 0:
+        parser.error(f"--nproc-per-node {args.nproc_per_node!r}: must be a positive count or auto/cpu/gpu/xpu")
     try:
         conf = torchrun._parse_rendezvous_config(args.rdzv_conf)  # noqa: SLF001 - torchrun's own parser
     except ValueError as exc:
@@ -76,6 +95,10 @@ def _validate(parser: ArgumentParser, args: Namespace) -> None:
             parse_endpoints(args.rdzv_endpoint)
         except ValueError as exc:
             parser.error(f"--rdzv-endpoint: {exc}")
+    if args.hang_timeout is not None and args.hang_timeout <= 0:
+        parser.error(f"--hang-timeout {args.hang_timeout}: must be a positive number of seconds")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port {args.metrics_port}: must be 0..65535")
     needs_file = not args.module and not args.no_python
     if needs_file and not os.path.isfile(args.training_script):
         parser.error(f"training script {args.training_script!r} does not exist")
@@ -101,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.master_port is None:
             args.master_port = 29500  # torchrun's default; only the static backend reads it
         config, cmd, cmd_args = torchrun.config_from_args(args)
-        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        if not config.run_id:
+            config.run_id = str(uuid.uuid4())
+        agent_config = AgentConfig(
+            hang_timeout=timedelta(seconds=args.hang_timeout) if args.hang_timeout else None,
+            metrics_port=args.metrics_port,
+        )
+        launch(config, cmd, cmd_args, agent_config)
         return 0
     except ChildFailedError as exc:
         print(f"elastic-run: the job failed:\n{exc.format_msg()}", file=sys.stderr)

@@ -34,7 +34,7 @@ class Snapshot:
     stores: dict[int, dict[str, object]] = field(default_factory=dict)
     """Round generation -> the TCPStore address its rank 0 published."""
     revision: int = 0
-    """Highest mod_revision seen under the run prefix."""
+    """etcd's revision at the time of the read: snapshots are ordered by it."""
 
 
 class RunView:
@@ -50,7 +50,6 @@ class RunView:
         self.store_prefix = run_prefix + "rdzv/store/"
         self._cond = threading.Condition()
         self._snapshot: Snapshot | None = None
-        self._version = 0
         self._dirty = threading.Event()
         self._watch_broken = False
         self._stop = threading.Event()
@@ -64,21 +63,21 @@ class RunView:
     def read(self, deadline: timedelta | None = None) -> Snapshot:
         """A fresh, linearizable read of the run's keys (also publishes it to waiters)."""
         raw = self._client.raw
-        items = self._client.call(lambda: list(raw.get_prefix(self.prefix)), what=f"read {self.prefix}", deadline=deadline)
-        state, state_rev, revision = None, 0, 0
+        response = self._client.call(lambda: raw.get_prefix_response(self.prefix), what=f"read {self.prefix}", deadline=deadline)
+        state, state_rev = None, 0
         nodes: dict[str, dict[str, object]] = {}
         stores: dict[int, dict[str, object]] = {}
-        for value, meta in items:
-            key = meta.key.decode()
-            revision = max(revision, meta.mod_revision)
+        for kv in response.kvs:
+            key = kv.key.decode()
             if key == self.state_key:
-                state, state_rev = protocol.RoundState.from_json(value), meta.mod_revision
+                state, state_rev = protocol.RoundState.from_json(kv.value), kv.mod_revision
             elif key.startswith(self.nodes_prefix):
-                record = _json_or_empty(value)
-                record["lease_id"] = meta.lease_id
+                record = _json_or_empty(kv.value)
+                record["lease_id"] = kv.lease
                 nodes[key[len(self.nodes_prefix):]] = record
             elif key.startswith(self.store_prefix):
-                stores[int(key[len(self.store_prefix):])] = _json_or_empty(value)
+                stores[int(key[len(self.store_prefix):])] = _json_or_empty(kv.value)
+        revision = int(response.header.revision)
         snap = Snapshot(state, state_rev, frozenset(nodes), nodes, stores, revision)
         self._publish(snap)
         return snap
@@ -89,27 +88,11 @@ class RunView:
             snap = self._snapshot
         return snap if snap is not None else self.read()
 
-    @property
-    def version(self) -> int:
-        with self._cond:
-            return self._version
-
-    def wait_newer(self, version: int, timeout: float) -> bool:
-        """Block until a snapshot newer than `version` is published, or `timeout` seconds pass."""
-        end = time.monotonic() + max(0.0, timeout)
-        with self._cond:
-            while self._version <= version:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
-
     def wait_changed(self, seen: Snapshot, timeout: float) -> bool:
-        """Block until the published snapshot differs from `seen`, or `timeout` seconds pass."""
+        """Block until the published snapshot's content differs from `seen`, or `timeout` seconds pass."""
         end = time.monotonic() + max(0.0, timeout)
         with self._cond:
-            while self._snapshot == seen:
+            while _content(self._snapshot) == _content(seen):
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -118,10 +101,11 @@ class RunView:
 
     def _publish(self, snap: Snapshot) -> None:
         with self._cond:
-            changed = self._snapshot != snap
+            if self._snapshot is not None and snap.revision < self._snapshot.revision:
+                return  # a concurrent read finished later with older data: keep the newer one
+            changed = _content(self._snapshot) != _content(snap)
             self._snapshot = snap
             if changed:
-                self._version += 1
                 self._cond.notify_all()
         if changed and self.on_change is not None:
             try:
@@ -190,3 +174,10 @@ def _json_or_empty(value: bytes) -> dict[str, object]:
     except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def _content(snap: Snapshot | None) -> tuple[object, ...] | None:
+    """What a snapshot says, without the read revision (which moves on every read)."""
+    if snap is None:
+        return None
+    return (snap.state, snap.state_revision, snap.live, snap.nodes, snap.stores)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from elastic.etcd_server import EtcdServer
+from elastic.proctree import descendants, kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "train_tiny.py"
@@ -60,7 +61,12 @@ class Procs:
         except ProcessLookupError:
             pass
 
+    def kill_node(self, proc: subprocess.Popen[str], sig: int = signal.SIGKILL) -> list[int]:
+        """Signal an agent and all its workers (torch starts workers in sessions of their own)."""
+        return kill_tree(proc.pid, sig)
+
     def cleanup(self) -> None:
+        trees = {proc.pid: descendants(proc.pid) for proc in self.started}
         for proc in self.started:
             if proc.poll() is None:
                 self.kill_group(proc, signal.SIGTERM)
@@ -70,8 +76,9 @@ class Procs:
             except subprocess.TimeoutExpired:
                 self.kill_group(proc, signal.SIGKILL)
                 proc.wait(timeout=10)
-            # Workers live in the agent's group; make sure none outlive the test.
-            self.kill_group(proc, signal.SIGKILL)
+            # Workers run in sessions of their own; make sure none outlives the test.
+            for pid in [proc.pid, *trees[proc.pid]]:
+                kill_tree(pid, signal.SIGKILL)
 
 
 @pytest.fixture

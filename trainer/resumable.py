@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ckpt import CheckpointConfig, Checkpointer, CheckpointError, CheckpointVersionError
+from elastic import progress
 from trainer import rng
 from trainer.data import ElasticSampler
 from trainer.errors import StateMismatchError
@@ -154,6 +155,7 @@ class Resumable:
         Advances the data position; saves when `step` is a multiple of `save_every`. Returns True if it saved.
         """
         self.step = step
+        progress.beat(step)  # lets elastic-run's agent tell a hung worker from a slow one
         if self.sampler is not None:
             self.sampler.advance()
         if step % self.config.save_every == 0:

@@ -1,0 +1,197 @@
+"""The elastic-run agent: torch's `LocalElasticAgent` plus three things torchrun lacks.
+
+1. Hang detection. Workers report progress (`elastic.progress.beat`); a worker with no progress for
+   `hang_timeout` is killed (SIGKILL works on a SIGSTOPped process too), so the group restarts
+   instead of waiting for a collective timeout.
+2. Membership-aware restart accounting. A worker group that failed because a peer node was lost is
+   restarted without consuming `--max-restarts`: if membership already shows the loss when the
+   failure is seen, the restart is a membership restart (as torch does for scale-up); if the loss
+   only shows in the next round, the restart is refunded. `--max-restarts` therefore counts this
+   node's own failures, not other nodes' (compare pytorch#108158).
+3. Structured events (`restart`, `recovered`, `hang_detected`) with timings, and optional metrics.
+
+Process supervision, worker env, error files and the restart loop itself stay torch's.
+`launch()` is the thin equivalent of `torch.distributed.launcher.api.launch_agent` that builds
+this agent instead of the stock one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.elastic import metrics as torch_metrics
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
+
+from elastic import progress
+from elastic.events import emit
+from elastic.metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    hang_timeout: timedelta | None = None
+    """A worker with no progress beat for this long is killed as hung; None disables hang detection."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0: any free port); None disables them."""
+
+    def __post_init__(self) -> None:
+        if self.hang_timeout is not None and self.hang_timeout <= timedelta(0):
+            raise ValueError(f"hang_timeout must be positive, got {self.hang_timeout}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+
+
+class ElasticAgent(LocalElasticAgent):
+    def __init__(self, spec: WorkerSpec, *, agent_config: AgentConfig, **kwargs: Any) -> None:
+        super().__init__(spec, **kwargs)
+        self.agent_config = agent_config
+        self.progress_dir = tempfile.mkdtemp(prefix="elastic-progress-")
+        os.environ[progress.ENV_DIR] = self.progress_dir  # workers inherit the agent's environment
+        self.metrics = AgentMetrics.start(agent_config.metrics_port)
+        self._failure_seen_at: float | None = None
+
+    @property
+    def _handler(self) -> Any:
+        return self._worker_group.spec.rdzv_handler
+
+    def _membership(self) -> tuple[str, ...]:
+        return tuple(getattr(self._handler, "_round", ()))
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        progress.clear(self.progress_dir)
+        pids = super()._start_workers(worker_group)
+        self.metrics.update(members=worker_group.group_world_size,
+                            generation=getattr(self._handler, "_completed_generation", 0),
+                            degraded=bool(getattr(self._handler, "degraded", False)))
+        if self._failure_seen_at is not None:
+            seconds = round(time.monotonic() - self._failure_seen_at, 3)
+            self.metrics.update(last_recovery_seconds=seconds)
+            emit("recovered", node=getattr(self._handler.config, "node_id", None) if hasattr(self._handler, "config") else None,
+                 world_size=worker_group.group_world_size, group_rank=worker_group.group_rank, recovery_s=seconds)
+            self._failure_seen_at = None
+        return pids
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None:
+            self._kill_hung_workers(worker_group, self.agent_config.hang_timeout.total_seconds())
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            if self._failure_seen_at is None:
+                self._failure_seen_at = time.monotonic()
+            if self._peer_change_known():
+                # A peer was lost: torch's HEALTHY branch then restarts us without consuming a restart.
+                log.info("agent: workers failed after a membership change; restarting without consuming --max-restarts")
+                return RunResult(state=WorkerState.HEALTHY)
+        elif result.state == WorkerState.HEALTHY and self._failure_seen_at is None and self._peer_change_known():
+            self._failure_seen_at = time.monotonic()
+        return result
+
+    def _peer_change_known(self) -> bool:
+        try:
+            return int(self._handler.num_nodes_waiting()) > 0
+        except Exception:  # noqa: BLE001 - membership unknown: count the failure as usual
+            return False
+
+    def _kill_hung_workers(self, worker_group: WorkerGroup, timeout: float) -> None:
+        now = time.time()
+        for worker in worker_group.workers:
+            age = progress.last_beat_age(self.progress_dir, worker.local_rank, now)
+            if age is not None and age > timeout and worker.id is not None:
+                emit("hang_detected", local_rank=worker.local_rank, global_rank=worker.global_rank,
+                     pid=worker.id, seconds_without_progress=round(age, 2), hang_timeout_s=timeout)
+                try:
+                    os.kill(int(worker.id), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        before, state = self._membership(), worker_group.state
+        if self._failure_seen_at is None:
+            self._failure_seen_at = time.monotonic()
+        super()._restart_workers(worker_group)
+        lost = sorted(set(before) - set(self._membership()))
+        reason = "worker failure" if state in (WorkerState.FAILED, WorkerState.UNHEALTHY) else "membership change"
+        if lost and reason == "worker failure":
+            self._remaining_restarts += 1  # the failure came from losing a peer, not from this node
+            reason = "peer lost"
+        self.metrics.update(restarts_inc=1)
+        emit("restart", reason=reason, lost=lost, remaining_restarts=self._remaining_restarts,
+             max_restarts=worker_group.spec.max_restarts)
+
+
+def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: list[Any], agent_config: AgentConfig) -> dict[int, Any]:
+    """Run one node's agent to completion (torch's `launch_agent`, with `ElasticAgent`)."""
+    rdzv_parameters = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = ElasticAgent(
+        spec,
+        agent_config=agent_config,
+        logs_specs=config.logs_specs,
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=config.shutdown_timeout,
+    )
+    shutdown_rdzv = True
+    try:
+        torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))
+        result = agent.run()
+        if result.is_failed():
+            raise ChildFailedError(name=_get_entrypoint_name(entrypoint, args), failures=result.failures)
+        return result.return_values
+    except SignalException:
+        # Killed by a signal: leave the run open so the other nodes can carry on without us.
+        shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+        shutil.rmtree(agent.progress_dir, ignore_errors=True)
+        agent.metrics.stop()

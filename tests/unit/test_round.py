@@ -1,0 +1,178 @@
+"""Unit tests of the pure rendezvous state machine in `elastic/round.py`: no etcd, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.round import (
+    Closed,
+    Done,
+    Knowledge,
+    RoundState,
+    Wait,
+    Write,
+    decide,
+    nodes_waiting,
+    rank_order,
+)
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def know(
+    me: str,
+    live: str,
+    *,
+    min_nodes: int = 1,
+    max_nodes: int = 4,
+    completed: int = 0,
+    expired: bool = False,
+) -> Knowledge:
+    """Knowledge of node `me`; `live` lists the live node ids as one string, e.g. "abc"."""
+    return Knowledge(
+        node_id=me,
+        live=frozenset(live),
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        completed_generation=completed,
+        last_call_expired=expired,
+    )
+
+
+def joining(participants: str, generation: int = 1, previous: str = "") -> RoundState:
+    return RoundState(generation, "joining", tuple(participants), tuple(previous))
+
+
+def closed(participants: str, generation: int = 1, previous: str = "") -> RoundState:
+    return RoundState(generation, "closed", tuple(participants), tuple(previous))
+
+
+def test_no_state_opens_round_one() -> None:
+    decision = decide(None, know("a", "ab", min_nodes=2, max_nodes=3))
+    assert isinstance(decision, Write)
+    assert decision.state == joining("a")
+
+
+def test_no_state_with_max_one_closes_the_first_round_at_once() -> None:
+    decision = decide(None, know("a", "a", min_nodes=1, max_nodes=1))
+    assert isinstance(decision, Write)
+    assert decision.state == closed("a")
+
+
+def test_joining_round_waits_for_live_nodes_with_last_call_armed() -> None:
+    decision = decide(joining("a"), know("a", "ab", min_nodes=1, max_nodes=3))
+    assert isinstance(decision, Wait)
+    assert decision.last_call_armed
+    assert "b" in decision.reason
+
+
+def test_joining_round_below_min_waits_without_last_call() -> None:
+    decision = decide(joining("a"), know("a", "a", min_nodes=2, max_nodes=3))
+    assert isinstance(decision, Wait)
+    assert not decision.last_call_armed
+
+
+def test_all_live_joined_closes_in_rank_order() -> None:
+    # b and c survive from round 1 (b before c); newcomer d joined first but ranks last.
+    state = joining("dcb", generation=2, previous="bac")
+    decision = decide(state, know("c", "bcd", min_nodes=2, max_nodes=4, completed=1))
+    assert isinstance(decision, Write)
+    assert decision.state == RoundState(2, "closed", ("b", "c", "d"), ("b", "a", "c"))
+
+
+def test_reaching_max_closes_immediately_without_waiting_for_other_live_nodes() -> None:
+    decision = decide(joining("ab"), know("c", "abcd", min_nodes=1, max_nodes=3))
+    assert isinstance(decision, Write)
+    assert decision.state == closed("abc")
+
+
+def test_joining_below_max_adds_me_to_the_round() -> None:
+    decision = decide(joining("a"), know("b", "abc", min_nodes=1, max_nodes=3))
+    assert isinstance(decision, Write)
+    assert decision.state == joining("ab")
+
+
+@pytest.mark.parametrize(
+    "state",
+    [joining("ab"), closed("ab")],
+    ids=["joining-full", "closed-full-healthy"],
+)
+def test_node_beyond_max_waits_as_spare(state: RoundState) -> None:
+    decision = decide(state, know("c", "abc", min_nodes=2, max_nodes=2))
+    assert isinstance(decision, Wait)
+    assert "spare" in decision.reason
+
+
+def test_closed_full_round_with_a_dead_member_lets_the_spare_open_the_next_round() -> None:
+    decision = decide(closed("ab"), know("c", "ac", min_nodes=2, max_nodes=2))
+    assert isinstance(decision, Write)
+    assert decision.state == joining("c", generation=2, previous="ab")
+
+
+def test_dead_participant_is_dropped_from_a_joining_round() -> None:
+    decision = decide(joining("abc"), know("a", "ac", min_nodes=1, max_nodes=4))
+    assert isinstance(decision, Write)
+    assert decision.state == joining("ac")
+    assert "b" in decision.why
+
+
+def test_last_call_expired_closes_without_the_missing_live_node() -> None:
+    state = joining("ab")
+    assert isinstance(decide(state, know("a", "abc", min_nodes=2, max_nodes=4)), Wait)
+    decision = decide(state, know("a", "abc", min_nodes=2, max_nodes=4, expired=True))
+    assert isinstance(decision, Write)
+    assert decision.state == closed("ab")
+
+
+def test_closed_round_i_am_in_is_done_with_my_rank() -> None:
+    decision = decide(closed("abc", generation=3), know("b", "abc", completed=2))
+    assert decision == Done(3, 1, 3, ("a", "b", "c"))
+
+
+def test_stale_closed_round_opens_the_next_round_with_previous_participants() -> None:
+    state = closed("ab", generation=3)
+    decision = decide(state, know("b", "ab", min_nodes=2, max_nodes=2, completed=3))
+    assert isinstance(decision, Write)
+    assert decision.state == joining("b", generation=4, previous="ab")
+
+
+def test_rank_order_keeps_survivors_relative_order_and_appends_newcomers() -> None:
+    assert rank_order(("e", "c", "a", "d"), ("a", "b", "c")) == ("a", "c", "e", "d")
+    assert rank_order(("b", "a"), ()) == ("b", "a")
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        RoundState(2, "joining", ("a",), shutdown=True),
+        RoundState(2, "closed", ("a", "b"), shutdown=True),
+    ],
+    ids=["joining", "closed"],
+)
+def test_shutdown_state_is_closed(state: RoundState) -> None:
+    assert decide(state, know("a", "ab", completed=1)) == Closed()
+
+
+def test_nodes_waiting_counts_newer_round_participants_and_lost_members() -> None:
+    mine = ("a", "b")
+    k = know("a", "abcd", completed=1)
+    assert nodes_waiting(closed("ab", generation=1), k, mine) == 0
+    assert nodes_waiting(joining("cd", generation=2, previous="ab"), k, mine) == 2
+    # A newer closed round without us counts once: we must rejoin.
+    assert nodes_waiting(closed("cd", generation=2), k, mine) == 1
+    # b's lease expired: one lost member of our round.
+    assert nodes_waiting(closed("ab", generation=1), know("a", "a", completed=1), mine) == 1
+    assert nodes_waiting(None, k, mine) == 0
+
+
+def test_nodes_waiting_is_zero_when_shut_down() -> None:
+    state = RoundState(2, "joining", ("c", "d"), ("a", "b"), shutdown=True)
+    assert nodes_waiting(state, know("a", "a", completed=1), ("a", "b")) == 0
+
+
+def test_round_state_json_roundtrip() -> None:
+    state = RoundState(7, "closed", ("n1", "n0"), ("n0", "n1", "n2"), shutdown=True)
+    assert RoundState.from_json(state.to_json()) == state
+    assert RoundState.from_json(state.to_json().encode()) == state
+    # Older documents without the optional fields still parse.
+    assert RoundState.from_json('{"generation": 1, "status": "joining", "participants": ["a"]}') == joining("a")
