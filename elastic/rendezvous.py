@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
+import grpc
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -226,8 +227,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         record = self.view.snapshot().nodes.get(node)
         lease_id = int(record.get("lease_id") or 0) if record else 0  # type: ignore[call-overload]
         if lease_id:
-            self._client.call(lambda: self._client.raw.revoke_lease(lease_id), what=f"revoke the lease of {node}",
-                              deadline=timedelta(seconds=3))
+            try:
+                self._client.call(lambda: self._client.raw.revoke_lease(lease_id), what=f"revoke the lease of {node}",
+                                  deadline=timedelta(seconds=3))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it already expired or left
+                    raise
         emit("leave", run_id=self.config.run_id, node=node, reported_by=self.config.node_id, reason="agent process gone")
 
     # -- protocol loop -------------------------------------------------------------------------
