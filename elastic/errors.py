@@ -30,6 +30,10 @@ class NodeIdConflictError(RendezvousError, ElasticError):
     """Another live agent already registered the same node id in the same run."""
 
 
+class RunIdConflictError(RendezvousError, ElasticError):
+    """The run id is in use by a job launched with different settings."""
+
+
 class ElasticRendezvousTimeoutError(RendezvousTimeoutError, ElasticError):
     """A rendezvous round did not complete within its deadline."""
 
@@ -46,4 +50,5 @@ __all__ = [
     "EtcdStartError",
     "EtcdUnavailableError",
     "NodeIdConflictError",
+    "RunIdConflictError",
 ]

@@ -117,6 +117,18 @@ class EtcdServer:
         return self._proc.pid if self._proc else None
 
     def start(self) -> EtcdServer:
+        self.launch()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        assert self._proc is not None
+        log.info("embedded etcd ready at %s (pid %s, data %s)", self.client_url, self._proc.pid, self.data_dir)
+        return self
+
+    def launch(self) -> None:
+        """Start the process without waiting for health (members of a cluster need each other first)."""
         binary = find_etcd_binary()
         cfg = self.config
         self.client_port = cfg.client_port or free_port(cfg.host)
@@ -150,13 +162,9 @@ class EtcdServer:
             self._proc = subprocess.Popen([*guard, "--", *args], stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log_file.close()
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        log.info("embedded etcd ready at %s (pid %s, data %s)", self.client_url, self._proc.pid, self.data_dir)
-        return self
+
+    def wait_healthy(self) -> None:
+        self._wait_healthy()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.config.start_timeout.total_seconds()
@@ -223,3 +231,48 @@ def _port_open(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+class EtcdCluster:
+    """A private etcd cluster of `members` members on this machine (chaos runs and tests).
+
+    All members are launched before any is waited for: a member reports healthy only once the
+    cluster has a quorum.
+    """
+
+    def __init__(self, members: int = 3, *, host: str = "127.0.0.1", start_timeout: timedelta = timedelta(seconds=30)) -> None:
+        if members < 1:
+            raise ValueError(f"an etcd cluster needs at least 1 member, got {members}")
+        ports = [(free_port(host), free_port(host)) for _ in range(members)]
+        initial = ",".join(f"m{i}=http://{host}:{peer}" for i, (_, peer) in enumerate(ports))
+        self.members = [
+            EtcdServer(EtcdServerConfig(host=host, name=f"m{i}", client_port=client, peer_port=peer,
+                                        initial_cluster=initial, start_timeout=start_timeout))
+            for i, (client, peer) in enumerate(ports)
+        ]
+
+    @property
+    def endpoints(self) -> str:
+        """Comma-separated `host:port` list for `--rdzv-endpoint`."""
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self) -> EtcdCluster:
+        try:
+            for m in self.members:
+                m.launch()
+            for m in self.members:
+                m.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -9,6 +9,7 @@ its address in etcd under its own lease; the agent and the workers use that stor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from elastic.errors import (
     ElasticRendezvousClosedError,
     ElasticRendezvousTimeoutError,
     EtcdUnavailableError,
+    RunIdConflictError,
 )
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.events import emit
@@ -262,6 +264,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 raise ElasticRendezvousClosedError(
                     f"run {self.config.run_id!r} is closed: its job finished or was shut down. Start a new job with a new --rdzv-id."
                 )
+            if isinstance(decision, protocol.Conflict):
+                raise RunIdConflictError(
+                    f"run id {self.config.run_id!r}: {decision.reason}. Every agent of one job must use the same "
+                    "--nnodes; a different job needs its own --rdzv-id."
+                )
             if isinstance(decision, protocol.Write):
                 if self._compare_and_set(decision.state, snap.state_revision):
                     log.info("rendezvous: %s", decision.why)
@@ -335,7 +342,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             base = snap.state or protocol.RoundState(generation=0, status="closed", participants=())
             if base.shutdown:
                 return
-            closed = protocol.RoundState(base.generation, base.status, base.participants, base.previous, shutdown=True)
+            closed = dataclasses.replace(base, shutdown=True)
             if self._compare_and_set(closed, snap.state_revision):
                 log.info("rendezvous: run %s closed", self.config.run_id)
                 return

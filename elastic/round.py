@@ -9,6 +9,8 @@ Shared state (one JSON document per run, written only by compare-and-set on its 
     participants  node ids; join order while joining, rank order once closed
     previous      rank order of the last closed round, so survivors keep their relative order
     shutdown      the job ended: every further rendezvous fails with a closed error
+    nnodes        (min, max) of the job that created the run: an agent launched with other
+                  --nnodes under the same run id is a different job and is refused
 
 Rules:
 - A round closes as soon as every live registered node has joined and there are >= min nodes, or
@@ -32,6 +34,7 @@ class RoundState:
     participants: tuple[str, ...]
     previous: tuple[str, ...] = ()
     shutdown: bool = False
+    nnodes: tuple[int, int] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -45,6 +48,7 @@ class RoundState:
             participants=tuple(doc["participants"]),
             previous=tuple(doc.get("previous", ())),
             shutdown=bool(doc.get("shutdown", False)),
+            nnodes=tuple(doc["nnodes"]) if doc.get("nnodes") else None,  # type: ignore[arg-type]
         )
 
 
@@ -79,7 +83,14 @@ class Closed:
     """The job was shut down; no further rounds."""
 
 
-Decision = Wait | Write | Done | Closed
+@dataclass(frozen=True)
+class Conflict:
+    """The run id belongs to a job launched with other settings."""
+
+    reason: str
+
+
+Decision = Wait | Write | Done | Closed | Conflict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,13 +122,17 @@ def _close(state: RoundState, participants: tuple[str, ...], why: str) -> Write:
 def decide(state: RoundState | None, k: Knowledge) -> Decision:
     """The next move of node `k.node_id` given the shared `state` (None: no round yet)."""
     me = k.node_id
+    nnodes = (k.min_nodes, k.max_nodes)
     if state is None:
-        first = RoundState(generation=1, status="joining", participants=(me,))
+        first = RoundState(generation=1, status="joining", participants=(me,), nnodes=nnodes)
         if k.max_nodes == 1:
             return _close(first, first.participants, "first round, max 1 node")
         return Write(first, "open the first round")
     if state.shutdown:
         return Closed()
+    if state.nnodes is not None and state.nnodes != nnodes:
+        return Conflict(f"the run is in use by a job with --nnodes {state.nnodes[0]}:{state.nnodes[1]}, "
+                        f"this agent has --nnodes {nnodes[0]}:{nnodes[1]}")
 
     if state.status == "closed":
         if me in state.participants and state.generation > k.completed_generation:
@@ -125,7 +140,8 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
         running_full = len(state.participants) >= k.max_nodes and all(p in k.live for p in state.participants)
         if running_full and me not in state.participants:
             return Wait(f"round {state.generation} is full ({k.max_nodes} nodes) and healthy; waiting as a spare")
-        nxt = RoundState(generation=state.generation + 1, status="joining", participants=(me,), previous=state.participants)
+        nxt = RoundState(generation=state.generation + 1, status="joining", participants=(me,),
+                         previous=state.participants, nnodes=nnodes)
         if k.max_nodes == 1:
             return _close(nxt, nxt.participants, f"round {nxt.generation} with max 1 node")
         return Write(nxt, f"open round {nxt.generation} after round {state.generation}")

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 from elastic import round as protocol
 from elastic.etcd_client import EtcdClient
+from elastic.events import emit
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ class RunView:
             try:
                 snap = self.read(deadline=timedelta(seconds=2))
                 if self.degraded_since is not None:
-                    log.warning("view: etcd reachable again after %.1fs", time.monotonic() - self.degraded_since)
+                    seconds = round(time.monotonic() - self.degraded_since, 2)
+                    emit("degraded", prefix=self.prefix, degraded=False, seconds=seconds)
                     self.degraded_since = None
                 if self._watch_broken:
                     watch_id = self._cancel(watch_id)
@@ -147,7 +149,9 @@ class RunView:
             except Exception as exc:  # noqa: BLE001 - thread boundary: stay degraded, retry
                 if self.degraded_since is None:
                     self.degraded_since = time.monotonic()
-                    log.warning("view: etcd unreachable, keeping the last known membership (%s)", exc)
+                    log.warning("view: etcd unreachable; degraded mode: workers keep training on the last known "
+                                "membership (%s)", exc)
+                    emit("degraded", prefix=self.prefix, degraded=True, error=str(exc)[:200])
                 watch_id = self._cancel(watch_id)
             self._dirty.wait(self.RESYNC.total_seconds())
             self._dirty.clear()

@@ -6,6 +6,7 @@ import pytest
 
 from elastic.round import (
     Closed,
+    Conflict,
     Done,
     Knowledge,
     RoundState,
@@ -39,24 +40,24 @@ def know(
     )
 
 
-def joining(participants: str, generation: int = 1, previous: str = "") -> RoundState:
-    return RoundState(generation, "joining", tuple(participants), tuple(previous))
+def joining(participants: str, generation: int = 1, previous: str = "", nnodes: tuple[int, int] | None = None) -> RoundState:
+    return RoundState(generation, "joining", tuple(participants), tuple(previous), nnodes=nnodes)
 
 
-def closed(participants: str, generation: int = 1, previous: str = "") -> RoundState:
-    return RoundState(generation, "closed", tuple(participants), tuple(previous))
+def closed(participants: str, generation: int = 1, previous: str = "", nnodes: tuple[int, int] | None = None) -> RoundState:
+    return RoundState(generation, "closed", tuple(participants), tuple(previous), nnodes=nnodes)
 
 
 def test_no_state_opens_round_one() -> None:
     decision = decide(None, know("a", "ab", min_nodes=2, max_nodes=3))
     assert isinstance(decision, Write)
-    assert decision.state == joining("a")
+    assert decision.state == joining("a", nnodes=(2, 3))
 
 
 def test_no_state_with_max_one_closes_the_first_round_at_once() -> None:
     decision = decide(None, know("a", "a", min_nodes=1, max_nodes=1))
     assert isinstance(decision, Write)
-    assert decision.state == closed("a")
+    assert decision.state == closed("a", nnodes=(1, 1))
 
 
 def test_joining_round_waits_for_live_nodes_with_last_call_armed() -> None:
@@ -106,7 +107,7 @@ def test_node_beyond_max_waits_as_spare(state: RoundState) -> None:
 def test_closed_full_round_with_a_dead_member_lets_the_spare_open_the_next_round() -> None:
     decision = decide(closed("ab"), know("c", "ac", min_nodes=2, max_nodes=2))
     assert isinstance(decision, Write)
-    assert decision.state == joining("c", generation=2, previous="ab")
+    assert decision.state == joining("c", generation=2, previous="ab", nnodes=(2, 2))
 
 
 def test_dead_participant_is_dropped_from_a_joining_round() -> None:
@@ -133,7 +134,7 @@ def test_stale_closed_round_opens_the_next_round_with_previous_participants() ->
     state = closed("ab", generation=3)
     decision = decide(state, know("b", "ab", min_nodes=2, max_nodes=2, completed=3))
     assert isinstance(decision, Write)
-    assert decision.state == joining("b", generation=4, previous="ab")
+    assert decision.state == joining("b", generation=4, previous="ab", nnodes=(2, 2))
 
 
 def test_rank_order_keeps_survivors_relative_order_and_appends_newcomers() -> None:
@@ -176,3 +177,11 @@ def test_round_state_json_roundtrip() -> None:
     assert RoundState.from_json(state.to_json().encode()) == state
     # Older documents without the optional fields still parse.
     assert RoundState.from_json('{"generation": 1, "status": "joining", "participants": ["a"]}') == joining("a")
+
+
+def test_agent_with_other_nnodes_under_the_same_run_id_is_refused() -> None:
+    state = joining("a", nnodes=(2, 4))
+    decision = decide(state, know("b", "ab", min_nodes=1, max_nodes=2))
+    assert isinstance(decision, Conflict)
+    assert "2:4" in decision.reason and "1:2" in decision.reason
+    assert isinstance(decide(state, know("b", "ab", min_nodes=2, max_nodes=4)), Write)

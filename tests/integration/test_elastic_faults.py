@@ -1,0 +1,174 @@
+"""Issue D on real etcd and real processes: node loss, spares, etcd member loss and restart,
+hung workers, restart accounting. Each simulated node is one elastic-run agent with its own node id;
+"kill a node" SIGKILLs the agent and all its workers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from elastic.etcd_server import EtcdCluster, EtcdServer, EtcdServerConfig
+from elastic.proctree import descendants
+from tests.conftest import REPO, TINY, Procs
+
+pytestmark = pytest.mark.integration
+
+WORKER = REPO / "bench" / "recovery_worker.py"
+STEP = re.compile(r"step=(\d+) world=(\d+) t=([\d.]+)")
+
+
+class Node:
+    """An elastic-run agent whose output is collected by a thread."""
+
+    def __init__(self, procs: Procs, *args: str) -> None:
+        self.proc = procs.elastic_run(*args, env={"LOGLEVEL": "INFO"})
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def steps(nodes: list[Node]) -> list[tuple[int, int, float]]:
+    return [(int(m[1]), int(m[2]), float(m[3])) for n in nodes for line in list(n.lines) if (m := STEP.search(line))]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, nodes: list[Node]) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            tail = "\n".join(f"--- node {i}:\n" + "".join(n.lines[-15:]) for i, n in enumerate(nodes))
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{tail}")
+        time.sleep(0.1)
+
+
+def steps_at(nodes: list[Node], world: int, after: float = 0.0) -> int:
+    return sum(1 for _, w, t in steps(nodes) if w == world and t > after)
+
+
+def alive(pid: int) -> bool:
+    """True for a live process; a zombie (dead, not yet reaped) counts as gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def agent(procs: Procs, endpoint: str, run_id: str, node: str, nnodes: str, *extra: str) -> Node:
+    return Node(procs, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-endpoint", endpoint,
+                "--rdzv-id", run_id, "--node-id", node, "--monitor-interval", "0.1", *extra, str(WORKER), "--interval", "0.05")
+
+
+@pytest.mark.timeout(150)
+def test_node_loss_shrinks_the_world_and_a_new_node_grows_it_back_up_to_max(procs: Procs, etcd: EtcdServer) -> None:
+    run_id = f"faults-{uuid.uuid4().hex[:8]}"
+    nodes = [agent(procs, etcd.endpoint, run_id, f"n{i}", "1:3") for i in range(3)]
+    wait_until(lambda: steps_at(nodes, 3) >= 20, 90, "3 nodes training together", nodes)
+
+    victim_tree = [nodes[2].proc.pid, *descendants(nodes[2].proc.pid)]
+    killed = time.time()
+    procs.kill_node(nodes[2].proc)
+    nodes[2].proc.wait(timeout=10)
+    wait_until(lambda: steps_at(nodes, 2, after=killed) >= 10, 60, "survivors training at world size 2", nodes)
+    assert not [p for p in victim_tree if alive(p)], "the killed node left processes behind"
+
+    nodes.append(agent(procs, etcd.endpoint, run_id, "n3", "1:3"))
+    joined = time.time()
+    wait_until(lambda: steps_at(nodes, 3, after=joined) >= 10, 60, "world size 3 again after a 4th node joined", nodes)
+
+    nodes.append(agent(procs, etcd.endpoint, run_id, "n4", "1:3"))  # beyond max: a spare
+    spare_started = time.time()
+    wait_until(lambda: steps_at(nodes, 3, after=spare_started + 8) >= 10, 60, "training to go on at max while a spare waits", nodes)
+    assert steps_at(nodes, 4) == 0
+    assert '"event": "round_closed"' not in nodes[4].text, "the spare was admitted beyond max nodes"
+
+
+@pytest.mark.timeout(120)
+def test_node_loss_does_not_consume_max_restarts(procs: Procs, etcd: EtcdServer) -> None:
+    run_id = f"faults-{uuid.uuid4().hex[:8]}"
+    common = ("--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-endpoint", etcd.endpoint,
+              "--rdzv-id", run_id, "--monitor-interval", "0.1")
+    nodes = [Node(procs, *common, "--node-id", f"n{i}", str(WORKER), "--interval", "0.05") for i in range(2)]
+    wait_until(lambda: steps_at(nodes, 2) >= 20, 90, "2 nodes training together", nodes)
+    killed = time.time()
+    procs.kill_node(nodes[1].proc)
+    # With --max-restarts 0 torchrun's survivor would give up; a lost peer is not this node's failure.
+    wait_until(lambda: steps_at(nodes, 1, after=killed) >= 10, 60, "the survivor training alone", nodes)
+    assert nodes[0].proc.poll() is None
+
+
+@pytest.mark.timeout(150)
+def test_losing_one_of_three_etcd_members_does_not_disturb_training(procs: Procs) -> None:
+    with EtcdCluster(3) as cluster:
+        run_id = f"faults-{uuid.uuid4().hex[:8]}"
+        nodes = [agent(procs, cluster.endpoints, run_id, f"n{i}", "2:2") for i in range(2)]
+        wait_until(lambda: steps_at(nodes, 2) >= 20, 90, "2 nodes training together", nodes)
+        cluster.members[0].kill()
+        killed = time.time()
+        wait_until(lambda: steps_at(nodes, 2, after=killed + 6) >= 20, 60, "training to go on without etcd member 0", nodes)
+        assert all(n.proc.poll() is None for n in nodes)
+        assert not any('"event": "restart"' in line and '"reason": "worker failure"' in line for n in nodes for line in n.lines)
+
+
+@pytest.mark.timeout(150)
+def test_etcd_down_then_back_keeps_healthy_workers_training(procs: Procs, tmp_path: Path) -> None:
+    first = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "etcd"))).start()
+    client_port, peer_port = first.client_port, first.peer_port
+    second: EtcdServer | None = None
+    try:
+        run_id = f"faults-{uuid.uuid4().hex[:8]}"
+        nodes = [agent(procs, first.endpoint, run_id, f"n{i}", "2:2") for i in range(2)]
+        wait_until(lambda: steps_at(nodes, 2) >= 20, 90, "2 nodes training together", nodes)
+        first.kill()
+        down = time.time()
+        # Degraded mode: no etcd, but the workers and their process group are healthy, so they train on.
+        wait_until(lambda: steps_at(nodes, 2, after=down + 5) >= 20, 60, "training while etcd is down", nodes)
+        wait_until(lambda: any('"degraded": true' in line for n in nodes for line in n.lines), 30, "degraded mode reported", nodes)
+        second = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "etcd"), client_port=client_port, peer_port=peer_port)).start()
+        back = time.time()
+        wait_until(lambda: steps_at(nodes, 2, after=back + 3) >= 20, 60, "training after etcd came back", nodes)
+        assert all(n.proc.poll() is None for n in nodes)
+        assert not any('"event": "restart"' in line for n in nodes for line in n.lines)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+@pytest.mark.timeout(150)
+def test_sigstopped_worker_is_detected_and_the_job_recovers(procs: Procs, tmp_path: Path) -> None:
+    proc = procs.elastic_run("--nproc-per-node", "2", "--max-restarts", "2", "--hang-timeout", "3", str(TINY),
+                             "--steps", "40", "--ckpt-dir", str(tmp_path), "--ckpt-every", "5", "--step-sleep", "0.05",
+                             env={"LOGLEVEL": "INFO"})
+    assert proc.stdout is not None
+    lines: list[str] = []
+    stopped = None
+    for line in proc.stdout:
+        lines.append(line)
+        if stopped is None and (m := re.match(r"step=(\d+) ", line)) and int(m[1]) >= 12:
+            pid = next(int(x[1]) for x in (re.match(r"worker rank=1 world=2 pid=(\d+) restart=0", ln) for ln in lines) if x)
+            os.kill(pid, signal.SIGSTOP)
+            stopped = pid
+    proc.wait(timeout=30)
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-3000:]
+    assert stopped is not None
+    assert re.search(rf'"event": "hang_detected".*"pid": {stopped}', out), out[-3000:]
+    assert re.search(r"resumed from step (10|15)\b", out)
+    assert "final_digest=" in out
+
