@@ -42,8 +42,8 @@ STEP = re.compile(r"step=(\d+) world=(\d+) t=([\d.]+)")
 class Node:
     """One simulated node: an agent process (own session) and its output, read by a thread."""
 
-    def __init__(self, cmd: list[str], name: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING"}
+    def __init__(self, cmd: list[str], name: str, env_extra: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **(env_extra or {})}
         self.name = name
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env, start_new_session=True)
@@ -77,14 +77,15 @@ class Node:
         self.proc.wait(timeout=10)
 
 
-def launcher_cmd(kind: str, nodes: int, endpoint: str, run_id: str, index: int) -> list[str]:
+def launcher_cmd(kind: str, nodes: int, endpoint: str, run_id: str, index: int, backend: str = "gloo") -> list[str]:
     common = ["--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", "10",
               "--rdzv-id", run_id, "--monitor-interval", "0.1"]
+    script = [str(WORKER), "--backend", backend]
     if kind == "elastic-run":
         return [sys.executable, "-m", "elastic.launcher", *common, "--rdzv-endpoint", endpoint,
-                "--node-id", f"node{index}", str(WORKER)]
+                "--node-id", f"node{index}", *script]
     return [sys.executable, "-m", "torch.distributed.run", *common, "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, str(WORKER)]
+            "--rdzv-endpoint", endpoint, *script]
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -95,13 +96,15 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
         time.sleep(0.05)
 
 
-def one_recovery(kind: str, nodes: int, etcd: EtcdServer | None, timeout: float) -> float:
+def one_recovery(kind: str, nodes: int, etcd: EtcdServer | None, timeout: float, backend: str = "gloo") -> float:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     endpoint = etcd.endpoint if kind == "elastic-run" else f"127.0.0.1:{free_port()}"
     started: list[Node] = []
     try:
         for i in range(nodes):
-            started.append(Node(launcher_cmd(kind, nodes, endpoint, run_id, i), f"{kind}-{i}"))
+            # With NCCL each simulated node owns one GPU, as a real node would own its own.
+            gpu = {"CUDA_VISIBLE_DEVICES": str(i)} if backend == "nccl" else None
+            started.append(Node(launcher_cmd(kind, nodes, endpoint, run_id, i, backend), f"{kind}-{i}", gpu))
             if i == 0 and kind == "torchrun":
                 time.sleep(1.0)  # let the first agent bind the c10d store port
         victim = started[-1]  # never the c10d store host (the first agent)
@@ -132,10 +135,12 @@ def main() -> int:
     p.add_argument("--skip-torchrun", action="store_true", help="measure elastic-run only")
     p.add_argument("--torchrun-nodes", type=int, nargs="+", default=[2], help="node counts to run torchrun at")
     p.add_argument("--timeout", type=float, default=180, help="give up on one recovery after this many seconds")
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                   help="nccl: one GPU per simulated node (needs as many GPUs as nodes)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
 
-    results: dict[str, object] = {"machine": {"cpus": os.cpu_count()}, "scenarios": {}}
+    results: dict[str, object] = {"machine": {"cpus": os.cpu_count()}, "backend": args.backend, "scenarios": {}}
     scenarios: dict[str, dict[str, object]] = results["scenarios"]  # type: ignore[assignment]
     with EtcdServer() as etcd:
         for nodes in args.nodes:
@@ -145,7 +150,7 @@ def main() -> int:
                 runs = []
                 for _ in range(args.repeats):
                     try:
-                        runs.append(one_recovery(kind, nodes, etcd, args.timeout))
+                        runs.append(one_recovery(kind, nodes, etcd, args.timeout, args.backend))
                     except TimeoutError as exc:
                         print(f"# {kind} {nodes} nodes: {exc}", file=sys.stderr)
                         runs.append(None)

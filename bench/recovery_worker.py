@@ -5,6 +5,7 @@ can see when the re-formed group makes its first step.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -15,10 +16,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--interval", type=float, default=0.1)
     p.add_argument("--max-seconds", type=float, default=600)
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    if args.backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    t = torch.zeros(1)
+    t = torch.zeros(1, device="cuda" if args.backend == "nccl" else "cpu")
     end = time.monotonic() + args.max_seconds
     step = 0
     while time.monotonic() < end:
