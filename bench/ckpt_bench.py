@@ -53,20 +53,32 @@ if str(REPO) not in sys.path:
 from ckpt import CheckpointConfig, Checkpointer  # noqa: E402
 
 TARGETS = {
-    "cpu": {"stall_over_copy_limit": 1.5, "stall_over_torch_save": 0.2, "persist_over_disk_write_limit": 1.3},
+    "cpu": {
+        "stall_over_copy_limit": 1.5,
+        "stall_over_torch_save": 0.2,
+        "persist_over_disk_write_limit": 1.3,
+    },
     "cuda": {"stall_over_copy_limit": 1.2, "persist_over_disk_write_limit": 1.15},
 }
 CHUNK = 64 << 20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--state-gb", type=float, default=1.0, help="state size in GiB (fp32)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
-    p.add_argument("--dir", type=Path, default=None, help="where files are written (default: a temp dir)")
-    p.add_argument("--saves", type=int, default=4, help="timed saves of ours after the first (>= 3)")
-    p.add_argument("--tensor-mb", type=int, default=64, help="size of the large tensors of the state")
+    p.add_argument(
+        "--dir", type=Path, default=None, help="where files are written (default: a temp dir)"
+    )
+    p.add_argument(
+        "--saves", type=int, default=4, help="timed saves of ours after the first (>= 3)"
+    )
+    p.add_argument(
+        "--tensor-mb", type=int, default=64, help="size of the large tensors of the state"
+    )
     p.add_argument("--skip-dcp", action="store_true", help="skip the two DCP measurements")
     args = p.parse_args(argv)
     if args.saves < 3:
@@ -88,7 +100,12 @@ def make_state(total_bytes: int, tensor_bytes: int, device: torch.device) -> dic
         large[f"layer_{i}"] = torch.randn(n, device=device)
         left -= n * 4
         i += 1
-    return {"model": {**large, **small}, "step": 0, "rng": torch.get_rng_state(), "data": {"epoch": 0}}
+    return {
+        "model": {**large, **small},
+        "step": 0,
+        "rng": torch.get_rng_state(),
+        "data": {"epoch": 0},
+    }
 
 
 def tensors_of(state: dict[str, Any]) -> list[torch.Tensor]:
@@ -127,7 +144,9 @@ class RawLimits:
         self.device = device
         self.work = work
         self.pin = device.type == "cuda"
-        self.buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in self.sources]
+        self.buffers = [
+            torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin) for t in self.sources
+        ]
         self.written: list[Path] = []
 
     def copy(self) -> float:
@@ -207,7 +226,9 @@ def measure_dcp(state: dict[str, Any], device: torch.device, work: Path) -> dict
     return out
 
 
-def measure_interleaved(state: dict[str, Any], device: torch.device, work: Path, saves: int) -> dict[str, Any]:
+def measure_interleaved(
+    state: dict[str, Any], device: torch.device, work: Path, saves: int
+) -> dict[str, Any]:
     """Rounds of: raw copy, raw write, one save of ours (stall, then persist). Round 0 warms
     everything up (page faults, the staging buffer) and is reported apart. Interleaving keeps
     each of our figures next to the limit it is compared with on a machine whose load varies."""
@@ -226,8 +247,12 @@ def measure_interleaved(state: dict[str, Any], device: torch.device, work: Path,
                 blocked = time.perf_counter() - start
                 metrics = pending.wait_persisted(timedelta(minutes=10))
                 if i == 0:
-                    out.update(first_copy_s=copy_s, first_write_s=write_s, first_stall_s=blocked,
-                               first_persist_s=metrics.tier1_s)
+                    out.update(
+                        first_copy_s=copy_s,
+                        first_write_s=write_s,
+                        first_stall_s=blocked,
+                        first_persist_s=metrics.tier1_s,
+                    )
                     continue
                 copies.append(copy_s)
                 writes.append(write_s)
@@ -246,7 +271,9 @@ def measure_interleaved(state: dict[str, Any], device: torch.device, work: Path,
         disk_write_limit_runs_s=writes,
         stall_runs_s=stalls,
         persist_runs_s=persists,
-        paired_stall_over_copy_limit=statistics.median(s / c for s, c in zip(stalls, copies, strict=True)),
+        paired_stall_over_copy_limit=statistics.median(
+            s / c for s, c in zip(stalls, copies, strict=True)
+        ),
         paired_persist_over_disk_write_limit=statistics.median(
             p / w for p, w in zip(persists, writes, strict=True)
         ),
@@ -266,7 +293,10 @@ def measure_interleaved(state: dict[str, Any], device: torch.device, work: Path,
             sources = tensors_of(state)
             loaded = list(restored.state["model"].values())
             out["restore_to_device_s"] = out["restore_warm_s"] + timed(
-                lambda: [s.copy_(t, non_blocking=True) for s, t in zip(sources, loaded, strict=True)], device
+                lambda: [
+                    s.copy_(t, non_blocking=True) for s, t in zip(sources, loaded, strict=True)
+                ],
+                device,
             )
         del restored
     return out
@@ -305,7 +335,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sync(device)
         result: dict[str, Any] = {
             "device": args.device,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+            "device_name": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
             "state_bytes": sum(t.numel() * t.element_size() for t in tensors_of(state)),
@@ -325,7 +357,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "persist_over_disk_write_limit": result["persist_s"] / result["disk_write_limit_s"],
         }
         if "dcp_async_blocked_s" in result:
-            ratios["stall_over_dcp_async_blocked"] = result["stall_s"] / result["dcp_async_blocked_s"]
+            ratios["stall_over_dcp_async_blocked"] = (
+                result["stall_s"] / result["dcp_async_blocked_s"]
+            )
         targets = TARGETS[args.device]
         result["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
         result["targets"] = targets

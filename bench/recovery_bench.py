@@ -45,8 +45,14 @@ class Node:
     def __init__(self, cmd: list[str], name: str, env_extra: dict[str, str] | None = None) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **(env_extra or {})}
         self.name = name
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         self.steps: list[tuple[int, int, float]] = []  # (step, world, unix time)
         self.lines: list[str] = []
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -77,15 +83,45 @@ class Node:
         self.proc.wait(timeout=10)
 
 
-def launcher_cmd(kind: str, nodes: int, endpoint: str, run_id: str, index: int, backend: str = "gloo") -> list[str]:
-    common = ["--nnodes", f"1:{nodes}", "--nproc-per-node", "1", "--max-restarts", "10",
-              "--rdzv-id", run_id, "--monitor-interval", "0.1"]
+def launcher_cmd(
+    kind: str, nodes: int, endpoint: str, run_id: str, index: int, backend: str = "gloo"
+) -> list[str]:
+    common = [
+        "--nnodes",
+        f"1:{nodes}",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "10",
+        "--rdzv-id",
+        run_id,
+        "--monitor-interval",
+        "0.1",
+    ]
     script = [str(WORKER), "--backend", backend]
     if kind == "elastic-run":
-        return [sys.executable, "-m", "elastic.launcher", *common, "--rdzv-endpoint", endpoint,
-                "--node-id", f"node{index}", *script]
-    return [sys.executable, "-m", "torch.distributed.run", *common, "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, *script]
+        return [
+            sys.executable,
+            "-m",
+            "elastic.launcher",
+            *common,
+            "--rdzv-endpoint",
+            endpoint,
+            "--node-id",
+            f"node{index}",
+            *script,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *common,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        *script,
+    ]
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -96,7 +132,9 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
         time.sleep(0.05)
 
 
-def one_recovery(kind: str, nodes: int, etcd: EtcdServer | None, timeout: float, backend: str = "gloo") -> float:
+def one_recovery(
+    kind: str, nodes: int, etcd: EtcdServer | None, timeout: float, backend: str = "gloo"
+) -> float:
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     endpoint = etcd.endpoint if kind == "elastic-run" else f"127.0.0.1:{free_port()}"
     started: list[Node] = []
@@ -104,7 +142,9 @@ def one_recovery(kind: str, nodes: int, etcd: EtcdServer | None, timeout: float,
         for i in range(nodes):
             # With NCCL each simulated node owns one GPU, as a real node would own its own.
             gpu = {"CUDA_VISIBLE_DEVICES": str(i)} if backend == "nccl" else None
-            started.append(Node(launcher_cmd(kind, nodes, endpoint, run_id, i, backend), f"{kind}-{i}", gpu))
+            started.append(
+                Node(launcher_cmd(kind, nodes, endpoint, run_id, i, backend), f"{kind}-{i}", gpu)
+            )
             if i == 0 and kind == "torchrun":
                 time.sleep(1.0)  # let the first agent bind the c10d store port
         victim = started[-1]  # never the c10d store host (the first agent)
@@ -113,11 +153,18 @@ def one_recovery(kind: str, nodes: int, etcd: EtcdServer | None, timeout: float,
             # Whichever node holds global rank 0 prints the steps; ranks move when the group re-forms.
             return [s for node in started for s in node.steps]
 
-        wait_for(lambda: sum(1 for _, w, _ in steps() if w == nodes) >= 20, 120, f"{kind}: {nodes} nodes training together")
+        wait_for(
+            lambda: sum(1 for _, w, _ in steps() if w == nodes) >= 20,
+            120,
+            f"{kind}: {nodes} nodes training together",
+        )
         killed_at = time.time()
         victim.kill()
-        wait_for(lambda: any(w == nodes - 1 and t > killed_at for _, w, t in steps()), timeout,
-                 f"{kind}: first step at world size {nodes - 1} after the kill")
+        wait_for(
+            lambda: any(w == nodes - 1 and t > killed_at for _, w, t in steps()),
+            timeout,
+            f"{kind}: first step at world size {nodes - 1} after the kill",
+        )
         first = min(t for _, w, t in steps() if w == nodes - 1 and t > killed_at)
         return round(first - killed_at, 3)
     except TimeoutError as exc:
@@ -129,18 +176,32 @@ def one_recovery(kind: str, nodes: int, etcd: EtcdServer | None, timeout: float,
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 3])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-torchrun", action="store_true", help="measure elastic-run only")
-    p.add_argument("--torchrun-nodes", type=int, nargs="+", default=[2], help="node counts to run torchrun at")
-    p.add_argument("--timeout", type=float, default=180, help="give up on one recovery after this many seconds")
-    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
-                   help="nccl: one GPU per simulated node (needs as many GPUs as nodes)")
+    p.add_argument(
+        "--torchrun-nodes", type=int, nargs="+", default=[2], help="node counts to run torchrun at"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=180, help="give up on one recovery after this many seconds"
+    )
+    p.add_argument(
+        "--backend",
+        default="gloo",
+        choices=["gloo", "nccl"],
+        help="nccl: one GPU per simulated node (needs as many GPUs as nodes)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
 
-    results: dict[str, object] = {"machine": {"cpus": os.cpu_count()}, "backend": args.backend, "scenarios": {}}
+    results: dict[str, object] = {
+        "machine": {"cpus": os.cpu_count()},
+        "backend": args.backend,
+        "scenarios": {},
+    }
     scenarios: dict[str, dict[str, object]] = results["scenarios"]  # type: ignore[assignment]
     with EtcdServer() as etcd:
         for nodes in args.nodes:
@@ -156,14 +217,18 @@ def main() -> int:
                         runs.append(None)
                 ok = [r for r in runs if r is not None]
                 scenarios[f"{kind}_{nodes}_nodes"] = {
-                    "recovery_s": runs, "median_s": statistics.median(ok) if ok else None,
+                    "recovery_s": runs,
+                    "median_s": statistics.median(ok) if ok else None,
                 }
                 print(f"# {kind} {nodes} nodes: {runs}", file=sys.stderr)
     for nodes in args.nodes:
         ours = scenarios.get(f"elastic-run_{nodes}_nodes", {}).get("median_s")
         theirs = scenarios.get(f"torchrun_{nodes}_nodes", {}).get("median_s")
-        entry: dict[str, object] = {"elastic_run_median_s": ours, "target_s": 5.0,
-                                    "meets_5s": ours is not None and ours <= 5.0}  # type: ignore[operator]
+        entry: dict[str, object] = {
+            "elastic_run_median_s": ours,
+            "target_s": 5.0,
+            "meets_5s": ours is not None and ours <= 5.0,
+        }  # type: ignore[operator]
         if ours and theirs:
             entry["torchrun_c10d_median_s"] = theirs
             entry["speedup_vs_torchrun"] = round(theirs / ours, 2)  # type: ignore[operator]

@@ -28,6 +28,8 @@ def main() -> None:
     step = 0
     while time.monotonic() < end:
         dist.all_reduce(t)
+        if args.backend == "nccl":
+            torch.cuda.synchronize()  # NCCL is asynchronous: a step counts once its collective finished
         step += 1
         if rank == 0:
             print(f"step={step} world={world} t={time.time():.3f}", flush=True)
