@@ -82,13 +82,14 @@ class ElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress.clear(self.progress_dir)
         pids = super()._start_workers(worker_group)
-        self.metrics.update(members=worker_group.group_world_size,
+        self.metrics.update(members=worker_group.group_world_size or 0,
                             generation=getattr(self._handler, "_completed_generation", 0),
                             degraded=bool(getattr(self._handler, "degraded", False)))
         if self._failure_seen_at is not None:
+            # From the failure (or membership change) being seen to the new workers running.
             seconds = round(time.monotonic() - self._failure_seen_at, 3)
             self.metrics.update(last_recovery_seconds=seconds)
-            emit("recovered", node=getattr(self._handler.config, "node_id", None) if hasattr(self._handler, "config") else None,
+            emit("recovered", node=getattr(getattr(self._handler, "config", None), "node_id", None),
                  world_size=worker_group.group_world_size, group_rank=worker_group.group_rank, recovery_s=seconds)
             self._failure_seen_at = None
         return pids

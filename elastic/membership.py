@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from elastic.errors import NodeIdConflictError
 from elastic.etcd_client import EtcdClient
@@ -54,7 +55,7 @@ class Membership:
         self.config = config
         self.nodes_prefix = run_prefix(config.prefix, config.run_id) + "nodes/"
         self.key = self.nodes_prefix + config.node_id
-        self._lease: object | None = None
+        self._lease: Any = None  # etcd3.Lease
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -102,8 +103,10 @@ class Membership:
         interval = self.config.lease_ttl.total_seconds() / 3
         while not self._stop.wait(interval):
             lease = self._lease
+            if lease is None:
+                continue
             try:
-                responses = list(self._client.raw.refresh_lease(lease.id))  # type: ignore[attr-defined]
+                responses = list(self._client.raw.refresh_lease(lease.id))
                 if responses and responses[0].TTL <= 0:
                     log.warning("membership: lease of %s expired; registering again", self.key)
                     self._register(self._info)
@@ -129,6 +132,6 @@ class Membership:
         lease, self._lease = self._lease, None
         if lease is not None:
             try:
-                self._client.call(lease.revoke, what=f"revoke the lease of {self.key}", deadline=timedelta(seconds=3))  # type: ignore[attr-defined]
+                self._client.call(lease.revoke, what=f"revoke the lease of {self.key}", deadline=timedelta(seconds=3))
             except Exception as exc:  # noqa: BLE001 - the lease expires on its own within the TTL
                 log.warning("membership: could not revoke the lease of %s (%s); it expires within the TTL", self.key, exc)

@@ -140,7 +140,8 @@ class RunView:
                     emit("degraded", prefix=self.prefix, degraded=False, seconds=seconds)
                     self.degraded_since = None
                 if self._watch_broken:
-                    watch_id = self._cancel(watch_id)
+                    self._cancel(watch_id)
+                    watch_id = None
                     self._watch_broken = False
                 if watch_id is None:
                     watch_id = self._client.raw.add_watch_prefix_callback(
@@ -152,7 +153,8 @@ class RunView:
                     log.warning("view: etcd unreachable; degraded mode: workers keep training on the last known "
                                 "membership (%s)", exc)
                     emit("degraded", prefix=self.prefix, degraded=True, error=str(exc)[:200])
-                watch_id = self._cancel(watch_id)
+                self._cancel(watch_id)
+                watch_id = None
             self._dirty.wait(self.RESYNC.total_seconds())
             self._dirty.clear()
         self._cancel(watch_id)
@@ -169,7 +171,6 @@ class RunView:
                 self._client.raw.cancel_watch(watch_id)
             except Exception:  # noqa: BLE001 - a broken watch needs no cancelling
                 log.debug("view: cancel_watch failed", exc_info=True)
-        return None
 
 
 def _json_or_empty(value: bytes) -> dict[str, object]:

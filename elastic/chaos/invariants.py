@@ -1,0 +1,224 @@
+"""The invariants a chaos run must keep, checked after the fact from its evidence. Pure functions.
+
+    run_completed                    the job finished every step and every surviving agent exited 0
+    final_digest_matches_reference   bitwise equal to the fault-free reference run, when every committed
+                                     step ran at the reference's world size (otherwise not checked)
+    data_exactly_once_per_epoch      the committed steps are 1..N without gaps or repeats, resumes are at
+                                     checkpoint steps, replaying the sampler over them consumes each
+                                     sample once per epoch, and where the state must equal the
+                                     reference's, every step's loss does (so each step saw the same batch)
+    no_corrupt_checkpoint_restored   no resume from a step that had been corrupted (or that a worker had
+                                     found corrupt) before it was written again
+    steps_lost_within_interval       each fault cost at most its bound (1 checkpoint interval; 2 for
+                                     corrupt-checkpoint, which destroys the newest one on purpose)
+    no_orphan_processes              nothing the harness started, or any of its descendants, is alive
+    all_faults_injected              every fault not skipped fired, and each corruption was read by a restore
+
+A check that cannot be made (e.g. the script prints no digest) is `None` with the reason: it never
+counts as passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic.chaos.timeline import CheckpointSkipped, Event, Lineage, Resumed, Step
+from trainer.data import DataConfig, ElasticSampler
+
+
+@dataclass(frozen=True)
+class Check:
+    ok: bool | None
+    """True kept, False broken, None not checked."""
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultOutcome:
+    kind: str
+    injected: bool
+    skipped: str | None
+    steps_lost: int
+    lost_bound: int
+    """Allowed steps lost, in checkpoint intervals."""
+    injected_t: float | None = None
+    corrupted_step: int | None = None
+    corrupted_node: str | None = None
+    exercised: bool | None = None
+    """For a corruption: a restore afterwards found it corrupt and skipped it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evidence:
+    steps: int
+    ckpt_every: int
+    data: DataConfig | None
+    completed: bool
+    completion_detail: str
+    lineage: Lineage
+    events: list[Event]
+    faults: list[FaultOutcome]
+    orphans: list[str]
+    final_digest: str | None
+    reference_digest: str | None
+    reference_world: int | None
+    reference_losses: dict[int, str | None] = field(default_factory=dict)
+    startup_lost: int = 0
+    """Steps thrown away before the first fault (the first round formed before every node joined)."""
+
+
+def check_all(ev: Evidence) -> dict[str, Check]:
+    return {
+        "run_completed": run_completed(ev),
+        "final_digest_matches_reference": digest_matches(ev),
+        "data_exactly_once_per_epoch": data_exactly_once(ev),
+        "no_corrupt_checkpoint_restored": no_corrupt_restore(ev),
+        "steps_lost_within_interval": steps_lost_within(ev),
+        "no_orphan_processes": no_orphans(ev),
+        "all_faults_injected": all_injected(ev),
+    }
+
+
+def run_completed(ev: Evidence) -> Check:
+    if not ev.completed:
+        return Check(False, ev.completion_detail)
+    last = max(ev.lineage.steps, default=None)
+    if ev.lineage.steps and last != ev.steps:
+        return Check(False, f"the job exited, but its last committed step is {last}, not {ev.steps}")
+    return Check(True, ev.completion_detail)
+
+
+def digest_matches(ev: Evidence) -> Check:
+    if ev.reference_digest is None or ev.final_digest is None:
+        return Check(None, "the script printed no final_digest= line (in the reference or the chaos run)")
+    worlds = {c.world for c in ev.lineage.steps.values()}
+    if None in worlds or ev.reference_world is None:
+        return Check(None, "the world size of some committed steps is unknown (no `worker rank=` lines)")
+    if worlds != {ev.reference_world}:
+        return Check(None, f"not comparable: committed steps ran at world sizes {sorted(worlds)}, the reference at "
+                           f"{ev.reference_world}; a different world size changes the floating-point sums")
+    same = ev.final_digest == ev.reference_digest
+    return Check(same, f"final {ev.final_digest[:16]}... {'==' if same else '!='} reference "
+                       f"{ev.reference_digest[:16]}... (world size {ev.reference_world})")
+
+
+def data_exactly_once(ev: Evidence) -> Check:
+    lin = ev.lineage
+    if not lin.steps:
+        return Check(None, "the script printed no step= lines")
+    problems = list(lin.problems)
+    missing = sorted(set(range(1, ev.steps + 1)) - set(lin.steps))
+    extra = sorted(set(lin.steps) - set(range(1, ev.steps + 1)))
+    if missing:
+        problems.append(f"steps never committed: {_ranges(missing)}")
+    if extra:
+        problems.append(f"steps beyond --steps: {_ranges(extra)}")
+    notes = []
+    if ev.data is not None and not missing:
+        problems += _replay_sampler(ev.data, ev.steps)
+        notes.append(f"sampler replayed over {ev.steps} committed steps "
+                     f"({ev.steps // max(1, ev.data.dataset_size // ev.data.global_batch)} full epochs)")
+    if ev.reference_losses and ev.reference_world is not None:
+        compared = 0
+        for step in sorted(lin.steps):
+            c = lin.steps[step]
+            if c.world != ev.reference_world:
+                break  # from here on the state differs from the reference's by design
+            ref = ev.reference_losses.get(step)
+            if c.loss is not None and ref is not None:
+                compared += 1
+                if c.loss != ref:
+                    problems.append(f"step {step}: loss {c.loss} != reference {ref}: the step did not see the same "
+                                    "batch or state as the reference")
+                    break
+        notes.append(f"{compared} step losses equal to the reference's")
+    if problems:
+        return Check(False, "; ".join(problems[:5]))
+    return Check(True, "; ".join(["committed steps are 1.." + str(ev.steps) + " exactly once", *notes]))
+
+
+def _replay_sampler(data: DataConfig, steps: int) -> list[str]:
+    sampler = ElasticSampler(data, rank=0, world_size=1)
+    seen: dict[int, set[int]] = {}
+    problems = []
+    for step in range(1, steps + 1):
+        epoch = sampler.epoch
+        ids = sampler.global_indices()
+        bucket = seen.setdefault(epoch, set())
+        dup = bucket.intersection(ids)
+        if dup or len(set(ids)) != len(ids):
+            problems.append(f"step {step}: samples {sorted(dup)[:5]} consumed twice in epoch {epoch}")
+        bucket.update(ids)
+        sampler.advance()
+    per_epoch = (data.dataset_size // data.global_batch) * data.global_batch
+    for epoch, ids in seen.items():
+        if epoch < sampler.epoch and len(ids) != per_epoch:
+            problems.append(f"epoch {epoch}: {len(ids)} samples consumed, expected {per_epoch}")
+    return problems
+
+
+def no_corrupt_restore(ev: Evidence) -> Check:
+    """A step is suspect from the moment it is corrupted (or a worker finds it corrupt) until training
+    reaches it again and rewrites it; a resume from it in that window restored corrupt data."""
+    suspects: list[tuple[float, int, str]] = [
+        (f.injected_t, f.corrupted_step, f"corrupted by the harness on {f.corrupted_node}")
+        for f in ev.faults if f.corrupted_step is not None and f.injected_t is not None
+    ]
+    suspects += [(e.t, e.step, f"found corrupt on {e.node}: {e.reason[:120]}")
+                 for e in ev.events if isinstance(e, CheckpointSkipped)]
+    if not suspects:
+        return Check(True, "no checkpoint was corrupted or found corrupt")
+    bad = []
+    for t, step, why in suspects:
+        rewritten = next((e.t for e in ev.events if isinstance(e, Step) and e.t > t and e.step == step), float("inf"))
+        for e in ev.events:
+            if isinstance(e, Resumed) and t < e.t < rewritten and e.step == step:
+                bad.append(f"resumed from step {step} at t={e.t:.1f}s although it was {why}")
+    if bad:
+        return Check(False, "; ".join(bad[:3]))
+    steps = sorted({s for _, s, _ in suspects})
+    return Check(True, f"suspect steps {steps} were never restored before being rewritten")
+
+
+def steps_lost_within(ev: Evidence) -> Check:
+    over = [f"{f.kind}: {f.steps_lost} steps lost > {f.lost_bound * ev.ckpt_every}"
+            for f in ev.faults if f.injected and f.steps_lost > f.lost_bound * ev.ckpt_every]
+    costs = ", ".join(f"{f.kind} {f.steps_lost}" for f in ev.faults if f.injected)
+    if over:
+        return Check(False, "; ".join(over))
+    if not any(f.injected for f in ev.faults):
+        return Check(True, "no fault was injected")
+    note = f"; {ev.startup_lost} steps re-run at start-up before all nodes joined" if ev.startup_lost else ""
+    return Check(True, f"steps lost per fault: {costs} (interval {ev.ckpt_every}){note}")
+
+
+def no_orphans(ev: Evidence) -> Check:
+    if ev.orphans:
+        return Check(False, "still alive: " + "; ".join(ev.orphans[:10]))
+    return Check(True, "every process started for the run, and every descendant seen, is gone")
+
+
+def all_injected(ev: Evidence) -> Check:
+    problems = []
+    for f in ev.faults:
+        if f.skipped is None and not f.injected:
+            problems.append(f"{f.kind} was planned but never fired")
+        if f.corrupted_step is not None and f.exercised is False:
+            problems.append(f"{f.kind}: no restore ever read the corrupted step {f.corrupted_step}")
+    if problems:
+        return Check(False, "; ".join(problems))
+    fired = sum(1 for f in ev.faults if f.injected)
+    skipped = sum(1 for f in ev.faults if f.skipped is not None)
+    return Check(True, f"{fired} fired, {skipped} skipped with a reason")
+
+
+def _ranges(values: list[int]) -> str:
+    out, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:  # type: ignore[list-item]
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(out)
