@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer
+from elastic.membership import run_prefix
 from elastic.proctree import descendants, kill_tree
+from elastic.round import RoundState
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "train_tiny.py"
@@ -30,6 +33,20 @@ def etcd_server() -> Iterator[EtcdServer]:
 @pytest.fixture
 def etcd(etcd_server: EtcdServer) -> EtcdServer:
     return etcd_server
+
+
+@pytest.fixture
+def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
+    c = EtcdClient(EtcdClientConfig(endpoints=etcd.endpoint))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def read_state(client: EtcdClient, run_id: str) -> RoundState | None:
+    value, _ = client.raw.get(run_prefix("elastic-train", run_id) + "rdzv/state")
+    return None if value is None else RoundState.from_json(value)
 
 
 @pytest.fixture

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from elastic import launcher
-from elastic.etcd_client import EtcdClient, EtcdClientConfig
+from elastic.etcd_client import EtcdClient
 from elastic.etcd_server import EtcdServer, free_port
-from elastic.membership import run_prefix
-from elastic.round import RoundState
+from tests.conftest import read_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -96,18 +95,6 @@ def run_cli(args: list[str], timeout: float) -> tuple[int, str, str, float]:
     return proc.returncode, out, err, time.monotonic() - started
 
 
-@pytest.fixture
-def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
-    c = EtcdClient(EtcdClientConfig(endpoints=etcd.endpoint))
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def read_state(client: EtcdClient, run_id: str) -> RoundState | None:
-    value, _ = client.raw.get(run_prefix("elastic-train", run_id) + "rdzv/state")
-    return None if value is None else RoundState.from_json(value)
 
 
 def _start(args: list[str]) -> subprocess.Popen[str]:

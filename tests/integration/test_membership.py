@@ -13,20 +13,12 @@ from datetime import timedelta
 import pytest
 
 from elastic.errors import NodeIdConflictError
-from elastic.etcd_client import EtcdClient, EtcdClientConfig
+from elastic.etcd_client import EtcdClient
 from elastic.etcd_server import EtcdServer
 from elastic.membership import Membership, MembershipConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
-
-@pytest.fixture
-def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
-    c = EtcdClient(EtcdClientConfig(endpoints=etcd.endpoint))
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

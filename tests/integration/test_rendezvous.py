@@ -21,9 +21,9 @@ from torch.distributed.elastic.rendezvous.api import (
 from elastic.errors import EtcdUnavailableError
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer, free_port
-from elastic.membership import Membership, MembershipConfig, run_prefix
+from elastic.membership import Membership, MembershipConfig
 from elastic.rendezvous import EtcdV3RendezvousHandler, RendezvousConfig
-from elastic.round import RoundState
+from tests.conftest import read_state
 
 pytestmark = [
     pytest.mark.integration,
@@ -95,18 +95,6 @@ def cluster(etcd: EtcdServer, run_id: str) -> Iterator[Cluster]:
         c.close()
 
 
-@pytest.fixture
-def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
-    c = EtcdClient(EtcdClientConfig(endpoints=etcd.endpoint))
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def read_state(client: EtcdClient, run_id: str) -> RoundState | None:
-    value, _ = client.raw.get(run_prefix("elastic-train", run_id) + "rdzv/state")
-    return None if value is None else RoundState.from_json(value)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
