@@ -4,22 +4,40 @@
 
 Rank 0 prints `step=<n> loss=<x>` after every step and `final_digest=<hex>` (sha256 of the model and
 optimizer state) at the end. Killed and restarted, it resumes from its newest checkpoint, and the
-final digest equals that of a run that was never interrupted.
+final digest equals that of a run that was never interrupted. Restarted with another
+--nproc-per-node on the same --ckpt-dir, it continues from the same global data position with the
+same global batch (see trainer/data.py for how the batch is split).
+
+Fault injection (for tests and the chaos harness): --crash-at-step kills rank --crash-rank before
+that step, --crash-in-save kills it inside the save of that step, after its files are written and
+before the commit; both only in restart --crash-restart.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset
 
 from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, training_digest
+
+
+def say(line: str) -> None:
+    """Print one whole line in one write: ranks share the launcher's stdout, and print() writes the
+    text and the newline separately, so two ranks' lines could interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def parse_args() -> argparse.Namespace:
@@ -30,19 +48,43 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset-size", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=32, help="samples per step over all ranks")
+    p.add_argument("--max-micro-batch", type=int, default=None,
+                   help="most samples per forward/backward on a rank; more are accumulated over micro-batches")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (draws from the torch RNG)")
+    p.add_argument("--augment", type=float, default=0.0,
+                   help="std of Gaussian noise added to the inputs, drawn from the torch RNG (0: none)")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--log-samples", default=None, metavar="DIR",
+                   help="append the sample ids each rank consumes at each step to DIR/*.jsonl")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows the demo down)")
     p.add_argument("--crash-at-step", type=int, default=None, help="fault injection: SIGKILL this worker at this step")
-    p.add_argument("--crash-rank", type=int, default=0, help="the rank that --crash-at-step kills")
+    p.add_argument("--crash-in-save", type=int, default=None, metavar="STEP",
+                   help="fault injection: SIGKILL this worker in the save of STEP, after its files, before the commit")
+    p.add_argument("--crash-rank", type=int, default=0, help="the rank that --crash-at-step/--crash-in-save kills")
     p.add_argument("--crash-restart", type=int, default=0, help="only crash in this restart attempt")
     return p.parse_args()
 
 
-def synthetic_dataset(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed + 12345)
-    x = torch.randn(size, 16, generator=g)
-    w = torch.randn(16, 1, generator=g)
-    y = x @ w + 0.1 * torch.randn(size, 1, generator=g)
-    return x, y
+class Samples(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
+    """A fixed synthetic regression set; each item carries its sample id."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed + 12345)
+        self.x = torch.randn(size, 16, generator=g)
+        w = torch.randn(16, 1, generator=g)
+        self.y = self.x @ w + 0.1 * torch.randn(size, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+def crash(args: argparse.Namespace, rank: int, restart: int, step: int, option: str, where: str) -> None:
+    if getattr(args, option) == step and rank == args.crash_rank and restart == args.crash_restart:
+        say(f"fault: rank {rank} kills itself (SIGKILL) {where} {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -51,45 +93,62 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    print(f"worker rank={rank} world={world} pid={os.getpid()} restart={restart}", flush=True)
+    say(f"worker rank={rank} world={world} pid={os.getpid()} restart={restart}")
 
     torch.manual_seed(args.seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(32, 1))
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x, y = synthetic_dataset(args.dataset_size, args.seed)
-    sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch, seed=args.seed),
+    dataset = Samples(args.dataset_size, args.seed)
+    sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch,
+                                        seed=args.seed, max_micro_batch=args.max_micro_batch),
                              rank=rank, world_size=world)
-
     run = Resumable(ResumeConfig(ckpt_dir=args.ckpt_dir, save_every=args.ckpt_every),
-                    model=ddp, optimizer=optimizer, sampler=sampler)
+                    model=ddp, optimizer=optimizer, sampler=sampler,
+                    on_rank_saved=lambda s: crash(args, rank, restart, s, "crash_in_save", "in the save of step"))
     step = run.restore()
     if rank == 0 and run.resumed_from is not None:
-        print(f"resumed from step {step}", flush=True)
+        say(f"resumed from step {step}")
+    batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # starts at the restored position
+    log = None
+    if args.log_samples:
+        Path(args.log_samples).mkdir(parents=True, exist_ok=True)
+        log = open(Path(args.log_samples) / f"samples-w{world}-r{rank}-c{restart}-p{os.getpid()}.jsonl", "a")
 
     while step < args.steps:
-        if args.crash_at_step == step and rank == args.crash_rank and restart == args.crash_restart:
-            print(f"fault: rank {rank} kills itself (SIGKILL) at step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        idx = torch.tensor(sampler.indices())
-        loss = nn.functional.mse_loss(ddp(x[idx]), y[idx])
+        crash(args, rank, restart, step, "crash_at_step", "at step")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total, ids = torch.zeros(()), []
+        for i in range(sampler.accum_steps):
+            idx, x, y = next(batches)
+            if args.augment:
+                x = x + args.augment * torch.randn_like(x)
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            with ddp.no_sync() if i < sampler.accum_steps - 1 else nullcontext():
+                loss = nn.functional.mse_loss(ddp(x), y) * sampler.loss_weight(len(idx))
+                loss.backward()
+            total += loss.detach()
+            ids += idx.tolist()
         optimizer.step()
         step += 1
-        # The global mean loss, for the log; every rank holds an equal share of the global batch.
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
+        # The mean loss over the global batch, for the log (each rank's total is weighted by W / G).
+        dist.all_reduce(total)
         if rank == 0:
-            print(f"step={step} loss={mean.item() / world:.6f}", flush=True)
+            say(f"step={step} loss={total.item() / world:.6f}")
+        if log:
+            log.write(json.dumps({"step": step, "epoch": sampler.epoch, "rank": rank, "ids": ids}) + "\n")
+            log.flush()
         run.step_done(step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
+    del batches  # stops the DataLoader workers before the process group goes
+    if log:
+        log.close()
     run.close()
     digest = training_digest(ddp, optimizer)
     if rank == 0:
-        print(f"final_digest={digest}", flush=True)
+        say(f"final_digest={digest}")
     dist.destroy_process_group()
 
 

@@ -1,12 +1,15 @@
 """trainer: make a user's own training loop resumable, exactly.
 
-Public surface: `Resumable` and `ResumeConfig` (restore at start, save every N steps),
-`ElasticSampler` and `DataConfig` (the global data position), `training_digest`, and the errors.
+Public surface: `Resumable` and `ResumeConfig` (restore at start, save every N steps), `train_loop`
+(the same loop written once: you write the step), `ElasticSampler` and `DataConfig` (the global
+data position, the per-rank batch and gradient accumulation), `training_digest` / `state_digest`,
+`Topology`, and the errors.
 """
 
 from trainer.data import DataConfig, ElasticSampler
 from trainer.digest import state_digest, training_digest
 from trainer.errors import StateMismatchError, TrainerError
+from trainer.loop import train_loop
 from trainer.resumable import Resumable, ResumeConfig
 from trainer.topology import Topology
 
@@ -19,5 +22,6 @@ __all__ = [
     "Topology",
     "TrainerError",
     "state_digest",
+    "train_loop",
     "training_digest",
 ]

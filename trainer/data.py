@@ -2,19 +2,36 @@
 
 The sample order of an epoch is a permutation that depends only on (seed, epoch). The position is
 the number of samples of the epoch consumed by committed steps. Each step consumes one global
-batch of `global_batch` samples, split into contiguous equal slices, one per rank; so any world
-size that divides the global batch continues from the same position and every sample of the epoch
-is consumed exactly once. An epoch's last `dataset_size % global_batch` samples (a partial global
-batch) are skipped: every step has the same global batch, so the optimisation does not depend on
-the world size.
+batch of `global_batch` samples: the next `global_batch` ids of the permutation. Any world size
+continues from the same position, so every sample of the epoch is consumed exactly once. An
+epoch's last `dataset_size % global_batch` samples (a partial global batch) are skipped: every step
+has the same global batch, so the optimisation does not depend on the world size.
+
+How a step's global batch is split (the world-size rule, a pure function of G = global_batch,
+W = world size and M = max_micro_batch):
+
+- Rank r gets a contiguous slice of the global batch. The first `G % W` ranks get `ceil(G / W)`
+  samples, the others `floor(G / W)` (the remainder rule; with `G % W == 0` all get `G / W`).
+- Every rank runs the same number of micro-batches per step, `accum_steps = ceil(ceil(G / W) / M)`
+  (1 when M is None), and cuts its slice into that many contiguous, near-equal micro-batches
+  (the first ones one sample larger when it does not divide), none larger than M.
+- Each micro-batch's mean loss is multiplied by `loss_weight(n) = n * W / G` before backward. DDP
+  averages gradients over the W ranks, so the gradient is the mean over the G samples of the global
+  batch, whatever W, M and the remainder. With an even split `loss_weight` is `1 / accum_steps`.
+- It cannot be split when W > G (a rank would get no sample) or when a rank's slice is smaller
+  than `accum_steps` (only with M = 1 and G % W != 0): ElasticSampler raises ValueError.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from trainer.errors import StateMismatchError
 
@@ -27,65 +44,130 @@ class DataConfig:
     """Samples per step across all ranks; constant when the world size changes."""
     seed: int = 0
     """Seed of the per-epoch permutation."""
+    max_micro_batch: int | None = None
+    """Most samples a rank puts through one forward/backward; None: its whole share of the step.
+    A hardware setting: it may change between restarts (the checkpoint does not record it)."""
 
     def __post_init__(self) -> None:
         if self.dataset_size <= 0:
             raise ValueError(f"dataset_size must be positive, got {self.dataset_size}")
         if not 0 < self.global_batch <= self.dataset_size:
             raise ValueError(f"global_batch must be in 1..dataset_size ({self.dataset_size}), got {self.global_batch}")
+        if self.max_micro_batch is not None and self.max_micro_batch <= 0:
+            raise ValueError(f"max_micro_batch must be positive or None, got {self.max_micro_batch}")
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Cut range(n) into `parts` contiguous pieces; the first `n % parts` get one more element."""
+    base, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(seed: int, epoch: int, size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(size, generator=gen)
 
 
 class ElasticSampler:
-    """Hands each rank its slice of each step's global batch and tracks the global position."""
+    """Hands each rank its share of each step's global batch and tracks the global position.
+
+    `epoch` and `position` are the committed position: `advance()` (called by
+    `Resumable.step_done`) moves them one global batch on.
+    """
 
     def __init__(self, config: DataConfig, *, rank: int = 0, world_size: int = 1) -> None:
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not valid for world size {world_size}")
-        if config.global_batch % world_size:
+        g = config.global_batch
+        if world_size > g:
             raise ValueError(
-                f"global batch {config.global_batch} does not divide evenly over world size {world_size}; "
-                "choose a global batch that is a multiple of every world size the job may run at"
-            )
+                f"global batch {g} cannot be split over world size {world_size}: every rank needs at "
+                f"least one sample per step; use a global batch of at least {world_size}")
+        largest = math.ceil(g / world_size)
+        accum = math.ceil(largest / (config.max_micro_batch or largest))
+        if g // world_size < accum:
+            raise ValueError(
+                f"global batch {g} over world size {world_size} gives some ranks {g // world_size} samples, "
+                f"fewer than the {accum} micro-batches per step that max_micro_batch {config.max_micro_batch} "
+                "needs; raise max_micro_batch or use a global batch that world size divides")
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self.accum_steps = accum
+        """Micro-batches (forward/backward passes) per step, equal on every rank."""
+        start, stop = _split(g, world_size)[rank]
+        self._slice = (start, stop)
+        self._micro = [(start + a, start + b) for a, b in _split(stop - start, accum)]
         self.epoch = 0
         self.position = 0
-        self._order: torch.Tensor | None = None
-        self._order_epoch = -1
 
     @property
     def local_batch(self) -> int:
-        return self.config.global_batch // self.world_size
+        """This rank's samples per step (ranks differ by at most one)."""
+        return self._slice[1] - self._slice[0]
 
     @property
     def steps_per_epoch(self) -> int:
         return self.config.dataset_size // self.config.global_batch
 
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order_epoch != self.epoch:
-            gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.epoch)
-            self._order = torch.randperm(self.config.dataset_size, generator=gen)
-            self._order_epoch = self.epoch
-        assert self._order is not None
-        return self._order
+    def loss_weight(self, n: int) -> float:
+        """Factor for the mean loss of a micro-batch of `n` samples (see the module docstring)."""
+        return n * self.world_size / self.config.global_batch
+
+    def _global_batch(self, epoch: int, position: int) -> torch.Tensor:
+        c = self.config
+        return _permutation(c.seed, epoch, c.dataset_size)[position : position + c.global_batch]
+
+    def _next(self, epoch: int, position: int) -> tuple[int, int]:
+        position += self.config.global_batch
+        if position + self.config.global_batch > self.config.dataset_size:
+            return epoch + 1, 0
+        return epoch, position
 
     def global_indices(self) -> list[int]:
         """The sample ids of the current step's whole global batch."""
-        order = self._epoch_order()
-        return order[self.position : self.position + self.config.global_batch].tolist()
+        return self._global_batch(self.epoch, self.position).tolist()
 
     def indices(self) -> list[int]:
         """This rank's sample ids for the current step."""
-        start = self.rank * self.local_batch
-        return self.global_indices()[start : start + self.local_batch]
+        return self._global_batch(self.epoch, self.position)[self._slice[0] : self._slice[1]].tolist()
+
+    def micro_batches(self) -> list[list[int]]:
+        """This rank's sample ids for the current step, cut into `accum_steps` micro-batches."""
+        batch = self._global_batch(self.epoch, self.position)
+        return [batch[a:b].tolist() for a, b in self._micro]
 
     def advance(self) -> None:
         """Mark the current step's global batch consumed."""
-        self.position += self.config.global_batch
-        if self.position + self.config.global_batch > self.config.dataset_size:
-            self.epoch += 1
-            self.position = 0
+        self.epoch, self.position = self._next(self.epoch, self.position)
+
+    def batch_sampler(self) -> StepBatchSampler:
+        """This rank's micro-batches, step after step, for `DataLoader(ds, batch_sampler=...)`.
+
+        See StepBatchSampler; `loader()` builds the DataLoader for you.
+        """
+        return StepBatchSampler(self)
+
+    def loader(self, dataset: Dataset[Any], **kwargs: Any) -> DataLoader[Any]:
+        """A DataLoader over `dataset` that yields this rank's micro-batches from the committed position.
+
+        `kwargs` go to DataLoader (num_workers, collate_fn, pin_memory, prefetch_factor, ...). Each
+        `iter()` of it starts at the committed position, so create the iterator after
+        `Resumable.restore()`. Unless you pass a `generator`, it gets one of its own: a DataLoader
+        without one draws its workers' base seed from the global torch RNG each time it is iterated,
+        which would shift the training RNG stream of a resumed run.
+        """
+        for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
+            if key in kwargs:
+                raise ValueError(f"loader() sets the batching itself; do not pass {key}=")
+        kwargs.setdefault("generator", torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rank))
+        return DataLoader(dataset, batch_sampler=self.batch_sampler(), **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         c = self.config
@@ -100,10 +182,43 @@ class ElasticSampler:
         if differ:
             raise StateMismatchError("the checkpoint's data settings differ from this run's: " + "; ".join(differ)
                                      + ". Resume with the same data settings, or start from a fresh --ckpt-dir.")
-        position = int(state["position"])
+        position, epoch = state.get("position"), state.get("epoch")
+        if not isinstance(position, int) or not isinstance(epoch, int) or epoch < 0:
+            raise StateMismatchError(f"the checkpoint's data position is malformed (epoch {epoch!r}, "
+                                     f"position {position!r}); the checkpoint is damaged")
         if not 0 <= position <= c.dataset_size - c.global_batch or position % c.global_batch:
             raise StateMismatchError(
                 f"the checkpoint's data position {position} is beyond the dataset ({c.dataset_size} samples, "
-                f"global batch {c.global_batch}); the checkpoint does not belong to this dataset")
-        self.epoch = int(state["epoch"])
+                f"global batch {c.global_batch}: the last step of an epoch starts at "
+                f"{(c.dataset_size // c.global_batch - 1) * c.global_batch}); the checkpoint does not "
+                "belong to this dataset")
+        self.epoch = epoch
         self.position = position
+
+
+class StepBatchSampler:
+    """Yields this rank's micro-batches (lists of sample ids), `accum_steps` per step, step after
+    step and epoch after epoch, without end.
+
+    Use it as `DataLoader(ds, batch_sampler=...)` and pull `accum_steps` batches per step. Each
+    `iter()` starts at the sampler's committed position; the iteration runs ahead of it freely
+    (DataLoader workers prefetch), but only `ElasticSampler.advance()` (from `Resumable.step_done`)
+    moves the committed position. Batches prefetched past the last committed step are simply
+    produced again after a restart.
+    """
+
+    def __init__(self, sampler: ElasticSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        s = self.sampler
+        epoch, position = s.epoch, s.position  # a snapshot: iter() is called when the loader's iterator is made
+        return self._from(epoch, position)
+
+    def _from(self, epoch: int, position: int) -> Iterator[list[int]]:
+        s = self.sampler
+        while True:
+            batch = s._global_batch(epoch, position)
+            for a, b in s._micro:
+                yield batch[a:b].tolist()
+            epoch, position = s._next(epoch, position)

@@ -4,6 +4,7 @@ torch CPU and each CUDA device. The captured form is a tree of ints, tuples and 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -37,6 +38,19 @@ def restore(state: dict[str, Any]) -> None:
         devices = state["cuda"]
         if len(devices) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(devices)
+
+
+def derive(state: dict[str, Any], rank: int) -> None:
+    """Seed every RNG of a rank that has no captured state of its own (it did not exist when the
+    checkpoint was written) from `state` (another rank's capture) and `rank`: deterministic, and
+    different for each rank."""
+    h = hashlib.sha256(state["torch"].numpy().tobytes())
+    h.update(rank.to_bytes(8, "little"))
+    seed = int.from_bytes(h.digest()[:8], "little") >> 1
+    random.seed(seed)
+    if np is not None:
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 def _as_python_state(value: Any) -> tuple[Any, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -11,12 +12,14 @@ import pytest
 import torch
 from torch import nn
 
+from ckpt import CheckpointVersionError
 from trainer import (
     DataConfig,
     ElasticSampler,
     Resumable,
     ResumeConfig,
     StateMismatchError,
+    Topology,
     training_digest,
 )
 
@@ -104,3 +107,115 @@ def test_model_mismatch_lists_the_keys(tmp_path: Path) -> None:
 def test_save_every_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="save_every"):
         ResumeConfig(ckpt_dir=str(tmp_path), save_every=0)
+
+
+def test_rng_dependent_model_resumes_bitwise_and_the_check_can_fail(tmp_path: Path) -> None:
+    """Dropout and input noise draw from the torch RNG; the resume restores it. A control run that
+    perturbs the RNG after the restore must end elsewhere, so the equality is not vacuous."""
+
+    def run_to(root: Path, stop: int, *, perturb: bool = False) -> str:
+        run, model, opt, _ = make(root)
+        step = run.restore()
+        if perturb:
+            torch.rand(1)
+        data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+        while step < stop:
+            x = data[run.sampler.indices()]  # type: ignore[union-attr]
+            x = x + 0.3 * torch.randn_like(x)  # augmentation
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step += 1
+            run.step_done(step)
+        return training_digest(model, opt)
+
+    reference = run_to(tmp_path / "ref", 6)
+    run_to(tmp_path / "cut", 4)
+    assert run_to(tmp_path / "cut", 6) == reference
+    run_to(tmp_path / "ctl", 4)
+    assert run_to(tmp_path / "ctl", 6, perturb=True) != reference
+
+
+def test_grad_scaler_and_extras_round_trip(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    saved = {"scale": 77.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 2}
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(saved)
+    run = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=model, scaler=scaler,
+                    extras={"tokens": 123, "phase": ["warmup", 1.5]})
+    run.step_done(1)
+    fresh = torch.amp.GradScaler("cpu")
+    run2 = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=nn.Linear(2, 1), scaler=fresh)
+    assert run2.restore() == 1
+    assert fresh.state_dict() == saved
+    assert run2.extras == {"tokens": 123, "phase": ["warmup", 1.5]}
+
+
+def test_extras_must_be_json_able(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="JSON-able"):
+        Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=nn.Linear(2, 1), extras={"t": torch.ones(1)})
+    run = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=nn.Linear(2, 1))
+    run.extras["bad"] = {1, 2}
+    with pytest.raises(ValueError, match="JSON-able"):
+        run.step_done(1)
+
+
+@pytest.mark.parametrize("field,value", [("dataset_size", 72), ("global_batch", 16), ("seed", 1)])
+def test_other_data_settings_say_what_differs_and_change_nothing(tmp_path: Path, field: str, value: int) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 2)
+    torch.manual_seed(5)
+    other_model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    before = training_digest(other_model)
+    settings = {"dataset_size": 64, "global_batch": 8, "seed": 0, field: value}
+    sampler = ElasticSampler(DataConfig(**settings))
+    other = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2), model=other_model, sampler=sampler)
+    with pytest.raises(StateMismatchError, match=f"{field}: checkpoint .*, now {value}"):
+        other.restore()
+    assert training_digest(other_model) == before  # checked before anything was loaded
+
+
+def test_other_optimizer_class_is_named(tmp_path: Path) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 2)
+    torch.manual_seed(0)
+    model2 = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    sgd = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    other = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2), model=model2, optimizer=sgd)
+    with pytest.raises(StateMismatchError, match="SGD.*betas.*momentum"):
+        other.restore()
+
+
+def test_checkpoint_of_a_newer_format_stops_the_resume(tmp_path: Path) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 4)  # steps 2 and 4 committed
+    commit = next((tmp_path / "ckpt").glob("step_000000000004/COMMIT"))
+    marker = json.loads(commit.read_text())
+    marker["format_version"] += 1
+    commit.write_text(json.dumps(marker))
+    run2, *_ = make(tmp_path)
+    with pytest.raises(CheckpointVersionError) as info:
+        run2.restore()  # must not fall back to step 2 silently
+    message = str(info.value)
+    assert "cannot resume from" in message and "newer elastic-train" in message and "COMMIT" in message
+
+
+def test_new_rank_gets_derived_deterministic_rng(tmp_path: Path) -> None:
+    """A rank that did not exist when the checkpoint was written (the world grew)."""
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 2)
+    own = torch.rand(4)  # rank 0's stream right after the checkpoint of step 2
+
+    def restored_stream(rank: int) -> torch.Tensor:
+        torch.manual_seed(1234)
+        r = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2),
+                      model=nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1)),
+                      topology=Topology(rank=rank, world_size=3, local_rank=rank))
+        assert r.restore() == 2
+        return torch.rand(4)
+
+    assert torch.equal(restored_stream(0), own)
+    one, two = restored_stream(1), restored_stream(2)
+    assert torch.equal(one, restored_stream(1))  # deterministic
+    assert not torch.equal(one, two) and not torch.equal(one, own)

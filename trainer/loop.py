@@ -1,0 +1,62 @@
+"""`train_loop`: the resumable loop written once, for users who only write the step.
+
+    def train_step(step: int, micro_batches: list) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for i, batch in enumerate(micro_batches):   # sampler.accum_steps of them
+            with ddp.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+                loss = loss_fn(ddp(batch.x), batch.y) * sampler.loss_weight(len(batch.x))
+                loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+    run = Resumable(ResumeConfig(ckpt_dir=..., save_every=100), model=ddp, optimizer=optimizer,
+                    scheduler=scheduler, sampler=sampler)
+    train_loop(train_step, run, total_steps, loader=sampler.loader(dataset, num_workers=2))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from trainer.resumable import Resumable
+
+
+def train_loop(
+    train_step: Callable[[int, list[Any]], Any],
+    resumable: Resumable,
+    total_steps: int,
+    *,
+    loader: Iterable[Any] | None = None,
+) -> int:
+    """Restore, run `train_step` for every step up to `total_steps`, then close; return the step reached.
+
+    `train_step(step, micro_batches)` does one optimizer step. `step` counts the steps completed
+    before it (0 on a fresh start); `micro_batches` holds this rank's `sampler.accum_steps`
+    micro-batches of the step: items of `loader` (build it with `sampler.loader(dataset)`; it is
+    iterated only after the restore, so it starts at the restored data position), or lists of
+    sample ids when `loader` is None. After each step `resumable.step_done` advances the data
+    position and saves every `save_every` steps. Its return value is ignored.
+    """
+    sampler = resumable.sampler
+    if sampler is None:
+        raise ValueError("train_loop needs a Resumable with a sampler (it hands each step its micro-batches)")
+    if total_steps < 0:
+        raise ValueError(f"total_steps must be >= 0, got {total_steps}")
+    batches = None
+    try:
+        step = resumable.restore()
+        batches = iter(loader) if loader is not None else None
+        while step < total_steps:
+            if batches is None:
+                micro: list[Any] = list(sampler.micro_batches())
+            else:
+                micro = [next(batches) for _ in range(sampler.accum_steps)]
+            train_step(step, micro)
+            step += 1
+            resumable.step_done(step)
+    finally:
+        # Stop DataLoader workers now, not at interpreter exit (where they can outlive the process group).
+        del batches
+        resumable.close()
+    return step
