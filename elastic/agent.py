@@ -17,6 +17,7 @@ this agent instead of the stock one.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shutil
@@ -142,6 +143,12 @@ class ElasticAgent(LocalElasticAgent):
              max_restarts=worker_group.spec.max_restarts)
 
 
+def _accepted(target: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments `target` accepts (older torch releases lack some)."""
+    params = inspect.signature(target).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
 def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: list[Any], agent_config: AgentConfig) -> dict[int, Any]:
     """Run one node's agent to completion (torch's `launch_agent`, with `ElasticAgent`)."""
     rdzv_parameters = RendezvousParameters(
@@ -154,8 +161,14 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: lis
         **config.rdzv_configs,
     )
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    spec = WorkerSpec(
+    if hasattr(config, "signals_to_handle"):
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    # LaunchConfig, WorkerSpec and LocalElasticAgent grow fields between torch releases
+    # (torch>=2.4 is supported): pass along only what this torch has.
+    optional = {name: getattr(config, name) for name in (
+        "event_log_handler", "numa_options", "duplicate_stdout_filters", "duplicate_stderr_filters",
+        "virtual_local_rank", "local_addr") if hasattr(config, name)}
+    spec = WorkerSpec(**_accepted(WorkerSpec, dict(
         role=config.role,
         local_world_size=config.nproc_per_node,
         entrypoint=entrypoint,
@@ -165,21 +178,14 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: lis
         monitor_interval=config.monitor_interval,
         master_addr=master_addr,
         master_port=master_port,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        duplicate_stdout_filters=config.duplicate_stdout_filters,
-        duplicate_stderr_filters=config.duplicate_stderr_filters,
-        virtual_local_rank=config.virtual_local_rank,
-    )
-    agent = ElasticAgent(
-        spec,
-        agent_config=agent_config,
+        **optional,
+    )))
+    agent = ElasticAgent(spec, agent_config=agent_config, **_accepted(LocalElasticAgent.__init__, dict(
         logs_specs=config.logs_specs,
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=config.shutdown_timeout,
-    )
+        shutdown_timeout=getattr(config, "shutdown_timeout", None),
+    )))
     shutdown_rdzv = True
     try:
         torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))

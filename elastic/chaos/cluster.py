@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from elastic.chaos.config import ChaosConfig
+from elastic.chaos.network import NetnsNetwork, NodeNet
 from elastic.chaos.timeline import AgentEvent, Timeline, parse
 from elastic.etcd_server import EtcdServer, EtcdServerConfig, free_port
 from elastic.proctree import descendants, kill_tree
@@ -71,6 +72,7 @@ class ProcessLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seen: dict[tuple[int, int], str] = {}
+        self._below_roots: set[int] = set()
         self._roots: list[Callable[[], list[int]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="chaos-ledger", daemon=True)
@@ -99,8 +101,12 @@ class ProcessLedger:
                 roots = list(self._roots)
             for get in roots:
                 for pid in get():
-                    self.record_tree(pid)
-            _reap_orphans()
+                    below = self.record_tree(pid)[1:]
+                    with self._lock:
+                        self._below_roots.update(below)
+            with self._lock:
+                orphans = set(self._below_roots)
+            _reap_orphans(orphans)
 
     def survivors(self) -> list[str]:
         """Recorded processes still alive, as 'pid cmdline'."""
@@ -140,17 +146,15 @@ def become_subreaper() -> bool:
     return _SUBREAPER
 
 
-_OWN_CHILDREN: set[int] = set()
-"""Pids this process started through Popen: their status belongs to their Popen object."""
-
-
-def _reap_orphans() -> None:
+def _reap_orphans(candidates: set[int]) -> None:
+    """Reap zombies re-parented to us. Only processes first seen below an agent qualify: the status
+    of a child we started ourselves belongs to its Popen object."""
     if not _SUBREAPER:
         return
     me = os.getpid()
-    for pid in descendants(me):
+    for pid in candidates:
         st = _stat(pid)
-        if st is not None and st[0] == "Z" and st[1] == me and pid not in _OWN_CHILDREN:
+        if st is not None and st[0] == "Z" and st[1] == me:
             try:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
@@ -257,16 +261,18 @@ class SimNode:
     """One simulated node: an `elastic-run` agent (own session) whose output feeds the timeline."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], *, local_dir: Path, log_path: Path,
-                 timeline: Timeline, ledger: ProcessLedger) -> None:
+                 timeline: Timeline, ledger: ProcessLedger, net: NodeNet | None = None) -> None:
         self.name = name
         self.local_dir = local_dir
         self.log_path = log_path
+        self.net = net
         self.killed = False
+        self.partitioned = False
+        """Cut off the network: out of the job, though its processes still run until the end."""
         self._timeline = timeline
         self._log = open(log_path, "w", buffering=1)  # noqa: SIM115 - closed by the reader thread
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      start_new_session=True, errors="replace")
-        _OWN_CHILDREN.add(self.proc.pid)
         ledger.record(self.proc.pid, f"agent of {name}")
         self._reader = threading.Thread(target=self._read, name=f"chaos-{name}", daemon=True)
         self._reader.start()
@@ -336,7 +342,8 @@ class Cluster:
     """The simulated nodes of one job (the reference run or the chaos run) on a shared etcd."""
 
     def __init__(self, config: ChaosConfig, *, name: str, work_dir: Path, log_dir: Path, etcd: EtcdMembers,
-                 ledger: ProcessLedger, shared_flag: str | None = None) -> None:
+                 ledger: ProcessLedger, shared_flag: str | None = None, samples_flag: str | None = None,
+                 network: NetnsNetwork | None = None) -> None:
         self.config = config
         self.name = name
         self.run_id = f"chaos-{name}-{uuid.uuid4().hex[:8]}"
@@ -345,13 +352,27 @@ class Cluster:
         self.etcd = etcd
         self.ledger = ledger
         self.shared_flag = shared_flag
+        self.samples_flag = samples_flag
+        self.samples_dir = work_dir / "samples"
+        """Where the default script logs the sample ids each rank consumes (with `--log-samples`)."""
+        self.network = network
         self.shared_dir = work_dir / "shared"
         self.shared_dir.mkdir(parents=True, exist_ok=True)
         self.timeline = Timeline()
         self.nodes: list[SimNode] = []
         self.mounts: list[Path] = []
         self.t0 = time.monotonic()
+        self.barrier = work_dir / ".start"
         ledger.watch(lambda: [n.pid for n in self.nodes if n.running()])
+
+    def start(self, nodes: int, *, tmpfs_mb: int | None = None, timeout_s: float = 120.0) -> None:
+        """Start `nodes` nodes and let them all into the rendezvous at once (see `elastic.chaos._agent`)."""
+        for _ in range(nodes):
+            self.add_node(tmpfs_mb=tmpfs_mb)
+        deadline = time.monotonic() + timeout_s
+        self.wait(lambda: all((self.work_dir / f".ready-{n.name}").exists() or not n.running() for n in self.nodes),
+                  deadline)
+        self.barrier.touch()
 
     def add_node(self, *, tmpfs_mb: int | None = None) -> SimNode:
         name = f"node{len(self.nodes)}"
@@ -365,29 +386,39 @@ class Cluster:
         script_argv = cfg.script_argv(local_dir=local_dir, shared_dir=self.shared_dir, node=name)
         if cfg.is_default_script and self.shared_flag:
             script_argv += [self.shared_flag, str(self.shared_dir)]
+        if cfg.is_default_script and self.samples_flag:
+            script_argv += [self.samples_flag, str(self.samples_dir)]
+        net = self.network.add_node() if self.network is not None else None
         argv = [
-            sys.executable, "-m", "elastic.launcher",
+            sys.executable, "-m", "elastic.chaos._agent", "--ready", str(self.work_dir / f".ready-{name}"),
+            "--barrier", str(self.barrier), "--",
             "--nnodes", f"1:{cfg.max_nodes}", "--nproc-per-node", str(cfg.nproc_per_node),
             "--max-restarts", "100", "--monitor-interval", "0.1",
             "--rdzv-endpoint", self.etcd.endpoints, "--rdzv-id", self.run_id, "--node-id", name,
             "--rdzv-conf", "join_timeout=120",
-            "--hang-timeout", str(cfg.hang_timeout_s),
+            *(["--hang-timeout", str(cfg.hang_timeout_s)] if cfg.detects_hangs else []),
+            *(["--local-addr", net.address] if net else []),
             str(cfg.script), *script_argv,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO", "OMP_NUM_THREADS": "1",
                "ELASTIC_CHAOS_NODE": name, "ELASTIC_CHAOS_LOCAL_DIR": str(local_dir),
                "ELASTIC_CHAOS_SHARED_DIR": str(self.shared_dir)}
+        if net is not None:
+            assert self.network is not None
+            argv = self.network.wrap(net, argv)
+            env["GLOO_SOCKET_IFNAME"] = net.interface
         node = SimNode(name, argv, env, local_dir=local_dir, log_path=self.log_dir / f"{self.name}-{name}.log",
-                       timeline=self.timeline, ledger=self.ledger)
+                       timeline=self.timeline, ledger=self.ledger, net=net)
         self.nodes.append(node)
         return node
 
     @property
     def live_nodes(self) -> list[SimNode]:
-        return [n for n in self.nodes if not n.killed and n.running()]
+        return [n for n in self.nodes if not n.killed and not n.partitioned and n.running()]
 
     def finished(self) -> bool:
-        return all(not n.running() for n in self.nodes)
+        """Every node still in the job has exited (a partitioned node never learns that the job ended)."""
+        return all(not n.running() for n in self.nodes if not n.partitioned)
 
     def workers(self) -> list[tuple[SimNode, Worker]]:
         return [(n, w) for n in self.live_nodes for w in n.workers()]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic.chaos.faults import FaultSpec, check_feasible, max_nodes
+from elastic.chaos.schedule import LASTING, MAX_HOLD_S, plan
 
 REPO = Path(__file__).resolve().parent.parent.parent
 TINY = REPO / "examples" / "train_tiny.py"
@@ -41,15 +42,17 @@ class ChaosConfig:
     ckpt_every: int = 5
     """Checkpoint interval in steps; bounds the steps a fault may cost."""
     hang_timeout_s: float = 5.0
-    """The agents' --hang-timeout: a worker without progress this long is killed."""
+    """The agents' --hang-timeout, set when hang-worker is planned: a worker without progress this long is killed."""
     train_seed: int = 0
     """The training script's --seed (model init, data order); the same for the reference run."""
     global_batch: int | None = None
     """Samples per step; None: the smallest multiple of every possible world size that is >= 12."""
     dataset_size: int | None = None
     """Samples in the dataset; None: 20 global batches plus a partial tail, so a run spans epochs."""
-    step_sleep_s: float = 0.05
-    """The default script's --step-sleep, so faults land between steps on a fast machine."""
+    step_sleep_s: float | None = None
+    """The default script's --step-sleep, so faults land between steps on a fast machine. None: 0.05 s,
+    or more when a fault that lasts seconds (etcd down, an outage, a full disk) needs training time to
+    play out before the next fault is due."""
     script: Path = TINY
     """The training script, run by every node's agent."""
     script_args: tuple[str, ...] | None = None
@@ -95,6 +98,8 @@ class ChaosConfig:
         if bad:
             raise ValueError(f"global batch {batch} does not divide world size(s) {bad} that this run can reach "
                              f"(worlds {self.world_sizes}); pick a multiple of {math.lcm(*self.world_sizes)}")
+        plan(self.faults, steps=self.steps, ckpt_every=self.ckpt_every, seed=self.seed, nodes=self.nodes,
+             nproc_per_node=self.nproc_per_node, etcd_members=self.etcd_members)  # raises if the steps are too few
         if self.dataset_size is not None and self.dataset_size < batch:
             raise ValueError(f"dataset size {self.dataset_size} is smaller than the global batch {batch}")
 
@@ -120,6 +125,21 @@ class ChaosConfig:
         return self.dataset_size if self.dataset_size is not None else 20 * self.effective_global_batch + 7
 
     @property
+    def effective_step_sleep(self) -> float:
+        if self.step_sleep_s is not None:
+            return self.step_sleep_s
+        lasting = sum(1 for f in self.faults if f.kind in LASTING)
+        if not lasting:
+            return 0.05
+        slot = max(1, (self.steps - self.ckpt_every - 2) // len(self.faults))
+        return round(max(0.05, (MAX_HOLD_S + 4.0) / slot), 3)
+
+    @property
+    def detects_hangs(self) -> bool:
+        """The agents run with --hang-timeout only when a hang is planned (the brief's hang-worker needs it)."""
+        return any(f.kind == "hang-worker" for f in self.faults)
+
+    @property
     def is_default_script(self) -> bool:
         return self.script_args is None
 
@@ -133,7 +153,7 @@ class ChaosConfig:
         if self.script_args is None:
             return ["--steps", values["steps"], "--ckpt-dir", values["local_dir"], "--ckpt-every", values["ckpt_every"],
                     "--seed", values["seed"], "--global-batch", values["global_batch"],
-                    "--dataset-size", values["dataset_size"], "--step-sleep", str(self.step_sleep_s)]
+                    "--dataset-size", values["dataset_size"], "--step-sleep", str(self.effective_step_sleep)]
         return [_substitute(arg, values) for arg in self.script_args]
 
 

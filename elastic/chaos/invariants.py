@@ -46,6 +46,8 @@ class FaultOutcome:
     corrupted_node: str | None = None
     exercised: bool | None = None
     """For a corruption: a restore afterwards found it corrupt and skipped it."""
+    not_fired: str | None = None
+    """Why a fault that was not skipped never fired."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +67,10 @@ class Evidence:
     reference_losses: dict[int, str | None] = field(default_factory=dict)
     startup_lost: int = 0
     """Steps thrown away before the first fault (the first round formed before every node joined)."""
+    consumed: dict[int, list[int]] | None = None
+    """The sample ids each committed step consumed, as the script logged them; None: not logged."""
+    consumed_problems: list[str] = field(default_factory=list)
+    """Gaps in that log (a committed step without records, ranks missing)."""
 
 
 def check_all(ev: Evidence) -> dict[str, Check]:
@@ -95,7 +101,7 @@ def digest_matches(ev: Evidence) -> Check:
     if None in worlds or ev.reference_world is None:
         return Check(None, "the world size of some committed steps is unknown (no `worker rank=` lines)")
     if worlds != {ev.reference_world}:
-        return Check(None, f"not comparable: committed steps ran at world sizes {sorted(worlds)}, the reference at "
+        return Check(None, f"not comparable: committed steps ran at world sizes {sorted(w for w in worlds if w is not None)}, the reference at "
                            f"{ev.reference_world}; a different world size changes the floating-point sums")
     same = ev.final_digest == ev.reference_digest
     return Check(same, f"final {ev.final_digest[:16]}... {'==' if same else '!='} reference "
@@ -114,10 +120,17 @@ def data_exactly_once(ev: Evidence) -> Check:
     if extra:
         problems.append(f"steps beyond --steps: {_ranges(extra)}")
     notes = []
-    if ev.data is not None and not missing:
+    if ev.consumed is not None:
+        problems += ev.consumed_problems
+        if ev.data is not None:
+            problems += _check_consumed(ev.consumed, ev.data)
+        notes.append(f"sample ids logged by the workers for {len(ev.consumed)} committed steps: each sample once per "
+                     "epoch, each step's ids those of the global data position")
+    elif ev.data is not None and not missing:
         problems += _replay_sampler(ev.data, ev.steps)
         notes.append(f"sampler replayed over {ev.steps} committed steps "
-                     f"({ev.steps // max(1, ev.data.dataset_size // ev.data.global_batch)} full epochs)")
+                     f"({ev.steps // max(1, ev.data.dataset_size // ev.data.global_batch)} full epoch(s); the script "
+                     "logs no sample ids)")
     if ev.reference_losses and ev.reference_world is not None:
         compared = 0
         for step in sorted(lin.steps):
@@ -137,6 +150,34 @@ def data_exactly_once(ev: Evidence) -> Check:
     return Check(True, "; ".join(["committed steps are 1.." + str(ev.steps) + " exactly once", *notes]))
 
 
+def _check_consumed(consumed: dict[int, list[int]], data: DataConfig) -> list[str]:
+    """The logged ids against the sampler's definition: every step consumed exactly its global batch
+    of the global position, so no sample of an epoch was skipped or seen twice."""
+    sampler = ElasticSampler(data, rank=0, world_size=1)
+    per_epoch = (data.dataset_size // data.global_batch) * data.global_batch
+    problems: list[str] = []
+    seen: dict[int, set[int]] = {}
+    last = max(consumed, default=0)
+    for step in range(1, last + 1):
+        epoch, expected = sampler.epoch, sampler.global_indices()
+        sampler.advance()
+        ids = consumed.get(step)
+        if ids is None:
+            continue
+        bucket = seen.setdefault(epoch, set())
+        twice = bucket.intersection(ids) | {i for i in ids if ids.count(i) > 1}
+        if twice:
+            problems.append(f"step {step}: samples {sorted(twice)[:5]} consumed twice in epoch {epoch}")
+        elif sorted(ids) != sorted(expected):
+            problems.append(f"step {step}: consumed {len(ids)} samples that are not the global batch at its data "
+                            f"position (e.g. {sorted(set(ids) - set(expected))[:5]})")
+        bucket.update(ids)
+    for epoch, distinct in seen.items():
+        if epoch < sampler.epoch and len(distinct) != per_epoch:
+            problems.append(f"epoch {epoch}: {len(distinct)} distinct samples consumed, expected {per_epoch}")
+    return problems[:5]
+
+
 def _replay_sampler(data: DataConfig, steps: int) -> list[str]:
     sampler = ElasticSampler(data, rank=0, world_size=1)
     seen: dict[int, set[int]] = {}
@@ -151,9 +192,9 @@ def _replay_sampler(data: DataConfig, steps: int) -> list[str]:
         bucket.update(ids)
         sampler.advance()
     per_epoch = (data.dataset_size // data.global_batch) * data.global_batch
-    for epoch, ids in seen.items():
-        if epoch < sampler.epoch and len(ids) != per_epoch:
-            problems.append(f"epoch {epoch}: {len(ids)} samples consumed, expected {per_epoch}")
+    for epoch, consumed in seen.items():
+        if epoch < sampler.epoch and len(consumed) != per_epoch:
+            problems.append(f"epoch {epoch}: {len(consumed)} samples consumed, expected {per_epoch}")
     return problems
 
 
@@ -164,7 +205,7 @@ def no_corrupt_restore(ev: Evidence) -> Check:
         (f.injected_t, f.corrupted_step, f"corrupted by the harness on {f.corrupted_node}")
         for f in ev.faults if f.corrupted_step is not None and f.injected_t is not None
     ]
-    suspects += [(e.t, e.step, f"found corrupt on {e.node}: {e.reason[:120]}")
+    suspects += [(e.t, e.step, f"found unreadable on {e.node}: {e.reason[:120]}")
                  for e in ev.events if isinstance(e, CheckpointSkipped)]
     if not suspects:
         return Check(True, "no checkpoint was corrupted or found corrupt")
@@ -176,8 +217,8 @@ def no_corrupt_restore(ev: Evidence) -> Check:
                 bad.append(f"resumed from step {step} at t={e.t:.1f}s although it was {why}")
     if bad:
         return Check(False, "; ".join(bad[:3]))
-    steps = sorted({s for _, s, _ in suspects})
-    return Check(True, f"suspect steps {steps} were never restored before being rewritten")
+    suspect_steps = sorted({s for _, s, _ in suspects})
+    return Check(True, f"suspect steps {suspect_steps} were never restored before being rewritten")
 
 
 def steps_lost_within(ev: Evidence) -> Check:
@@ -202,7 +243,7 @@ def all_injected(ev: Evidence) -> Check:
     problems = []
     for f in ev.faults:
         if f.skipped is None and not f.injected:
-            problems.append(f"{f.kind} was planned but never fired")
+            problems.append(f"{f.kind} was planned but never fired" + (f" ({f.not_fired})" if f.not_fired else ""))
         if f.corrupted_step is not None and f.exercised is False:
             problems.append(f"{f.kind}: no restore ever read the corrupted step {f.corrupted_step}")
     if problems:

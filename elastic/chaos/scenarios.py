@@ -31,7 +31,7 @@ SCENARIOS: dict[str, Scenario] = {
     "smoke": Scenario("smoke", {
         "nodes": 2, "nproc_per_node": 1, "steps": 40, "ckpt_every": 5, "seed": 0,
         "faults": parse_faults("kill-worker,corrupt-checkpoint,kill-node@last"),
-        "timeout_s": 150.0, "recovery_timeout_s": 60.0,
+        "timeout_s": 120.0, "recovery_timeout_s": 60.0,
     }),
     "mixed": Scenario("mixed", {
         "nodes": 3, "nproc_per_node": 1, "steps": 60, "ckpt_every": 5,

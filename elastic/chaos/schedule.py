@@ -18,6 +18,10 @@ from typing import Literal
 
 from elastic.chaos.faults import CATALOG, FaultSpec
 
+LASTING = ("restart-etcd", "shared-storage-outage", "disk-full")
+"""Faults that last `hold_s` seconds before they are healed."""
+MIN_HOLD_S, MAX_HOLD_S = 2.0, 4.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class PlannedFault:
@@ -74,7 +78,7 @@ def plan(
                 target = rng.choice(members)
         if kind.target == "etcd" and isinstance(target, int) and target in members:
             members.remove(target)
-        hold_s = round(rng.uniform(2.0, 4.0), 2) if spec.kind in ("restart-etcd", "shared-storage-outage", "disk-full") else 0.0
+        hold_s = round(rng.uniform(MIN_HOLD_S, MAX_HOLD_S), 2) if spec.kind in LASTING else 0.0
         out.append(PlannedFault(index=i, kind=spec.kind, at_step=at_step, target=target, hold_s=hold_s))
         if kind.removes_node:
             live -= 1

@@ -22,6 +22,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 _PREFIX = r"^(?:\[[^\]]*\]:?\s*)?"  # torchrun's --tee / --log-line-prefix-template, e.g. "[default0]:"
@@ -174,6 +175,8 @@ class CommittedStep:
     t: float
     loss: str | None
     world: int | None
+    attempt: int = 0
+    """Index of the attempt that computed it."""
 
 
 @dataclass
@@ -207,7 +210,7 @@ def lineage(runs: list[Attempt], ckpt_every: int) -> Lineage:
             if e.step != prev + 1:
                 what = "repeated" if e.step <= prev else "skipped"
                 problems.append(f"attempt {i + 1}: step {e.step} follows step {prev} (steps {what})")
-            committed[e.step] = CommittedStep(e.step, e.t, e.loss, attempt.world)
+            committed[e.step] = CommittedStep(e.step, e.t, e.loss, attempt.world, i)
             prev = e.step
         reached = prev if attempt.steps else start
     return Lineage(committed, problems, lost)
@@ -237,14 +240,15 @@ class FaultCost:
     """Restarts of the worker group in the fault's window."""
 
 
-_DETECTIONS = {"hang_detected", "leave", "restart", "round_closed"}
+_DETECTIONS = {"hang_detected", "leave", "restart", "round_closed", "degraded"}
 
 
 def fault_cost(events: list[Event], runs: list[Attempt], lin: Lineage, start: float, end: float) -> FaultCost:
     """What the fault injected at `start` cost, judged from the events before `end` (the next fault)."""
     detect = next((e.t for e in events if start <= e.t < end and (
         isinstance(e, AgentFailure) or (isinstance(e, AgentEvent) and e.name in _DETECTIONS
-                                        and not (e.name == "leave" and e.fields.get("reason") == "shutdown")))), None)
+                                        and not (e.name == "leave" and e.fields.get("reason") == "shutdown")
+                                        and not (e.name == "degraded" and not e.fields.get("degraded"))))), None)
     restarted = [a for a in runs if start <= a.start_t < end]
     resume = next((a.steps[0].t for a in restarted if a.steps), None)
     lost = sum(n for t, n in lin.lost if start <= t < end)
@@ -254,3 +258,62 @@ def fault_cost(events: list[Event], runs: list[Attempt], lin: Lineage, start: fl
         steps_lost=lost,
         restarts=len(restarted),
     )
+
+
+# -- consumed samples (train_tiny --log-samples) -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One rank's sample ids at one step, as the script logged them."""
+
+    pid: int
+    step: int
+    rank: int
+    ids: tuple[int, ...]
+
+
+_SAMPLES_FILE = re.compile(r"-p(\d+)\.jsonl$")
+
+
+def read_samples(directory: Path) -> list[SampleRecord]:
+    """Every `{"step", "rank", "ids"}` line of `directory/*-p<pid>.jsonl` (a torn last line is skipped)."""
+    out = []
+    for path in sorted(directory.glob("*.jsonl")):
+        m = _SAMPLES_FILE.search(path.name)
+        if m is None:
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                doc = json.loads(line)
+                out.append(SampleRecord(int(m[1]), int(doc["step"]), int(doc["rank"]), tuple(int(i) for i in doc["ids"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def consumed_by_step(events: list[Event], runs: list[Attempt], lin: Lineage,
+                     records: list[SampleRecord]) -> tuple[dict[int, list[int]], list[str]]:
+    """For every committed step, the sample ids the attempt that committed it consumed, in rank order.
+
+    A worker belongs to the attempt whose start is nearest to its `worker rank=` line."""
+    starts = [a.start_t for a in runs]
+    attempt_of: dict[int, int] = {}
+    for e in events:
+        if isinstance(e, WorkerStart) and starts:
+            attempt_of[e.pid] = min(range(len(starts)), key=lambda i: abs(starts[i] - e.t))
+    by_key: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
+    for r in records:
+        if r.pid in attempt_of:
+            by_key.setdefault((attempt_of[r.pid], r.step), {})[r.rank] = r.ids
+    consumed: dict[int, list[int]] = {}
+    problems: list[str] = []
+    for step, c in sorted(lin.steps.items()):
+        ranks = by_key.get((c.attempt, step))
+        if not ranks:
+            problems.append(f"no sample record for committed step {step}")
+            continue
+        if c.world is not None and sorted(ranks) != list(range(c.world)):
+            problems.append(f"step {step}: sample records of ranks {sorted(ranks)}, expected 0..{c.world - 1}")
+        consumed[step] = [i for rank in sorted(ranks) for i in ranks[rank]]
+    return consumed, problems

@@ -1,0 +1,317 @@
+"""Doing the faults of the catalog to a running cluster, and finding out up front which of them this
+machine (and this training script) cannot do, with the reason. A fault that cannot run is reported
+as skipped; it never passes silently.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpt.layout import COMMIT_FILE, parse_step_dir_name
+from elastic.chaos.cluster import Cluster, EtcdMembers, ProcessLedger, alive
+from elastic.chaos.config import ChaosConfig
+from elastic.chaos.faults import CATALOG
+from elastic.chaos.network import NetnsNetwork
+from elastic.chaos.schedule import PlannedFault
+
+SHARED_FLAGS = ("--shared-url", "--shared-dir", "--shared")
+"""Flags by which a training script takes its shared-tier location, in order of preference."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    root: bool
+    netns: str | None
+    """None if `ip netns` works, else why not."""
+    tmpfs: str | None
+    """None if a size-limited tmpfs can be mounted, else why not."""
+    shared_flag: str | None
+    """The script's shared-tier flag (default script), or `{shared_dir}` when a custom script uses it."""
+    samples_flag: str | None = None
+    """`--log-samples` when the default script can log the sample ids each rank consumes at each step."""
+
+
+def probe(config: ChaosConfig, kinds: set[str]) -> Capabilities:
+    """What this machine and script allow. Probes only what the planned faults need."""
+    root = os.geteuid() == 0
+    netns: str | None = "not probed"
+    tmpfs: str | None = "not probed"
+    if "partition-node" in kinds:
+        netns = _probe_netns() if root else "network namespaces need root"
+    if "disk-full" in kinds:
+        tmpfs = _probe_tmpfs() if root else "mounting a size-limited tier-1 filesystem needs root"
+    help_text = _script_help(config) if config.is_default_script else ""
+    if config.is_default_script:
+        shared_flag = next((f for f in SHARED_FLAGS if _has_flag(help_text, f)), None)
+    else:
+        shared_flag = "{shared_dir}" if any("{shared_dir}" in a for a in config.script_args or ()) else None
+    samples_flag = "--log-samples" if _has_flag(help_text, "--log-samples") else None
+    return Capabilities(root=root, netns=netns, tmpfs=tmpfs, shared_flag=shared_flag, samples_flag=samples_flag)
+
+
+def _probe_netns() -> str | None:
+    if shutil.which("ip") is None:
+        return "the `ip` tool is not installed"
+    name = f"echaos-{uuid.uuid4().hex[:8]}"
+    try:
+        made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, timeout=10)
+        if made.returncode:
+            return f"`ip netns add` failed: {made.stderr.strip()[:200]}"
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`ip netns` failed: {exc}"
+    return None
+
+
+def _probe_tmpfs() -> str | None:
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="echaos-tmpfs-")
+    try:
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", where], capture_output=True,
+                              text=True, timeout=10)
+        if made.returncode:
+            return f"mounting a tmpfs failed: {made.stderr.strip()[:200]}"
+        subprocess.run(["umount", where], capture_output=True, timeout=10)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"mounting a tmpfs failed: {exc}"
+    finally:
+        os.rmdir(where)
+
+
+def _script_help(config: ChaosConfig) -> str:
+    try:
+        return subprocess.run([sys.executable, str(config.script), "--help"], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _has_flag(help_text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+def skip_reason(kind: str, caps: Capabilities) -> str | None:
+    """Why `kind` cannot run here, or None if it can."""
+    if CATALOG[kind].needs_shared_tier and caps.shared_flag is None:
+        return ("the training script has no shared tier (no --shared-url/--shared-dir flag, or no {shared_dir} "
+                "in its arguments), so there is nothing for this fault to hit; it needs the two-tier checkpointer")
+    if kind == "disk-full" and caps.tmpfs is not None:
+        return f"needs a size-limited tier-1 filesystem: {caps.tmpfs}"
+    if kind == "partition-node" and caps.netns is not None:
+        return f"needs network namespaces: {caps.netns}"
+    return None
+
+
+# -- injection ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Injection:
+    node: str | None
+    """The node hit (or the etcd member), by name."""
+    target: str
+    """Whom, in words: 'global rank 1 (pid 4242)'."""
+    details: dict[str, Any] = field(default_factory=dict)
+    skipped: str | None = None
+    corrupted_step: int | None = None
+
+
+@dataclass
+class Target:
+    cluster: Cluster
+    etcd: EtcdMembers
+    ledger: ProcessLedger
+    tmpfs_mb: int | None = None
+    """Size of each node's tier-1 tmpfs when disk-full is planned; None: plain directories."""
+    sleep: Callable[[float], None] = time.sleep
+    """How a lasting fault waits out its `hold_s` (tests pass their own)."""
+    network: NetnsNetwork | None = None
+    """The nodes' network namespaces, when partition-node is planned."""
+
+
+def inject(fault: PlannedFault, to: Target) -> Injection:
+    """Do `fault` now. Faults that last (`hold_s`) return once they are over and healed."""
+    return _INJECTORS[fault.kind](fault, to)
+
+
+def _kill_worker(fault: PlannedFault, to: Target, sig: int = signal.SIGKILL) -> Injection:
+    assert isinstance(fault.target, int)
+    found = to.cluster.worker_by_rank(fault.target)
+    if found is None:
+        return Injection(None, f"global rank {fault.target}", skipped="no worker was running when the fault fired")
+    node, worker = found
+    to.ledger.record(worker.pid, f"worker rank {worker.rank} of {node.name}")
+    os.kill(worker.pid, sig)
+    return Injection(node.name, f"global rank {worker.rank} (pid {worker.pid})", {"pid": worker.pid})
+
+
+def _hang_worker(fault: PlannedFault, to: Target) -> Injection:
+    return _kill_worker(fault, to, signal.SIGSTOP)
+
+
+def _kill_node(fault: PlannedFault, to: Target) -> Injection:
+    assert fault.target is not None
+    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    if node is None:
+        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+    tree = to.ledger.record_tree(node.pid)
+    node.kill()
+    deadline = time.monotonic() + 5
+    left = [p for p in tree if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if alive(p)]
+    return Injection(node.name, f"group rank {fault.target} ({len(tree)} processes)",
+                     {"pids": tree, "left_alive": left})
+
+
+def _kill_etcd_member(fault: PlannedFault, to: Target) -> Injection:
+    live = to.etcd.live
+    member = fault.target if fault.target in live else live[0]
+    assert isinstance(member, int)
+    pid = to.etcd.kill(member)
+    return Injection(f"etcd m{member}", f"etcd member m{member} (pid {pid})", {"pid": pid})
+
+
+def _restart_etcd(fault: PlannedFault, to: Target) -> Injection:
+    members = to.etcd.restart(fault.hold_s)
+    return Injection("etcd", f"etcd members {[f'm{m}' for m in members]}", {"down_s": fault.hold_s})
+
+
+def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
+    assert fault.target is not None
+    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    if node is None:
+        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+    step, step_dir = newest_committed(node.local_dir)
+    if step_dir is None:
+        return Injection(node.name, f"group rank {fault.target}", skipped=f"{node.local_dir} holds no committed checkpoint yet")
+    flipped = {str(f): flip_bytes(f) for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
+    if not flipped:
+        return Injection(node.name, f"group rank {fault.target}", skipped=f"{step_dir} holds no safetensors file")
+    # Nobody reads a checkpoint until the group restores: make it restore, from this node's side.
+    workers = node.workers()
+    killed = None
+    if workers:
+        killed = workers[0].pid
+        to.ledger.record(killed, f"worker rank {workers[0].rank} of {node.name}")
+        os.kill(killed, signal.SIGKILL)
+    return Injection(node.name, f"group rank {fault.target}: step {step}",
+                     {"files": flipped, "killed_worker_pid": killed}, corrupted_step=step)
+
+
+def newest_committed(local_dir: Path) -> tuple[int | None, Path | None]:
+    best: tuple[int, Path] | None = None
+    if local_dir.is_dir():
+        for d in local_dir.iterdir():
+            step = parse_step_dir_name(d.name)
+            if step is not None and (d / COMMIT_FILE).is_file() and (best is None or step > best[0]):
+                best = (step, d)
+    return (best[0], best[1]) if best else (None, None)
+
+
+def flip_bytes(path: Path, count: int = 16) -> list[int]:
+    """XOR `count` bytes spread over the tensor data of a safetensors file (past its header) with 0xFF.
+    Returns the offsets flipped."""
+    data = bytearray(path.read_bytes())
+    start = 0
+    if len(data) >= 8:
+        header = int.from_bytes(data[:8], "little")
+        if 8 + header < len(data):
+            start = 8 + header
+    span = len(data) - start
+    if span <= 0:
+        return []
+    offsets = sorted({start + (i * span) // count for i in range(count)})
+    for off in offsets:
+        data[off] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return offsets
+
+
+def _shared_storage_outage(fault: PlannedFault, to: Target) -> Injection:
+    shared = to.cluster.shared_dir
+    offline = shared.with_name(shared.name + ".offline")
+    os.rename(shared, offline)
+    shared.write_text("shared tier taken offline by elastic-chaos\n")  # every path below it now fails: ENOTDIR
+    try:
+        to.sleep(fault.hold_s)
+    finally:
+        shared.unlink()
+        os.rename(offline, shared)
+    return Injection("shared", f"shared tier {shared}", {"down_s": fault.hold_s})
+
+
+def _disk_full(fault: PlannedFault, to: Target) -> Injection:
+    assert fault.target is not None
+    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    if node is None:
+        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+    filler = node.local_dir / ".elastic-chaos-fill"
+    written = 0
+    chunk = b"\0" * (1 << 20)
+    try:
+        with open(filler, "wb") as f:
+            while True:
+                try:
+                    f.write(chunk)
+                    f.flush()
+                    written += len(chunk)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+        to.sleep(fault.hold_s)
+    finally:
+        filler.unlink(missing_ok=True)
+    return Injection(node.name, f"group rank {fault.target}: tier 1 full", {"filled_bytes": written, "full_s": fault.hold_s})
+
+
+def _add_node(fault: PlannedFault, to: Target) -> Injection:
+    node = to.cluster.add_node(tmpfs_mb=to.tmpfs_mb)
+    return Injection(node.name, f"new node {node.name}", {"pid": node.pid})
+
+
+def _partition_node(fault: PlannedFault, to: Target) -> Injection:
+    assert fault.target is not None
+    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    if node is None:
+        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+    if to.network is None or node.net is None:
+        return Injection(node.name, f"group rank {fault.target}", skipped="the node was not started in a network namespace")
+    to.network.cut(node.net)
+    node.partitioned = True
+    return Injection(node.name, f"group rank {fault.target} ({node.net.address} cut off)",
+                     {"namespace": node.net.namespace, "address": node.net.address})
+
+
+_INJECTORS = {
+    "kill-worker": _kill_worker,
+    "kill-node": _kill_node,
+    "hang-worker": _hang_worker,
+    "kill-etcd-member": _kill_etcd_member,
+    "restart-etcd": _restart_etcd,
+    "corrupt-checkpoint": _corrupt_checkpoint,
+    "shared-storage-outage": _shared_storage_outage,
+    "disk-full": _disk_full,
+    "add-node": _add_node,
+    "partition-node": _partition_node,
+}
+assert set(_INJECTORS) == set(CATALOG), "every catalog entry needs an injector"
