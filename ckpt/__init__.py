@@ -1,24 +1,43 @@
 """Checkpoints of training state: safetensors data plus a JSON manifest, no pickle.
 
-Public surface: `Checkpointer`, `CheckpointConfig` and the error classes.
+Two tiers: a node-local directory (tier 1) written in the background from a host snapshot, and
+any fsspec URL (tier 2) replicated in the background, committed by a marker written last.
+
+Public surface: `Checkpointer` (with `PendingSave`, `Restored`, `SaveMetrics`), its configs
+(`CheckpointConfig`, `SharedConfig`, `RetryConfig`), `check_compatible` and the error classes.
 """
 
-from ckpt.checkpointer import Checkpointer
-from ckpt.config import CheckpointConfig
+from ckpt.checkpointer import Checkpointer, PendingSave
+from ckpt.compat import check_compatible
+from ckpt.config import CheckpointConfig, RetryConfig, SharedConfig
 from ckpt.errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     CheckpointVersionError,
     CheckpointWriteError,
+    SharedStorageError,
 )
+from ckpt.metrics import SaveMetrics
+from ckpt.restore import Restored
 
 __all__ = [
     "CheckpointConfig",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "CheckpointVersionError",
     "CheckpointWriteError",
     "Checkpointer",
+    "PendingSave",
+    "Restored",
+    "RetryConfig",
+    "SaveMetrics",
+    "SharedConfig",
+    "SharedStorageError",
+    "check_compatible",
 ]

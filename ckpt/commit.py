@@ -1,11 +1,23 @@
-"""The COMMIT marker of a step: its presence is what makes a checkpoint exist."""
+"""The COMMIT marker of a step: its presence is what makes a checkpoint exist.
+
+The same record marks a step complete in tier 1 (`<local_dir>/step_.../COMMIT`, for the ranks
+of that directory) and in tier 2 (`<shared>/<run>/step_.../COMMIT`, for every rank). Markers
+written by the asynchronous checkpointer also name the run and the generation (incarnation of
+the job) and hold the sha256 of every committed rank's manifest.json: a reader checks the
+manifest it loads against it, so a rank directory replaced after the commit is never mixed in.
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckpt.format import FORMAT_VERSION, check_format_version, corrupt, dumps, get_int, loads_object
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -15,15 +27,24 @@ class CommitMarker:
     step: int
     world_size: int
     format_version: int = FORMAT_VERSION
+    generation: str = ""
+    run: str = ""
+    manifests: Mapping[int, str] | None = None
+    """sha256 of each committed rank's manifest.json; None in markers of the synchronous path."""
 
     def to_bytes(self) -> bytes:
-        return dumps(
-            {
-                "format_version": self.format_version,
-                "step": self.step,
-                "world_size": self.world_size,
-            }
-        )
+        obj: dict[str, Any] = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "world_size": self.world_size,
+        }
+        if self.run:
+            obj["run"] = self.run
+        if self.generation:
+            obj["generation"] = self.generation
+        if self.manifests is not None:
+            obj["manifests"] = {str(r): d for r, d in sorted(self.manifests.items())}
+        return dumps(obj)
 
 
 def parse_commit(data: bytes, *, path: Path, step: int) -> CommitMarker:
@@ -33,4 +54,25 @@ def parse_commit(data: bytes, *, path: Path, step: int) -> CommitMarker:
     found = get_int(obj, "step", path=path)
     if found != step:
         raise corrupt(path, f"COMMIT names step {found} but lies in the directory of step {step}")
-    return CommitMarker(found, get_int(obj, "world_size", path=path, minimum=1), version)
+    world_size = get_int(obj, "world_size", path=path, minimum=1)
+    strings = {}
+    for key in ("generation", "run"):
+        value = obj.get(key, "")
+        if not isinstance(value, str):
+            raise corrupt(path, f"key {key!r} is {value!r}, expected a string")
+        strings[key] = value
+    manifests: dict[int, str] | None = None
+    if "manifests" in obj:
+        raw = obj["manifests"]
+        if not isinstance(raw, dict):
+            raise corrupt(path, "key 'manifests' is not an object")
+        manifests = {}
+        for key, digest in raw.items():
+            if not (key.isdigit() and int(key) < world_size and str(int(key)) == key):
+                raise corrupt(path, f"manifests key {key!r} is not a rank below {world_size}")
+            if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+                raise corrupt(path, f"manifests entry of rank {key} is {digest!r}, not a sha256")
+            manifests[int(key)] = digest
+    return CommitMarker(
+        found, world_size, version, strings["generation"], strings["run"], manifests
+    )

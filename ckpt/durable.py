@@ -84,3 +84,10 @@ def remove_quietly(path: Path) -> None:
 
 def _log_removal_error(func: object, name: str, exc: BaseException) -> None:
     logger.warning("could not remove %s: %s", name, exc)
+
+
+def strerror(exc: OSError) -> str:
+    """ "No space left on device (ENOSPC)" for an OSError with an errno, else str(exc)."""
+    if exc.errno is not None:
+        return f"{os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)})"
+    return str(exc)

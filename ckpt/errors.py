@@ -34,3 +34,32 @@ class CheckpointNotFoundError(CheckpointError):
 
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed (disk full, permissions, ...); nothing partial is visible."""
+
+
+class CheckpointTimeoutError(CheckpointError):
+    """A wait on background checkpoint work passed its deadline; the work goes on."""
+
+
+class SharedStorageError(CheckpointError):
+    """Tier 2 (shared storage) failed after bounded retries; training goes on, uploads retry."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A loaded state does not fit the model: keys missing or unexpected, shapes or dtypes differ.
+
+    `missing`, `unexpected` and `mismatched` list the keys.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: list[str],
+        unexpected: list[str],
+        mismatched: list[str],
+        path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__(message, path=path)
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched = mismatched

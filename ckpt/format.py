@@ -9,7 +9,17 @@ from typing import Any
 from ckpt.errors import CheckpointCorruptError, CheckpointVersionError
 
 FORMAT_VERSION = 1
-"""Version of the checkpoint layout written by this code; readers accept this or older."""
+"""Version of the COMMIT markers (tier 1 and tier 2) written by this code; readers accept this or older.
+
+Version 1 markers may carry the optional keys "generation", "run" and "manifests" (added for
+the asynchronous checkpointer); readers that predate them ignore them.
+"""
+
+MANIFEST_VERSION = 2
+"""Newest manifest version this code reads. A manifest is written as version 1 when every file
+has a whole-file sha256 (the original format), as version 2 when a file carries a chunked
+checksum (`{"bytes", "checksum": {"algorithm", "chunk_bytes", "digest"}}`), so that an older
+reader says "upgrade" instead of "corrupt"."""
 
 
 def _reject_constant(name: str) -> Any:
@@ -40,15 +50,15 @@ def corrupt(path: Path, problem: str) -> CheckpointCorruptError:
     )
 
 
-def check_format_version(obj: dict[str, Any], *, path: Path) -> int:
-    """The record's format_version; raises if it is missing, malformed or too new."""
+def check_format_version(obj: dict[str, Any], *, path: Path, newest: int = FORMAT_VERSION) -> int:
+    """The record's format_version; raises if it is missing, malformed or newer than `newest`."""
     version = obj.get("format_version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise corrupt(path, f"format_version is {version!r}, expected a positive int")
-    if version > FORMAT_VERSION:
+    if version > newest:
         raise CheckpointVersionError(
             f"{path}: format_version {version} was written by a newer elastic-train "
-            f"(this one reads up to {FORMAT_VERSION}); upgrade elastic-train to load it",
+            f"(this one reads up to {newest}); upgrade elastic-train to load it",
             path=path,
         )
     return version

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpt.checksum import ALGORITHMS, Checksum
 from ckpt.format import (
-    FORMAT_VERSION,
+    MANIFEST_VERSION,
     check_format_version,
     corrupt,
     dumps,
@@ -22,6 +23,7 @@ from ckpt.format import (
 )
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_MAX_CHUNK_BYTES = 1 << 40
 
 
 @functools.cache
@@ -35,10 +37,36 @@ def package_version() -> str:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """Size and checksum of one data file of a rank."""
+    """Size and checksum of one data file of a rank.
 
-    sha256: str
+    `FileEntry(hex, n)` is a format-1 whole-file sha256; the writer records chunked checksums
+    (`algorithm`, `chunk_bytes` > 0), see ckpt/checksum.py.
+    """
+
+    digest: str
     bytes: int
+    algorithm: str = "sha256"
+    chunk_bytes: int = 0
+
+    @property
+    def checksum(self) -> Checksum:
+        return Checksum(self.algorithm, self.chunk_bytes, self.digest)
+
+    @staticmethod
+    def of(checksum: Checksum, nbytes: int) -> FileEntry:
+        return FileEntry(checksum.digest, nbytes, checksum.algorithm, checksum.chunk_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.checksum.legacy:
+            return {"sha256": self.digest, "bytes": self.bytes}
+        return {
+            "bytes": self.bytes,
+            "checksum": {
+                "algorithm": self.algorithm,
+                "chunk_bytes": self.chunk_bytes,
+                "digest": self.digest,
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -60,20 +88,26 @@ class Manifest:
     files: dict[str, FileEntry]
     tensors: dict[str, TensorEntry]
     state: Any
-    format_version: int = FORMAT_VERSION
+    generation: str = ""
+    """Which incarnation of the job wrote it (see Checkpointer); "" when unknown."""
+    format_version: int = 1
     package_version: str = field(default_factory=package_version)
 
     def to_bytes(self) -> bytes:
+        needed = 1 if all(f.checksum.legacy for f in self.files.values()) else 2
+        obj: dict[str, Any] = {
+            "format_version": max(self.format_version, needed),
+            "package_version": self.package_version,
+            "step": self.step,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+        if self.generation:
+            obj["generation"] = self.generation
         return dumps(
             {
-                "format_version": self.format_version,
-                "package_version": self.package_version,
-                "step": self.step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "files": {
-                    name: {"sha256": f.sha256, "bytes": f.bytes} for name, f in self.files.items()
-                },
+                **obj,
+                "files": {name: f.to_json() for name, f in self.files.items()},
                 "tensors": {
                     name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
                     for name, t in self.tensors.items()
@@ -86,7 +120,7 @@ class Manifest:
 def parse_manifest(data: bytes, *, path: Path) -> Manifest:
     """Parse and validate a manifest. Raises CheckpointCorruptError / CheckpointVersionError."""
     obj = loads_object(data, path=path, what="manifest")
-    version = check_format_version(obj, path=path)
+    version = check_format_version(obj, path=path, newest=MANIFEST_VERSION)
     world_size = get_int(obj, "world_size", path=path, minimum=1)
     rank = get_int(obj, "rank", path=path)
     if rank >= world_size:
@@ -97,12 +131,7 @@ def parse_manifest(data: bytes, *, path: Path) -> Manifest:
     files: dict[str, FileEntry] = {}
     for name, entry in get_object(obj, "files", path=path).items():
         check_file_name(name, path=path)
-        if not isinstance(entry, dict):
-            raise corrupt(path, f"files entry {name!r} is not an object")
-        sha = entry.get("sha256")
-        if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
-            raise corrupt(path, f"files entry {name!r} has invalid sha256 {sha!r}")
-        files[name] = FileEntry(sha, get_int(entry, "bytes", path=path))
+        files[name] = _parse_file_entry(name, entry, path=path, version=version)
 
     tensors: dict[str, TensorEntry] = {}
     for name, entry in get_object(obj, "tensors", path=path).items():
@@ -118,8 +147,12 @@ def parse_manifest(data: bytes, *, path: Path) -> Manifest:
             raise corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
         tensors[name] = TensorEntry(file, get_str(entry, "dtype", path=path), tuple(shape))
 
+    generation = obj.get("generation", "")
+    if not isinstance(generation, str):
+        raise corrupt(path, f"key 'generation' is {generation!r}, expected a string")
     return Manifest(
         format_version=version,
+        generation=generation,
         package_version=get_str(obj, "package_version", path=path),
         step=get_int(obj, "step", path=path),
         rank=rank,
@@ -128,6 +161,34 @@ def parse_manifest(data: bytes, *, path: Path) -> Manifest:
         tensors=tensors,
         state=obj["state"],
     )
+
+
+def _parse_file_entry(name: str, entry: object, *, path: Path, version: int) -> FileEntry:
+    if not isinstance(entry, dict):
+        raise corrupt(path, f"files entry {name!r} is not an object")
+    nbytes = get_int(entry, "bytes", path=path)
+    if "checksum" not in entry or version < 2:
+        sha = entry.get("sha256")
+        if not isinstance(sha, str) or not _SHA256_RE.fullmatch(sha):
+            raise corrupt(path, f"files entry {name!r} has invalid sha256 {sha!r}")
+        return FileEntry(sha, nbytes)
+    checksum = entry["checksum"]
+    if not isinstance(checksum, dict):
+        raise corrupt(path, f"files entry {name!r} has a checksum that is not an object")
+    algorithm = checksum.get("algorithm")
+    if algorithm not in ALGORITHMS:
+        raise corrupt(
+            path,
+            f"files entry {name!r} has checksum algorithm {algorithm!r}; this version knows "
+            f"{', '.join(ALGORITHMS)}",
+        )
+    chunk_bytes = get_int(checksum, "chunk_bytes", path=path, minimum=1)
+    if chunk_bytes > _MAX_CHUNK_BYTES:
+        raise corrupt(path, f"files entry {name!r} has chunk_bytes {chunk_bytes}, over 1 TiB")
+    digest = checksum.get("digest")
+    if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
+        raise corrupt(path, f"files entry {name!r} has invalid digest {digest!r}")
+    return FileEntry(digest, nbytes, algorithm, chunk_bytes)
 
 
 def check_file_name(name: str, *, path: Path) -> None:

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -85,6 +86,41 @@ def check_storable(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def plan_layout(
+    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, list[tuple[str, int, int]], int]:
+    """Lay out tensors of the given (dtype, shape) in a safetensors file.
+
+    Returns (the file's first bytes: 8-byte length and padded JSON header, the (name, begin,
+    end) data offsets in file order, the number of data bytes). Raises TypeError for a dtype
+    safetensors cannot store.
+    """
+    # Largest elements first keeps every tensor aligned to its element size.
+    order = sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))
+    header: dict[str, object] = {}
+    if metadata:
+        header[_METADATA] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    slots = []
+    for name in order:
+        dtype, shape = specs[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": dtype_name(dtype),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        slots.append((name, offset, offset + nbytes))
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"{len(specs)} tensors need a header over {MAX_HEADER_BYTES} bytes")
+    return struct.pack("<Q", len(header_bytes)) + header_bytes, slots, offset
+
+
 def write_safetensors(
     path: Path, tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None
 ) -> tuple[int, str]:
@@ -95,28 +131,11 @@ def write_safetensors(
     """
     if sys.byteorder != "little":
         raise RuntimeError("safetensors files are little-endian; big-endian hosts are unsupported")
-    # Largest elements first keeps every tensor aligned to its element size.
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict[str, object] = {}
-    if metadata:
-        header[_METADATA] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for name in order:
-        tensor = tensors[name]
+    for name, tensor in tensors.items():
         check_storable(name, tensor)
-        dtype = dtype_name(tensor.dtype)
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    if len(header_bytes) > MAX_HEADER_BYTES:
-        raise ValueError(f"{len(tensors)} tensors need a header over {MAX_HEADER_BYTES} bytes")
-
+    prefix, slots, data_bytes = plan_layout(
+        {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, metadata=metadata
+    )
     digest = hashlib.sha256()
     written = 0
     with open(path, "xb") as f:
@@ -127,13 +146,12 @@ def write_safetensors(
             digest.update(buf)
             written += len(buf)
 
-        emit(struct.pack("<Q", len(header_bytes)))
-        emit(header_bytes)
-        for name in order:
+        emit(prefix)
+        for name, _, _ in slots:
             _emit_tensor(tensors[name], emit)
         f.flush()
         os.fsync(f.fileno())
-    expected = 8 + len(header_bytes) + offset
+    expected = len(prefix) + data_bytes
     assert written == expected, f"wrote {written} bytes to {path}, expected {expected}"
     return written, digest.hexdigest()
 
@@ -169,16 +187,28 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise corrupt(path, f"safetensors file is {size} bytes, too short for a header")
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > MAX_HEADER_BYTES or header_len > size - 8:
-            raise corrupt(
-                path,
-                f"safetensors header length field says {header_len} bytes but the file has "
-                f"{size} bytes (limit {MAX_HEADER_BYTES})",
-            )
+        header_len = _header_length(f.read(8), size, path)
         raw = f.read(header_len)
+    return _parse_header(raw, size=size, path=path)
+
+
+def _header_length(first8: bytes, size: int, path: Path) -> int:
+    if size < 8 or len(first8) < 8:
+        raise corrupt(path, f"safetensors file is {size} bytes, too short for a header")
+    (header_len,) = struct.unpack("<Q", first8[:8])
+    if header_len > MAX_HEADER_BYTES or header_len > size - 8:
+        raise corrupt(
+            path,
+            f"safetensors header length field says {header_len} bytes but the file has "
+            f"{size} bytes (limit {MAX_HEADER_BYTES})",
+        )
+    return int(header_len)
+
+
+def _parse_header(
+    raw: bytes, *, size: int, path: Path
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    header_len = len(raw)
     header = loads_object(raw, path=path, what="safetensors header")
     data_len = size - 8 - header_len
 
@@ -200,6 +230,31 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             path, f"tensor data is {data_len} bytes but the header describes {cursor} bytes"
         )
     return infos, dict(metadata_obj)
+
+
+def map_tensors(buffer: Any, *, path: Path) -> dict[str, torch.Tensor]:
+    """Tensors viewing the safetensors file content `buffer` without copying it.
+
+    `buffer` is a writable buffer of the whole file, e.g. a copy-on-write (ACCESS_COPY) mmap;
+    the tensors keep it alive. The header is checked first (CheckpointCorruptError naming
+    `path`). A tensor whose offset is not aligned to its element size is copied instead.
+    """
+    size = len(buffer)
+    header_len = _header_length(bytes(buffer[:8]), size, path)
+    infos, _ = _parse_header(bytes(buffer[8 : 8 + header_len]), size=size, path=path)
+    start = 8 + header_len
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in infos.items():
+        dtype = _DTYPES[info.dtype]
+        nbytes = info.end - info.begin
+        if nbytes == 0:
+            tensors[name] = torch.empty(info.shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=start + info.begin)
+        if (start + info.begin) % dtype.itemsize:
+            raw = raw.clone()  # unaligned (not written by us): view() would refuse
+        tensors[name] = raw.view(dtype).view(info.shape)
+    return tensors
 
 
 def _parse_entry(path: Path, name: str, entry: object) -> TensorInfo:

@@ -22,13 +22,24 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 
-from ckpt import CheckpointConfig, Checkpointer, CheckpointError, CheckpointVersionError
+from ckpt import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointVersionError,
+    Restored,
+    SharedConfig,
+    check_compatible,
+)
 from elastic import progress
 from trainer import rng
 from trainer.data import ElasticSampler
@@ -51,6 +62,16 @@ class ResumeConfig:
     """Save after every N-th completed step."""
     keep_last: int = 3
     """Committed checkpoints kept in ckpt_dir."""
+    shared_url: str | None = None
+    """Tier 2: fsspec URL of shared storage (a mounted path, s3://bucket/prefix, ...), or None."""
+    run_name: str = "default"
+    """Run-scoped prefix under shared_url; the same on every rank and every restart of one run."""
+    shared_storage_options: dict[str, Any] | None = None
+    """fsspec options of shared_url, e.g. {"endpoint_url": ...}."""
+    keep_last_shared: int = 3
+    """Committed checkpoints kept under shared_url."""
+    keep_every: int | None = None
+    """Steps that are multiples of this are kept under shared_url forever."""
 
     def __post_init__(self) -> None:
         if self.save_every <= 0:
@@ -92,10 +113,17 @@ class Resumable:
         _check_json_able(self.extras)
         self.on_rank_saved = on_rank_saved
         self.topology = topology or Topology.from_env()
+        shared = None
+        if config.shared_url:
+            shared = SharedConfig(url=config.shared_url, run_name=config.run_name,
+                                  storage_options=config.shared_storage_options or {},
+                                  keep_last=config.keep_last_shared, keep_every=config.keep_every)
         self.checkpointer = Checkpointer(
-            CheckpointConfig(local_dir=config.ckpt_dir, keep_last=config.keep_last),
+            CheckpointConfig(local_dir=config.ckpt_dir, keep_last=config.keep_last, shared=shared),
             rank=self.topology.rank,
             world_size=self.topology.world_size,
+            # fault injection: once this rank's files are fsynced, before publish and commit
+            on_written=on_rank_saved,
         )
         self.step = 0
         self.resumed_from: int | None = None
@@ -109,11 +137,17 @@ class Resumable:
         settings (the message lists what differs), and ckpt's CheckpointVersionError when the
         newest checkpoint was written by a newer elastic-train.
         """
-        step, state = self._agree_on_checkpoint()
-        if state is None:
+        # One token per incarnation: commits never count a rank directory a crashed earlier
+        # incarnation left behind (all_min of random numbers is a random number all ranks share).
+        self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
+        step, restored = self._agree_on_checkpoint()
+        if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
+            self.checkpointer.prepare(self.state())  # staging buffer allocated before the loop
             return 0
-        self._apply(state, own_rank=self.checkpointer.has_rank(step, self.topology.rank))
+        state = restored.state
+        self._apply(state, own_rank=restored.own)
+        self.checkpointer.prepare(self.state())
         self.step = self.resumed_from = step
         saved_world = state.get("world_size")
         if saved_world != self.topology.world_size and self.sampler is not None:
@@ -124,25 +158,18 @@ class Resumable:
         log.info("resumed from step %d (%s)", step, self.config.ckpt_dir)
         return step
 
-    def _agree_on_checkpoint(self) -> tuple[int, dict[str, Any] | None]:
-        # Every rank must resume from the same step. Each proposes its newest readable checkpoint;
-        # the group takes the minimum and checks that everyone can read it, else tries older ones.
-        # A checkpoint of a newer format stops the whole group (every rank raises), not one rank.
-        candidates = self.checkpointer.committed_steps()
+    def _agree_on_checkpoint(self) -> tuple[int, Restored | None]:
+        # Every rank must resume from the same step. Each proposes its newest readable checkpoint
+        # (local tier, else shared tier); the group takes the minimum and checks that everyone can
+        # read it, else tries older ones. A checkpoint of a newer format stops the whole group.
         cap: int | None = None
         while True:
-            mine, state, newer = -1, None, None
-            for step in candidates:
-                if cap is not None and step > cap:
-                    continue
-                try:
-                    state = self._try_load(step)
-                except CheckpointVersionError as exc:
-                    newer = exc
-                    break
-                if state is not None:
-                    mine = step
-                    break
+            newer: CheckpointVersionError | None = None
+            try:
+                found = self.checkpointer.restore(max_step=cap)
+            except CheckpointVersionError as exc:
+                found, newer = None, exc
+            mine = found.step if found is not None else -1
             agreed = self.topology.all_min(_NEWER_FORMAT if newer else mine)
             if agreed == _NEWER_FORMAT:
                 self._raise_newer(newer)
@@ -150,16 +177,16 @@ class Resumable:
                 return -1, None
             if agreed != mine:
                 try:
-                    state = self._try_load(agreed)
+                    found = self.checkpointer.restore(step=agreed)
                 except CheckpointVersionError as exc:
-                    newer, state = exc, None
-            readable = _NEWER_FORMAT if newer else (0 if state is None else 1)
+                    newer, found = exc, None
+            readable = _NEWER_FORMAT if newer else (0 if found is None else 1)
             verdict = self.topology.all_min(readable)
             if verdict == _NEWER_FORMAT:
                 self._raise_newer(newer)
             if verdict == 1:
-                assert state is not None
-                return agreed, state
+                assert found is not None
+                return agreed, found
             cap = agreed - 1
 
     def _raise_newer(self, exc: CheckpointVersionError | None) -> None:
@@ -170,20 +197,12 @@ class Resumable:
             "run a newer elastic-train, or start from a fresh checkpoint directory",
             path=exc.path if exc else self.config.ckpt_dir) from exc
 
-    def _try_load(self, step: int) -> dict[str, Any] | None:
-        rank = self.topology.rank
-        source = rank if self.checkpointer.has_rank(step, rank) else 0
-        try:
-            return self.checkpointer.load(step, rank=source)
-        except CheckpointVersionError:
-            raise
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint step %d: %s", step, exc)
-            return None
-
     def _apply(self, state: Mapping[str, Any], *, own_rank: bool) -> None:
         # Check everything before changing anything, so a mismatch leaves the live objects untouched.
-        _check_shapes(self.model.state_dict(), state["model"])
+        try:
+            check_compatible(state["model"], self.model.state_dict())
+        except CheckpointMismatchError as exc:
+            raise StateMismatchError(str(exc)) from exc
         if self.optimizer is not None:
             _check_optimizer(self.optimizer, state.get("optimizer"))
         if self.sampler is not None:
@@ -244,26 +263,18 @@ class Resumable:
         }
 
     def save(self, step: int) -> None:
-        """Write every rank's part of `step`, then commit it once all ranks have written."""
+        """Snapshot this rank's state for `step`; writing, committing and uploading run in the
+        background (no collective here: the last local rank commits tier 1, rank 0 tier 2)."""
         try:
-            self.checkpointer.save(step, self.state())
-            ok = 1
-            if self.on_rank_saved is not None:
-                self.on_rank_saved(step)
+            self.checkpointer.save_async(step, self.state())
         except CheckpointError as exc:
             log.error("checkpoint of step %d failed on rank %d: %s", step, self.topology.rank, exc)
-            ok = 0
-        # Commit only if every rank wrote its part; one process per checkpoint dir writes the marker.
-        # A failed checkpoint is logged and training goes on: the previous checkpoint stays valid.
-        if self.topology.all_min(ok) == 1 and self.topology.local_rank == 0:
-            try:
-                self.checkpointer.commit(step)
-            except CheckpointError as exc:
-                log.error("commit of checkpoint step %d failed: %s", step, exc)
-        self.topology.barrier()
 
     def close(self) -> None:
-        """Nothing is in flight with the synchronous checkpointer; kept so loops need not change later."""
+        """Flush the save in flight and pending uploads (bounded), then stop the checkpointer's threads."""
+        if not self.checkpointer.close(timedelta(minutes=5)):
+            log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
+                        self.checkpointer.last_error)
 
 
 _NEWER_FORMAT = -2  # all_min vote: "a checkpoint here was written by a newer elastic-train"
@@ -296,23 +307,3 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
     if problems:
         raise StateMismatchError(f"the checkpoint's optimizer state does not fit this {type(optimizer).__name__}: "
                                  + "; ".join(problems) + ". Resume with the same optimizer, or start from a fresh --ckpt-dir.")
-
-
-def _check_shapes(expected: Mapping[str, torch.Tensor], got: Mapping[str, Any]) -> None:
-    missing = sorted(set(expected) - set(got))
-    unexpected = sorted(set(got) - set(expected))
-    mismatched = [
-        f"{k}: checkpoint {tuple(got[k].shape)} {got[k].dtype}, model {tuple(v.shape)} {v.dtype}"
-        for k, v in expected.items()
-        if k in got and isinstance(got[k], torch.Tensor) and (got[k].shape != v.shape or got[k].dtype != v.dtype)
-    ]
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing in checkpoint: {missing}")
-        if unexpected:
-            parts.append(f"not in model: {unexpected}")
-        if mismatched:
-            parts.append("shape/dtype differ: " + "; ".join(mismatched))
-        raise StateMismatchError("the checkpoint does not fit this model: " + " | ".join(parts)
-                                 + ". Resume with the same model definition, or start from a fresh --ckpt-dir.")

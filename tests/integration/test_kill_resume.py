@@ -64,10 +64,10 @@ def test_worker_killed_at_a_random_step_resumes_bitwise(
     assert f"fault: rank {rank} kills itself (SIGKILL) at step {step}" in out
     assert re.search(rf"worker rank={rank} world=2 pid=\d+ restart=1", out)
     committed = step - step % EVERY
-    if committed:
-        assert f"resumed from step {committed}" in out
-    else:  # killed before the first checkpoint: a fresh start
-        assert "resumed from" not in out
+    # Saves are asynchronous: a kill right after a save may land before that save is persisted,
+    # and the run then resumes from the checkpoint before it (or starts fresh). Both end bitwise equal.
+    resumed = re.search(r"resumed from step (\d+)", out)
+    assert (int(resumed[1]) if resumed else 0) in {committed, max(committed - EVERY, 0)}, out[-3000:]
     assert digest(out) == reference
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import ckpt.checkpointer
+import ckpt.writer
 from ckpt import (
     CheckpointConfig,
     CheckpointCorruptError,
@@ -289,7 +289,7 @@ def test_disk_full_during_save_leaves_nothing_visible(
     def full_disk(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(ckpt.checkpointer, "write_new_file", full_disk)
+    monkeypatch.setattr(ckpt.writer, "write_new_file", full_disk)
     with pytest.raises(CheckpointWriteError, match="step 20.*No space left on device") as info:
         c.save(20, rank_state(0))
     assert isinstance(info.value.__cause__, OSError)

@@ -180,7 +180,7 @@ def test_manifest_roundtrip() -> None:
 
 
 def test_manifest_newer_format_version_raises_version_error() -> None:
-    data = json.dumps(_manifest(format_version=2, something_new=True)).encode()
+    data = json.dumps(_manifest(format_version=3, something_new=True)).encode()
     with pytest.raises(CheckpointVersionError, match="manifest.json.*newer elastic-train.*upgrade"):
         parse_manifest(data, path=Path("manifest.json"))
 

@@ -47,6 +47,7 @@ def train(run: Resumable, model: nn.Module, opt: torch.optim.Optimizer, start: i
         run.scheduler.step()  # type: ignore[union-attr]
         losses.append(loss.item())
         run.step_done(step + 1)
+    run.checkpointer.wait_persisted()  # async saves: the last one reaches disk before the "crash"
     return losses
 
 
@@ -128,6 +129,7 @@ def test_rng_dependent_model_resumes_bitwise_and_the_check_can_fail(tmp_path: Pa
             opt.step()
             step += 1
             run.step_done(step)
+        run.close()  # flush the asynchronous save
         return training_digest(model, opt)
 
     reference = run_to(tmp_path / "ref", 6)
@@ -145,6 +147,7 @@ def test_grad_scaler_and_extras_round_trip(tmp_path: Path) -> None:
     run = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=model, scaler=scaler,
                     extras={"tokens": 123, "phase": ["warmup", 1.5]})
     run.step_done(1)
+    run.close()  # flush the asynchronous save
     fresh = torch.amp.GradScaler("cpu")
     run2 = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=nn.Linear(2, 1), scaler=fresh)
     assert run2.restore() == 1

@@ -1,0 +1,150 @@
+"""Restore: load a rank directory with checks, zero-copy, and choose which copy to load.
+
+`load_rank_dir` reads a rank's manifest (checked against the COMMIT's sha256 of it, when the
+COMMIT has one), maps each data file with a copy-on-write mmap, verifies its size and checksum
+over the mapped bytes (in parallel chunks), checks the safetensors header against the manifest,
+and returns the state whose tensors view the mapping: no copy is made until the caller copies
+(e.g. `load_state_dict`). The mapping stays valid when the file is later deleted.
+
+`ranks_to_try` and the tier order are the restore policy: a rank loads its own part; a rank
+that has none (the world grew, or its part lives on another node and not in the shared tier)
+loads rank 0's part of a replicated (DDP) state. Each part is tried in the local tier first,
+then in the shared one; a damaged copy is logged, naming the file, and the next copy is tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.checksum import digest_parts
+from ckpt.format import corrupt
+from ckpt.layout import MANIFEST_FILE
+from ckpt.manifest import FileEntry, Manifest, parse_manifest, resolve_file
+from ckpt.safetensors_io import dtype_name, map_tensors
+from ckpt.tree import unflatten
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A loaded checkpoint."""
+
+    step: int
+    state: dict[str, Any]
+    rank: int
+    """The rank whose part was loaded."""
+    own: bool
+    """Whether that is the loading rank's own part (False: rank 0's part of a replicated state;
+    per-rank RNG streams should then start fresh)."""
+    tier: str
+    """"local" or "shared"."""
+    path: str
+    """The rank directory (or URL) it was loaded from."""
+
+
+def ranks_to_try(*, rank: int, saved_world_size: int, has_own: bool, replicated: bool) -> list[int]:
+    """Whose part `rank` loads from a step saved by `saved_world_size` ranks."""
+    if rank < saved_world_size and has_own:
+        return [rank]
+    return [0] if replicated else []
+
+
+def read_manifest(path: Path, *, expected_sha256: str | None) -> tuple[Manifest, bytes]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise corrupt(path, "manifest is missing") from exc
+    except OSError as exc:
+        raise corrupt(path, f"manifest cannot be read ({exc})") from exc
+    check_manifest_digest(data, path=path, expected_sha256=expected_sha256)
+    return parse_manifest(data, path=path), data
+
+
+def check_manifest_digest(data: bytes, *, path: Path, expected_sha256: str | None) -> None:
+    if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+        raise corrupt(
+            path,
+            "manifest does not match the sha256 its step's COMMIT recorded (replaced after the "
+            "commit, or damaged)",
+        )
+
+
+def load_rank_dir(
+    rank_dir: Path,
+    *,
+    step: int,
+    rank: int,
+    expected_manifest_sha256: str | None = None,
+    pool: Executor | None = None,
+) -> dict[str, Any]:
+    """Load and verify the rank directory `rank_dir` of `step`. Raises CheckpointCorruptError
+    (naming the file) or CheckpointVersionError."""
+    manifest_path = rank_dir / MANIFEST_FILE
+    manifest, _ = read_manifest(manifest_path, expected_sha256=expected_manifest_sha256)
+    if (manifest.step, manifest.rank) != (step, rank):
+        raise corrupt(
+            manifest_path,
+            f"manifest describes step {manifest.step} rank {manifest.rank}, "
+            f"expected step {step} rank {rank}",
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in manifest.files.items():
+        path = resolve_file(rank_dir, name, manifest_path=manifest_path)
+        file_tensors = map_verified(path, entry, pool=pool)
+        expected = {n: t for n, t in manifest.tensors.items() if t.file == name}
+        if set(file_tensors) != set(expected):
+            raise corrupt(path, f"its tensors differ from those listed in {manifest_path}")
+        for tname, tensor in file_tensors.items():
+            want = expected[tname]
+            if dtype_name(tensor.dtype) != want.dtype or tuple(tensor.shape) != want.shape:
+                raise corrupt(
+                    path,
+                    f"tensor {tname!r} is {tensor.dtype}{list(tensor.shape)}, "
+                    f"{manifest_path} says {want.dtype}{list(want.shape)}",
+                )
+        tensors.update(file_tensors)
+    try:
+        state = unflatten(manifest.state, tensors)
+    except (ValueError, RecursionError) as exc:
+        raise corrupt(manifest_path, f"its 'state' cannot be rebuilt: {exc}") from exc
+    if not isinstance(state, dict):
+        raise corrupt(manifest_path, f"its 'state' is a {type(state).__name__}, not a dict")
+    return state
+
+
+def map_verified(path: Path, entry: FileEntry, *, pool: Executor | None) -> dict[str, torch.Tensor]:
+    """Map `path` copy-on-write, check its size and checksum, and return its tensors (zero-copy)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != entry.bytes:
+                raise corrupt(
+                    path, f"file is {size} bytes, the manifest says {entry.bytes} (truncated?)"
+                )
+            if size == 0:
+                raise corrupt(path, "file is empty")
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    except FileNotFoundError as exc:
+        raise corrupt(path, "file listed in the manifest is missing") from exc
+    except OSError as exc:
+        raise corrupt(path, f"file cannot be read ({exc})") from exc
+    view = memoryview(mapped)
+    try:
+        found = digest_parts(
+            [view], algorithm=entry.algorithm, chunk_bytes=entry.chunk_bytes, pool=pool
+        )
+    finally:
+        view.release()
+    if found.digest != entry.digest:
+        raise corrupt(
+            path,
+            f"{entry.checksum.describe()} does not match the manifest (bit rot or a partial write)",
+        )
+    return map_tensors(mapped, path=path)

@@ -1,0 +1,58 @@
+"""Retention: which steps a tier deletes. Pure decisions; the tiers do the deleting.
+
+Per tier:
+- the newest `keep_last` committed steps stay;
+- steps that are multiples of `keep_every` stay forever (when set);
+- uncommitted steps older than the newest committed one are leftovers of failed or abandoned
+  saves and go; newer uncommitted ones may still be in progress and stay;
+- `protected` steps stay whatever the rules above say. For tier 1 with a shared tier these are
+  the steps whose upload is not committed yet (`awaiting_replication`): the local copy is kept
+  until the shared copy exists or a newer shared commit supersedes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+
+def select_deletions(
+    *,
+    committed: Iterable[int],
+    present: Iterable[int],
+    keep_last: int,
+    keep_every: int | None = None,
+    protected: Collection[int] = (),
+) -> list[int]:
+    """The steps of `present` (committed or not) to delete, oldest first."""
+    committed_sorted = sorted(set(committed), reverse=True)
+    committed_set = set(committed_sorted)
+    keep = set(committed_sorted[:keep_last])
+    newest = committed_sorted[0] if committed_sorted else None
+    doomed = []
+    for step in sorted(set(present) | committed_set):
+        if step in keep or step in protected:
+            continue
+        if keep_every is not None and step in committed_set and step % keep_every == 0:
+            continue
+        if step in committed_set or (newest is not None and step < newest):
+            doomed.append(step)
+    return doomed
+
+
+def awaiting_replication(
+    local: Iterable[int], *, shared_committed: Collection[int], shared_keep_every: int | None
+) -> set[int]:
+    """Local steps whose shared copy is not committed and not superseded by a newer shared commit.
+
+    A step the shared tier keeps forever (a multiple of `shared_keep_every`) is only released
+    once it is itself committed there.
+    """
+    newest = max(shared_committed, default=None)
+    waiting = set()
+    for step in local:
+        if step in shared_committed:
+            continue
+        forever = shared_keep_every is not None and step % shared_keep_every == 0
+        if forever or newest is None or step > newest:
+            waiting.add(step)
+    return waiting

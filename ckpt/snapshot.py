@@ -1,0 +1,296 @@
+"""Snapshot: copy a rank's tensors into one host staging buffer, the only part a save blocks on.
+
+The staging buffer is laid out exactly like the data section of the safetensors file the
+tier-1 writer will produce (tensors sorted by element size, then name), so the writer streams
+`header + buffer` to disk without serialising anything. The buffer is allocated at the first
+save and reused by every later save whose tensors fit in it.
+
+Copies:
+- CUDA tensors: the buffer is page-locked (cudaHostRegister on an exactly sized allocation,
+  not the power-of-two rounding of torch's pinned allocator); the device-to-host copies are
+  issued with non_blocking=True on a side stream per device, after that stream waited for the
+  current stream, and an event recorded after them tracks completion.
+- CPU tensors: a plain copy (torch runs large copies on its intra-op threads).
+
+Modes (CheckpointConfig.mode):
+- "staged": save_async() returns once every copy is complete, i.e. once the snapshot is
+  consistent. The loop may mutate the state at once.
+- "overlapped": save_async() returns right after issuing the CUDA copies (CPU copies run on the
+  writer thread). The loop must call wait_staged() before it mutates the state, i.e. before
+  optimizer.step(); forward and backward may run meanwhile (they only write activations and
+  grads, which are not in the snapshot). torchtitan's "async_with_pinned_mem" works this way.
+
+Memory cost, per rank:
+- Both modes: one host buffer of the rank's state bytes (1x), page-locked when any tensor is on
+  CUDA; no extra device memory. It is held from the first save until close(). Page-locked memory
+  cannot be swapped or reclaimed: budget local ranks x state bytes per node (8 ranks x 8 GiB is
+  64 GiB of host RAM).
+- There is one buffer, not two: while a save persists the buffer is busy, and a new save waits
+  or is skipped (CheckpointConfig.if_busy). Double buffering would cost 2x.
+- "overlapped" costs no more memory than "staged"; it hides the copy behind compute instead, at
+  the price of the wait_staged() call before the state is mutated.
+- Writing the file also fills the OS page cache with the file's bytes (reclaimable).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ckpt.safetensors_io import check_storable, plan_layout
+
+logger = logging.getLogger(__name__)
+
+_METADATA = {"format": "pt"}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lies in the staging buffer (and in the file's data section)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class StagingLayout:
+    """The safetensors file prefix (length + header) and the tensor slots of one state."""
+
+    prefix: bytes
+    slots: tuple[Slot, ...]
+    data_bytes: int
+
+    @staticmethod
+    def of(tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
+        """Plan the layout of `tensors`. Raises TypeError, naming the tensor, if one cannot be stored."""
+        for name, tensor in tensors.items():
+            check_storable(name, tensor)
+        specs = {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}
+        prefix, offsets, data_bytes = plan_layout(specs, metadata=_METADATA)
+        slots = tuple(
+            Slot(name, specs[name][0], specs[name][1], begin, end) for name, begin, end in offsets
+        )
+        return StagingLayout(prefix, slots, data_bytes)
+
+    @property
+    def file_bytes(self) -> int:
+        return len(self.prefix) + self.data_bytes
+
+
+def buffer_view(buffer: torch.Tensor, nbytes: int) -> memoryview:
+    """A zero-copy memoryview of the first `nbytes` of a contiguous CPU uint8 tensor."""
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
+
+
+class Snapshot:
+    """One save's copy of the state in the staging buffer.
+
+    `wait()` returns once the copy is consistent; the writer then streams `parts()`.
+    """
+
+    def __init__(
+        self,
+        layout: StagingLayout,
+        buffer: torch.Tensor,
+        *,
+        events: list[torch.cuda.Event],
+        deferred: list[tuple[torch.Tensor, torch.Tensor]],
+        sources: list[torch.Tensor],
+    ) -> None:
+        self.layout = layout
+        self._buffer = buffer
+        self._events = events
+        self._deferred = deferred
+        self._sources = sources  # keeps the source tensors alive until their copies are done
+        self._cpu_done = threading.Event()
+        self._error: BaseException | None = None
+        if not deferred:
+            self._cpu_done.set()
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.file_bytes
+
+    def run_deferred_copies(self) -> None:
+        """Do the CPU copies of an overlapped snapshot (called on the writer thread)."""
+        try:
+            with torch.no_grad():
+                for dst, src in self._deferred:
+                    dst.copy_(src)
+        except BaseException as exc:  # reported to whoever waits on the snapshot
+            self._error = exc
+            raise
+        finally:
+            self._deferred = []
+            self._cpu_done.set()
+
+    def is_consistent(self) -> bool:
+        return self._cpu_done.is_set() and all(e.query() for e in self._events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the copy is complete; False if `timeout` seconds passed first.
+
+        Raises the error of a failed deferred copy.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._cpu_done.wait(timeout):
+            return False
+        if self._error is not None:
+            raise self._error
+        if deadline is None:
+            for event in self._events:
+                event.synchronize()
+        else:
+            pause = 0.0002
+            while not all(e.query() for e in self._events):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
+        self._sources = []
+        return True
+
+    def parts(self) -> list[memoryview]:
+        """The file's bytes: [length + header, data]. Only valid once the copy is consistent."""
+        return [memoryview(self.layout.prefix), buffer_view(self._buffer, self.layout.data_bytes)]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Views of the staged tensors in the buffer (valid until the buffer is reused)."""
+        return {s.name: _slot_view(self._buffer, s) for s in self.layout.slots}
+
+
+def _slot_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+    return buffer[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
+
+
+class StagingArea:
+    """The reusable host buffer of one rank, plus its CUDA side streams."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._registered = False
+        self._pinned = False
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._layout: StagingLayout | None = None
+        self.allocations = 0
+        """How many times a buffer was allocated (1 in steady state)."""
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def layout_for(self, tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
+        """The layout of `tensors`, reusing the last one (and its header) when it still fits."""
+        last = self._layout
+        if last is not None and len(last.slots) == len(tensors):
+            if all(
+                (t := tensors.get(s.name)) is not None
+                and t.dtype == s.dtype
+                and tuple(t.shape) == s.shape
+                for s in last.slots
+            ):
+                for s in last.slots:
+                    check_storable(s.name, tensors[s.name])
+                return last
+        self._layout = StagingLayout.of(tensors)
+        return self._layout
+
+    def stage(
+        self, tensors: Mapping[str, torch.Tensor], layout: StagingLayout, *, overlapped: bool
+    ) -> Snapshot:
+        """Copy `tensors` into the buffer; in overlapped mode only start the copies."""
+        needs_pin = any(t.device.type == "cuda" for t in tensors.values())
+        self._ensure(layout.data_bytes, pin=needs_pin)
+        assert self._buffer is not None
+        events: list[torch.cuda.Event] = []
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        sources: list[torch.Tensor] = []
+        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        with torch.no_grad():
+            for slot in layout.slots:
+                src = tensors[slot.name]
+                dst = _slot_view(self._buffer, slot)
+                if src.device.type == "cuda":
+                    by_device.setdefault(src.device, []).append((dst, src))
+                elif src.device.type == "cpu" and overlapped:
+                    deferred.append((dst, src))
+                else:
+                    dst.copy_(src)
+            for device, pairs in by_device.items():
+                stream = self._stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+                        sources.append(src)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                events.append(event)
+        sources.extend(src for _, src in deferred)
+        snapshot = Snapshot(layout, self._buffer, events=events, deferred=deferred, sources=sources)
+        if not overlapped:
+            snapshot.wait()
+        return snapshot
+
+    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
+        """Allocate (and fault in) the buffer for `tensors` now instead of at the first save."""
+        layout = self.layout_for(tensors)
+        allocations = self.allocations
+        self._ensure(layout.data_bytes, pin=any(t.device.type == "cuda" for t in tensors.values()))
+        if self.allocations != allocations and self._buffer is not None and not self._registered:
+            self._buffer.zero_()  # first touch of every page, outside the training loop
+        return layout
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _ensure(self, nbytes: int, *, pin: bool) -> None:
+        if self._buffer is not None and nbytes <= self.capacity and (self._pinned or not pin):
+            return
+        self.release()
+        started = time.monotonic()
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        registered = False
+        if pin and nbytes:
+            # Exactly sized page-locked memory; torch's pinned allocator would round 8.1 GiB up
+            # to 16 GiB. Fall back to it if registration is refused.
+            rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 1)
+            if int(rc) == 0:
+                registered = True
+            else:
+                logger.warning(
+                    "cudaHostRegister of %d bytes failed (%s); using pin_memory", nbytes, rc
+                )
+                buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._buffer, self._registered, self._pinned = buffer, registered, pin
+        self.allocations += 1
+        logger.info(
+            "allocated a %s staging buffer of %d bytes in %.3fs",
+            "page-locked" if pin else "host",
+            nbytes,
+            time.monotonic() - started,
+        )
+
+    def release(self) -> None:
+        """Free the buffer (it must not be in use)."""
+        if self._buffer is not None and self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+        self._buffer, self._registered, self._pinned = None, False, False

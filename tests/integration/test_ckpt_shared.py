@@ -1,0 +1,287 @@
+"""Tier 2 end to end: background replication, the commit protocol, retention, restore from the
+shared store, run isolation and a store outage. Each test runs against a mounted-path URL and
+against S3 (s3fs talking HTTP to moto's server on a free port)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from ckpt import (
+    CheckpointConfig,
+    CheckpointTimeoutError,
+    RetryConfig,
+    SharedConfig,
+)
+from tests import s3_fixtures
+from tests.s3_fixtures import Checkpointers, MotoS3
+from tests.unit.test_ckpt_async import assert_same, flip_bit, state_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+# Fixtures shared with the other ckpt tests.
+checkpointers = s3_fixtures.checkpointers
+fast_s3fs_retries = s3_fixtures.fast_s3fs_retries
+moto_s3 = s3_fixtures.moto_s3
+own_moto_s3 = s3_fixtures.own_moto_s3
+
+WAIT = timedelta(seconds=20)
+FAST_RETRY = RetryConfig(
+    attempts=3,
+    initial=timedelta(seconds=0.02),
+    maximum=timedelta(seconds=0.1),
+    jitter=timedelta(seconds=0.01),
+    deadline=timedelta(seconds=2),
+)
+
+
+class Store:
+    """A shared store URL plus the means to look inside it."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        self.url = url
+        self.options = options
+        self.fs, self.root = fsspec.core.url_to_fs(url, **options)
+
+    def shared(self, run: str, **kw: Any) -> SharedConfig:
+        kw.setdefault("retry", FAST_RETRY)
+        kw.setdefault("commit_timeout", timedelta(seconds=15))
+        return SharedConfig(url=self.url, run_name=run, storage_options=self.options, **kw)
+
+    def path(self, run: str, step: int, *rest: str) -> str:
+        return "/".join([self.root, run, f"step_{step:012d}", *rest])
+
+    def committed(self, run: str) -> list[int]:
+        self.fs.invalidate_cache()
+        try:
+            names = self.fs.ls(f"{self.root}/{run}", detail=False)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            step = int(name.rstrip("/").rsplit("_", 1)[1])
+            if self.fs.exists(f"{name.rstrip('/')}/COMMIT"):
+                steps.append(step)
+        return sorted(steps)
+
+    def commit(self, run: str, step: int) -> dict[str, Any]:
+        return json.loads(self.fs.cat_file(self.path(run, step, "COMMIT")))
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(params=["path", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    if request.param == "path":
+        return Store(str(tmp_path / "shared"), {})
+    moto: MotoS3 = request.getfixturevalue("moto_s3")
+    return Store(f"s3://{moto.make_bucket()}/ckpt", moto.storage_options())
+
+
+def local(tmp_path: Path, node: str, shared: SharedConfig, **kw: Any) -> CheckpointConfig:
+    return CheckpointConfig(local_dir=tmp_path / node, shared=shared, **kw)
+
+
+def test_commit_marker_is_written_only_after_every_rank_uploaded(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers
+) -> None:
+    shared = store.shared("run")
+    # Two nodes, one rank each: their tier-1 dirs differ, tier 2 is the only common ground.
+    r0, r1 = (
+        checkpointers.make(
+            local(tmp_path, f"node-{r}", shared),
+            rank=r,
+            world_size=2,
+            local_world_size=1,
+            generation="g1",
+        )
+        for r in range(2)
+    )
+    r0.save_async(10, state_of(0)).wait_persisted(WAIT)
+    with pytest.raises(CheckpointTimeoutError, match=r"steps \[10\] not replicated"):
+        r0.wait_uploaded(timedelta(seconds=0.5))  # rank 0 waits for rank 1's marker
+    assert store.fs.exists(store.path("run", 10, "rank_00000.done"))
+    assert store.committed("run") == []  # partial: invisible
+    reader = checkpointers.make(local(tmp_path, "node-c", shared), rank=1, world_size=2)
+    assert reader.available_steps() == [] and reader.restore() is None
+
+    r1.save_async(10, state_of(1)).wait_persisted(WAIT)
+    r1.wait_uploaded(WAIT)
+    r0.wait_uploaded(WAIT)
+    assert store.committed("run") == [10]
+    commit = store.commit("run", 10)
+    assert (commit["run"], commit["generation"], commit["world_size"]) == ("run", "g1", 2)
+    assert set(commit["manifests"]) == {"0", "1"}
+    metrics = r0.metrics[-1]
+    assert (
+        metrics.status == "committed"
+        and metrics.tier2_s is not None
+        and metrics.tier1_s is not None
+    )
+
+    restored = reader.restore()  # node c has no local copy: it comes from the shared tier
+    assert restored is not None and (restored.step, restored.rank, restored.tier) == (
+        10,
+        1,
+        "shared",
+    )
+    assert_same(restored.state, state_of(1))
+    assert not list((tmp_path / "node-c").glob(".tmp-*"))  # download scratch removed
+
+
+def test_retention_per_tier_and_every_nth_forever(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers
+) -> None:
+    shared = store.shared("run", keep_last=2, keep_every=3)
+    c = checkpointers.make(local(tmp_path, "node", shared, keep_last=1))
+    for step in range(1, 8):
+        c.save_async(step, {"s": torch.tensor(step)}).wait_persisted(WAIT)
+        c.wait_uploaded(WAIT)
+    assert store.committed("run") == [3, 6, 7]
+    assert c.committed_steps() == [7]
+    fresh = checkpointers.make(local(tmp_path, "fresh", shared))
+    assert fresh.available_steps() == [7, 6, 3]
+    assert fresh.restore(step=3).state["s"].item() == 3
+
+
+def test_local_copy_is_kept_until_its_upload_is_committed(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers
+) -> None:
+    shared = store.shared("run")
+    r0, r1 = (
+        checkpointers.make(
+            local(tmp_path, f"node-{r}", shared, keep_last=1),
+            rank=r,
+            world_size=2,
+            local_world_size=1,
+        )
+        for r in range(2)
+    )
+    for step in (1, 2, 3):
+        r0.save_async(step, {"s": torch.tensor(step)}).wait_persisted(WAIT)
+    assert r0.committed_steps() == [3, 2, 1]  # beyond keep_last, but not in tier 2 yet
+    r1.save_async(3, {"s": torch.tensor(3)}).wait_persisted(WAIT)  # rank 1 only saved step 3
+    r1.wait_uploaded(WAIT)
+    r0.wait_uploaded(WAIT)  # commits 3; 1 and 2 are superseded (given up) and released locally
+    assert store.committed("run") == [3]
+    assert r0.committed_steps() == [3]
+    assert [m.status for m in r0.metrics] == ["abandoned", "abandoned", "committed"]
+
+
+def test_two_runs_sharing_a_prefix_never_mix(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers
+) -> None:
+    a = checkpointers.make(local(tmp_path, "a", store.shared("run-a", keep_last=1)))
+    b = checkpointers.make(local(tmp_path, "b", store.shared("run-b", keep_last=1)))
+    a.save_async(5, {"who": torch.tensor(1)}).wait_persisted(WAIT)
+    b.save_async(3, {"who": torch.tensor(2)}).wait_persisted(WAIT)
+    a.save_async(9, {"who": torch.tensor(1)}).wait_persisted(WAIT)  # a's retention runs
+    a.wait_uploaded(WAIT)
+    b.wait_uploaded(WAIT)
+    assert store.committed("run-a") == [9] and store.committed("run-b") == [3]
+    fresh_b = checkpointers.make(local(tmp_path, "fresh-b", store.shared("run-b")))
+    assert fresh_b.available_steps() == [3]
+    restored = fresh_b.restore()
+    assert restored is not None and restored.step == 3 and restored.state["who"].item() == 2
+    # A COMMIT copied in from another run is refused, even under this run's prefix.
+    store.fs.copy(store.path("run-a", 9), store.path("run-b", 9), recursive=True)
+    assert store.fs.exists(store.path("run-b", 9, "COMMIT"))
+    assert fresh_b.available_steps() == [3]
+
+
+def test_damaged_local_copy_is_replaced_by_the_shared_one(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = checkpointers.make(local(tmp_path, "node", store.shared("run")))
+    for step in (1, 2):
+        c.save_async(step, state_of(step)).wait_persisted(WAIT)
+    c.wait_uploaded(WAIT)
+    rank_dir = tmp_path / "node" / "step_000000000002" / "rank_00000"
+    flip_bit(rank_dir)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        restored = c.restore()
+    assert restored is not None and (restored.step, restored.tier) == (2, "shared")
+    assert_same(restored.state, state_of(2))
+    assert any(str(rank_dir / "state.safetensors") in r.getMessage() for r in caplog.records)
+
+
+def test_damaged_shared_copy_falls_back_to_the_previous_step(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers, caplog: pytest.LogCaptureFixture
+) -> None:
+    c = checkpointers.make(local(tmp_path, "node", store.shared("run")))
+    for step in (1, 2):
+        c.save_async(step, state_of(step)).wait_persisted(WAIT)
+    c.wait_uploaded(WAIT)
+    path = store.path("run", 2, "rank_00000", "state.safetensors")
+    data = bytearray(store.fs.cat_file(path))
+    data[-3] ^= 0x10
+    store.fs.pipe_file(path, bytes(data))
+    fresh = checkpointers.make(local(tmp_path, "fresh", store.shared("run")))
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        restored = fresh.restore()
+    assert restored is not None and (restored.step, restored.tier) == (1, "shared")
+    assert_same(restored.state, state_of(1))
+    assert any("step 2" in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
+
+
+def test_shared_store_down_then_back_uploads_catch_up(
+    tmp_path: Path,
+    own_moto_s3: MotoS3,
+    fast_s3fs_retries: None,
+    checkpointers: Checkpointers,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = Store(f"s3://{own_moto_s3.make_bucket()}/ckpt", own_moto_s3.storage_options())
+    shared = store.shared("run", keep_last=5)
+    c = checkpointers.make(local(tmp_path, "node", shared))
+    c.save_async(1, state_of(1)).wait_persisted(WAIT)
+    c.wait_uploaded(WAIT)
+
+    own_moto_s3.stop()
+    assert own_moto_s3.refuses_connections()
+    for step in (2, 3):  # training goes on: tier 1 works, saves do not wait for tier 2
+        pending = c.save_async(step, state_of(step))
+        assert pending.wait_persisted(WAIT).stall_s < 1.0
+    with pytest.raises(CheckpointTimeoutError, match=r"steps \[2, 3\] not replicated .*last error"):
+        c.wait_uploaded(timedelta(seconds=1.5))
+    wait_for(lambda: "failed" in (c.last_error or ""), "the upload error to be surfaced")
+    assert c.committed_steps() == [3, 2, 1]  # local copies stay while tier 2 is down
+    assert any("retrying in" in r.getMessage() for r in caplog.records)  # tenacity backoff ran
+
+    own_moto_s3.start()  # same port, same bucket: the store is back
+    c.wait_uploaded(WAIT)
+    assert store.committed("run") == [1, 2, 3]
+    latest = c.metrics[-1]
+    assert latest.status == "committed" and latest.error is None and latest.upload_lag_steps == 2
+    fresh = checkpointers.make(local(tmp_path, "fresh", shared))
+    restored = fresh.restore()
+    assert restored is not None and (restored.step, restored.tier) == (3, "shared")
+    assert_same(restored.state, state_of(3))
+
+
+def test_restore_works_from_the_local_tier_while_the_store_is_down(
+    tmp_path: Path, own_moto_s3: MotoS3, fast_s3fs_retries: None, checkpointers: Checkpointers
+) -> None:
+    store = Store(f"s3://{own_moto_s3.make_bucket()}/ckpt", own_moto_s3.storage_options())
+    c = checkpointers.make(local(tmp_path, "node", store.shared("run")))
+    c.save_async(4, state_of(4)).wait_persisted(WAIT)
+    c.wait_uploaded(WAIT)
+    own_moto_s3.stop()
+    started = time.monotonic()
+    restored = c.restore()
+    assert restored is not None and (restored.step, restored.tier) == (4, "local")
+    assert time.monotonic() - started < 10

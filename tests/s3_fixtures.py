@@ -1,0 +1,168 @@
+"""A real S3 endpoint for tests: moto's HTTP server on a free loopback port, and s3fs options for it.
+
+    from tests.s3_fixtures import MotoS3, moto_s3, s3_bucket  # noqa: F401  (fixtures)
+
+`moto_s3` is one server for the whole session; tests isolate themselves with a fresh bucket
+(`s3_bucket`). A test that takes the endpoint down starts its own `MotoS3` and calls `stop()` /
+`start()`: the server comes back on the same port with its buckets and objects (moto keeps
+them in this process), like a store that was unreachable for a while.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+_KEY = "testing"
+_SECRET = "testing"
+_REGION = "us-east-1"
+
+
+class MotoS3:
+    """moto's ThreadedMotoServer on 127.0.0.1, first on a free port, then always on that port."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._server: Any = None
+
+    @property
+    def endpoint_url(self) -> str:
+        assert self.port, "start() first"
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> MotoS3:
+        from moto.server import ThreadedMotoServer
+
+        assert self._server is None, "already running"
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        server.start()
+        self._server = server
+        self.port = server.get_host_and_port()[1]
+        return self
+
+    def stop(self) -> None:
+        """Shut the server down (its thread is joined); connections to the port are refused."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    @property
+    def running(self) -> bool:
+        return self._server is not None
+
+    def storage_options(self) -> dict[str, Any]:
+        """s3fs options for this endpoint: short timeouts, no botocore retries, no caching, no
+        connection reuse."""
+        return {
+            "endpoint_url": self.endpoint_url,
+            "key": _KEY,
+            "secret": _SECRET,
+            "client_kwargs": {"region_name": _REGION},
+            "config_kwargs": {
+                "connect_timeout": 1,
+                "read_timeout": 5,
+                "retries": {"max_attempts": 1, "mode": "standard"},
+                # A new connection per request: after stop(), the server's threads still serve
+                # connections opened before, so a pooled one would outlive the "outage".
+                "connector_args": {"force_close": True, "keepalive_timeout": None},
+            },
+            "use_listings_cache": False,
+            "skip_instance_cache": True,
+        }
+
+    def make_bucket(self) -> str:
+        import boto3
+
+        name = f"ckpt-{uuid.uuid4().hex[:12]}"
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=_KEY,
+            aws_secret_access_key=_SECRET,
+            region_name=_REGION,
+        )
+        client.create_bucket(Bucket=name)
+        return name
+
+    def refuses_connections(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return False
+        except OSError:
+            return True
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3]:
+    server = MotoS3().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_s3: MotoS3) -> str:
+    return moto_s3.make_bucket()
+
+
+@pytest.fixture
+def own_moto_s3() -> Iterator[MotoS3]:
+    """A server of this test's own, which the test may stop and start again."""
+    server = MotoS3().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def fast_s3fs_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """s3fs retries every call 5 times with up to 0.8 s pauses on top of ours; keep it to 1."""
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+
+
+class Checkpointers:
+    """Builds Checkpointers for a test and closes every one of them at teardown, then checks
+    that no checkpoint thread outlived close()."""
+
+    def __init__(self) -> None:
+        self.made: list[Any] = []
+
+    def make(self, config: Any, *, rank: int = 0, world_size: int = 1, **kwargs: Any) -> Any:
+        from ckpt import Checkpointer
+
+        kwargs.setdefault("local_world_size", world_size)
+        checkpointer = Checkpointer(config, rank=rank, world_size=world_size, **kwargs)
+        self.made.append(checkpointer)
+        return checkpointer
+
+    def close_all(self) -> None:
+        from datetime import timedelta
+
+        for checkpointer in self.made:
+            checkpointer.close(timedelta(seconds=5))
+
+
+def ckpt_threads() -> set[Any]:
+    import threading
+
+    return {t for t in threading.enumerate() if t.name.startswith("ckpt-") and t.is_alive()}
+
+
+@pytest.fixture
+def checkpointers() -> Iterator[Checkpointers]:
+    before = ckpt_threads()
+    made = Checkpointers()
+    try:
+        yield made
+    finally:
+        made.close_all()
+    left = sorted(t.name for t in ckpt_threads() - before)
+    assert left == [], f"checkpoint threads left running after close(): {left}"

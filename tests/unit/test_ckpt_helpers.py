@@ -1,0 +1,106 @@
+"""Unit tests of the pure parts of ckpt: checksums, retention, restore policy, compatibility."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ckpt import CheckpointMismatchError, check_compatible
+from ckpt.checksum import PendingDigest, _split, digest_parts
+from ckpt.restore import ranks_to_try
+from ckpt.retention import awaiting_replication, select_deletions
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_chunks_span_part_boundaries_exactly() -> None:
+    parts = [memoryview(b"abc"), memoryview(b""), memoryview(b"defghij"), memoryview(b"k")]
+    chunks = _split(parts, 4)
+    assert [b"".join(bytes(p) for p in c) for c in chunks] == [b"abcd", b"efgh", b"ijk"]
+    assert _split([memoryview(b"abcd")], 4) == [[memoryview(b"abcd")]]
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "crc32"])
+def test_chunked_digest_is_independent_of_parts_and_threads(algorithm: str) -> None:
+    data = os.urandom(1000)
+    one = digest_parts([memoryview(data)], algorithm=algorithm, chunk_bytes=64)
+    split = [memoryview(data[:7]), memoryview(data[7:500]), memoryview(data[500:])]
+    with ThreadPoolExecutor(3) as pool:
+        parallel = digest_parts(split, algorithm=algorithm, chunk_bytes=64, pool=pool)
+        pending = PendingDigest(split, algorithm=algorithm, chunk_bytes=64, pool=pool).result()
+    assert one == parallel == pending
+    chunk = hashlib.sha256 if algorithm == "sha256" else None
+    top = hashlib.sha256()
+    for i in range(0, 1000, 64):
+        piece = data[i : i + 64]
+        top.update(chunk(piece).digest() if chunk else zlib.crc32(piece).to_bytes(4, "big"))
+    assert one.digest == top.hexdigest()
+    flipped = bytearray(data)
+    flipped[999] ^= 1
+    assert digest_parts([memoryview(bytes(flipped))], algorithm=algorithm, chunk_bytes=64) != one
+
+
+def test_whole_file_digest_is_plain_sha256() -> None:
+    data = os.urandom(300)
+    result = digest_parts(
+        [memoryview(data[:100]), memoryview(data[100:])], algorithm="sha256", chunk_bytes=0
+    )
+    assert result.legacy and result.digest == hashlib.sha256(data).hexdigest()
+    with pytest.raises(ValueError, match="md5"):
+        digest_parts([memoryview(data)], algorithm="md5", chunk_bytes=64)
+
+
+def test_retention_keeps_last_k_forever_steps_and_newer_uncommitted() -> None:
+    doomed = select_deletions(
+        committed=[10, 20, 30, 40, 50],
+        present=[5, 10, 20, 25, 30, 40, 50, 55],
+        keep_last=2,
+        keep_every=20,
+    )
+    # 40, 50 newest; 20 and 40 forever; 55 uncommitted but newer (in progress)
+    assert doomed == [5, 10, 25, 30]
+    assert select_deletions(committed=[], present=[1, 2], keep_last=1) == []
+    assert select_deletions(committed=[3, 2, 1], present=[1, 2, 3], keep_last=1, protected={1}) == [
+        2
+    ]
+
+
+def test_local_copy_awaits_replication_until_committed_or_superseded() -> None:
+    waiting = awaiting_replication([10, 20, 30, 40], shared_committed={20}, shared_keep_every=None)
+    assert waiting == {30, 40}  # 10 superseded by the shared commit of 20
+    waiting = awaiting_replication([10, 20, 30], shared_committed={30}, shared_keep_every=10)
+    assert waiting == {10, 20}  # forever steps wait for their own commit
+    assert awaiting_replication([1, 2], shared_committed=set(), shared_keep_every=None) == {1, 2}
+
+
+def test_restore_rank_policy() -> None:
+    assert ranks_to_try(rank=1, saved_world_size=2, has_own=True, replicated=True) == [1]
+    assert ranks_to_try(rank=3, saved_world_size=2, has_own=False, replicated=True) == [0]
+    assert ranks_to_try(rank=1, saved_world_size=2, has_own=False, replicated=True) == [0]
+    assert ranks_to_try(rank=3, saved_world_size=2, has_own=False, replicated=False) == []
+
+
+def test_check_compatible_lists_every_offending_key() -> None:
+    model = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "n": torch.zeros(1)}
+    state = {
+        "a": torch.zeros(3, 2),
+        "b": torch.zeros(4, dtype=torch.float16),
+        "x": torch.zeros(1),
+        "n": torch.zeros(1),
+    }
+    with pytest.raises(CheckpointMismatchError) as info:
+        check_compatible(state, model)
+    err = info.value
+    assert err.missing == ["c"] and err.unexpected == ["x"]
+    assert [m.split(":")[0] for m in err.mismatched] == ["a", "b"]
+    text = str(err)
+    assert "missing in checkpoint: c" in text and "not in model: x" in text
+    assert "a: checkpoint (3, 2) torch.float32, model (2, 3) torch.float32" in text
+    assert "b: checkpoint (4,) torch.float16, model (4,) torch.float32" in text
+    assert isinstance(err, ValueError)
+    check_compatible({"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)})  # fits: no error
