@@ -1,0 +1,121 @@
+"""`elastic-chaos run` end to end, as a real subprocess: the smoke scenario passes, its faults really
+happened (counted), nothing it started is left running; a custom script after `--` works too."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic.proctree import kill_tree
+
+pytestmark = pytest.mark.integration
+
+CHAOS = Path(sys.prefix) / "bin" / "elastic-chaos"
+TINY = Path(__file__).resolve().parent.parent.parent / "examples" / "train_tiny.py"
+
+
+def chaos(args: list[str], tmp_path: Path, timeout: float) -> tuple[int, str, dict]:
+    """Run elastic-chaos with its work dir under tmp_path; on timeout end its whole tree, by pid."""
+    report = tmp_path / "report"
+    proc = subprocess.Popen([str(CHAOS), "run", "--report", str(report), "--work-dir", str(tmp_path / "work"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the harness ends everything it started
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"elastic-chaos did not finish in {timeout:.0f} s:\n{out[-3000:]}")
+    doc = json.loads((report / "report.json").read_text())
+    if proc.returncode != 0:
+        out += "\n--- report.md ---\n" + (report / "report.md").read_text()
+    return proc.returncode, out, doc
+
+
+def leftovers(marker: Path) -> list[str]:
+    """Processes anywhere on the machine whose command line names our work dir: agents and workers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(marker) in cmd and state != "Z":
+            found.append(f"{entry.name} {cmd[:200]}")
+    return found
+
+
+@pytest.mark.timeout(330)
+def test_smoke_scenario_passes_and_its_faults_happened(tmp_path: Path) -> None:
+    # Typically ~40 s; the harness's own deadlines (120 s per job) end a stuck run with a report first.
+    rc, out, doc = chaos(["--scenario", "smoke"], tmp_path, timeout=300)
+    assert rc == 0, out[-4000:]
+    assert doc["passed"] is True, json.dumps(doc, indent=1)[:4000]
+    assert all(doc["invariants"].values()) and doc["invariants"]["no_orphan_processes"] is True
+    kinds = [f["kind"] for f in doc["faults"]]
+    assert kinds == ["kill-worker", "corrupt-checkpoint", "kill-node"]
+    for fault in doc["faults"]:
+        assert fault["skipped"] is None and fault["at_step"] is not None, fault
+        assert fault["restarts"] >= 1 and fault["resume_s"] is not None and fault["detect_s"] is not None, fault
+        assert fault["steps_lost"] <= (2 if fault["kind"] == "corrupt-checkpoint" else 1) * 5
+    corrupt = doc["faults"][1]
+    assert corrupt["details"]["exercised"] is True and corrupt["details"]["files"]
+    killed = doc["faults"][2]["details"]
+    assert killed["pids"] and killed["left_alive"] == []
+    assert doc["reference_digest"] and doc["final_digest"]
+    assert doc["final_world_size"] == 1 and doc["reference_world_size"] == 2
+    assert (tmp_path / "report" / "timeline.png").stat().st_size > 10_000
+    assert "PASSED" in (tmp_path / "report" / "report.md").read_text()
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.timeout(280)
+def test_custom_script_after_double_dash(tmp_path: Path) -> None:
+    args = ["--nodes", "2", "--steps", "16", "--ckpt-every", "4", "--faults", "kill-worker@0", "--seed", "3",
+            "--timeout", "100", "--",
+            str(TINY), "--steps", "{steps}", "--ckpt-dir", "{local_dir}/ckpt", "--ckpt-every", "{ckpt_every}",
+            "--global-batch", "{global_batch}", "--dataset-size", "{dataset_size}", "--step-sleep", "0.05"]
+    rc, out, doc = chaos(args, tmp_path, timeout=260)
+    assert rc == 0, out[-4000:]
+    assert doc["passed"] is True and doc["invariants"]["final_digest_matches_reference"] is True, doc
+    (fault,) = doc["faults"]
+    assert fault["kind"] == "kill-worker" and fault["restarts"] >= 1 and fault["steps_lost"] <= 4
+    assert any((tmp_path / "work").glob("chaos-3/node*/ckpt/step_*/COMMIT"))
+    assert leftovers(tmp_path) == []
+
+
+def _netns_works() -> bool:
+    if os.geteuid() != 0:
+        return False
+    from elastic.chaos.inject import _probe_netns
+
+    return _probe_netns() is None
+
+
+@pytest.mark.timeout(280)
+@pytest.mark.skipif(not _netns_works(), reason="partition-node needs root and a working `ip netns`")
+def test_partition_node_in_network_namespaces(tmp_path: Path) -> None:
+    rc, out, doc = chaos(["--nodes", "2", "--steps", "24", "--faults", "partition-node@last", "--seed", "1",
+                          "--timeout", "100"], tmp_path, timeout=260)
+    assert rc == 0, out[-4000:]
+    assert doc["passed"] is True, json.dumps(doc, indent=1)[:4000]
+    (fault,) = doc["faults"]
+    assert fault["skipped"] is None and fault["restarts"] >= 1 and fault["steps_lost"] <= 5
+    assert fault["detect_s"] is not None and fault["detect_s"] >= 1.0  # noticed by the lease running out, not a reset
+    assert doc["final_world_size"] == 1
+    assert leftovers(tmp_path) == []
+    links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    assert "ecb" not in links and "ecv" not in links

@@ -1,0 +1,263 @@
+"""elastic-chaos judging, on synthetic logs: parsing output lines, attempts and the committed line of
+steps, fault costs, and each invariant kept and broken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic.chaos import invariants as inv
+from elastic.chaos import timeline as tl
+from trainer.data import DataConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+DATA = DataConfig(dataset_size=20 * 12 + 7, global_batch=12, seed=0)
+
+
+class Log:
+    """Builds a node's output the way train_tiny and the agents print it, one line per tick."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.events: list[tl.Event] = []
+
+    def line(self, text: str, node: str = "node0", dt: float = 0.1) -> Log:
+        self.t += dt
+        event = tl.parse(self.t, node, text)
+        if event is not None:
+            self.events.append(event)
+        return self
+
+    def start(self, world: int = 2, resumed: int | None = None, node: str = "node0") -> Log:
+        for rank in range(world):
+            self.line(f"worker rank={rank} world={world} pid={100 + rank} restart=0", node if rank == 0 else "node1")
+        if resumed is not None:
+            self.line(f"resumed from step {resumed}", node)
+        return self
+
+    def steps(self, first: int, last: int, node: str = "node0", loss: str = "1.0") -> Log:
+        for s in range(first, last + 1):
+            self.line(f"step={s} loss={loss}", node)
+        return self
+
+
+def evidence(log: Log, *, steps: int = 20, faults: list[inv.FaultOutcome] | None = None, orphans: list[str] | None = None,
+             final: str = "ab", reference: str = "ab", ref_world: int = 2, ref_loss: str = "1.0") -> inv.Evidence:
+    runs = tl.attempts(log.events)
+    return inv.Evidence(
+        steps=steps, ckpt_every=5, data=DATA, completed=True, completion_detail="2 agents exited 0",
+        lineage=tl.lineage(runs, 5), events=log.events, faults=faults or [], orphans=orphans or [],
+        final_digest=final, reference_digest=reference, reference_world=ref_world,
+        reference_losses={s: ref_loss for s in range(1, steps + 1)},
+    )
+
+
+def test_parse_recognises_the_lines_that_matter() -> None:
+    assert tl.parse(1.0, "n", "step=12 loss=0.250000") == tl.Step(1.0, "n", 12, "0.250000")
+    assert tl.parse(1.0, "n", "[default0]:step=3 loss=1.5") == tl.Step(1.0, "n", 3, "1.5")
+    assert tl.parse(1.0, "n", "worker rank=1 world=2 pid=77 restart=3") == tl.WorkerStart(1.0, "n", 1, 2, 77, 3)
+    assert tl.parse(1.0, "n", "resumed from step 10") == tl.Resumed(1.0, "n", 10)
+    assert tl.parse(1.0, "n", "final_digest=ABCdef01") == tl.Digest(1.0, "n", "abcdef01")
+    skipped = tl.parse(1.0, "n", "skipping checkpoint step 15: checksum of /x/state.safetensors differs")
+    assert skipped == tl.CheckpointSkipped(1.0, "n", 15, "checksum of /x/state.safetensors differs")
+    event = tl.parse(1.0, "n", '[elastic-run] 2026 INFO elastic.events: {"event": "hang_detected", "pid": 5}')
+    assert isinstance(event, tl.AgentEvent) and event.name == "hang_detected" and event.fields["pid"] == 5
+    assert isinstance(tl.parse(1.0, "n", "I1129 api.py:962] [default] Detected 1 new nodes from group_rank=1; will "
+                                         "restart worker group"), tl.AgentFailure)
+    assert tl.parse(1.0, "n", "unrelated noise step") is None
+
+
+def test_a_clean_run_keeps_every_invariant() -> None:
+    log = Log().start().steps(1, 20).line("final_digest=ab")
+    checks = inv.check_all(evidence(log))
+    assert {k: c.ok for k, c in checks.items()} == {k: True for k in checks}, checks
+    assert "20 step losses equal" in checks["data_exactly_once_per_epoch"].detail
+
+
+def test_restart_cuts_the_lineage_back_and_counts_lost_steps() -> None:
+    log = Log().start().steps(1, 13).start(resumed=10).steps(11, 20)
+    runs = tl.attempts(log.events)
+    assert [(a.world, a.resumed_from, len(a.steps)) for a in runs] == [(2, 0, 13), (2, 10, 10)]
+    lin = tl.lineage(runs, 5)
+    assert sorted(lin.steps) == list(range(1, 21)) and lin.problems == []
+    assert [n for _, n in lin.lost] == [3]
+    cost = tl.fault_cost(log.events, runs, lin, start=runs[0].steps[-1].t + 0.01, end=float("inf"))
+    assert cost.steps_lost == 3 and cost.restarts == 1 and cost.resume_s is not None and cost.resume_s > 0
+
+
+def test_a_restart_without_a_resume_line_starts_from_zero() -> None:
+    log = Log().start().steps(1, 13).start(world=1).steps(1, 20)
+    lin = tl.lineage(tl.attempts(log.events), 5)
+    assert [n for _, n in lin.lost] == [13]
+    ev = evidence(log, faults=[inv.FaultOutcome(kind="kill-node", injected=True, skipped=None, steps_lost=13,
+                                                lost_bound=1)])
+    check = inv.steps_lost_within(ev)
+    assert check.ok is False and "kill-node: 13 steps lost > 5" in check.detail
+
+
+def test_skipped_and_repeated_steps_break_exactly_once() -> None:
+    gap = Log().start().steps(1, 12).start(resumed=10).steps(12, 20)  # step 11 never ran
+    check = inv.data_exactly_once(evidence(gap))
+    assert check.ok is False and "step 12 follows step 10 (steps skipped)" in check.detail
+
+    beyond = Log().start().steps(1, 8).start(resumed=10).steps(11, 20)  # resumed past what was reached
+    assert "only reached step 8" in str(inv.data_exactly_once(evidence(beyond)).detail)
+
+    odd = Log().start().steps(1, 13).start(resumed=12).steps(13, 20)  # 12 is no checkpoint step
+    assert "not a checkpoint step" in str(inv.data_exactly_once(evidence(odd)).detail)
+
+    short = Log().start().steps(1, 18)
+    assert "steps never committed: 19-20" in str(inv.data_exactly_once(evidence(short)).detail)
+
+
+def test_a_different_loss_means_a_different_batch_or_state() -> None:
+    log = Log().start().steps(1, 13).start(resumed=10).steps(11, 20, loss="2.0")
+    check = inv.data_exactly_once(evidence(log))
+    assert check.ok is False and "step 11: loss 2.0 != reference 1.0" in check.detail
+
+
+def test_sampler_replay_covers_each_epoch_once() -> None:
+    assert inv._replay_sampler(DATA, 60) == []  # noqa: SLF001 - the replay itself
+
+
+def test_digest_is_compared_only_at_the_reference_world_size() -> None:
+    same = evidence(Log().start().steps(1, 20), final="ab", reference="ab")
+    assert inv.digest_matches(same).ok is True
+    differs = evidence(Log().start().steps(1, 20), final="ab", reference="cd")
+    assert inv.digest_matches(differs).ok is False
+    shrunk = Log().start().steps(1, 13).start(world=1, resumed=10).steps(11, 20)
+    check = inv.digest_matches(evidence(shrunk, final="ab", reference="cd"))
+    assert check.ok is None and "world sizes [1, 2]" in check.detail
+    assert inv.digest_matches(evidence(Log().start().steps(1, 20), final=None)).ok is None  # type: ignore[arg-type]
+
+
+def test_resuming_from_a_corrupted_step_is_caught() -> None:
+    log = Log().start().steps(1, 17)
+    corrupted_at = log.t
+    log.line("skipping checkpoint step 15: checksum mismatch", node="node1").start(resumed=10).steps(11, 20)
+    fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=7, lost_bound=2,
+                             injected_t=corrupted_at, corrupted_step=15, corrupted_node="node1", exercised=True)
+    assert inv.no_corrupt_restore(evidence(log, faults=[fault])).ok is True
+    assert inv.steps_lost_within(evidence(log, faults=[fault])).ok is True  # 7 <= 2 intervals
+
+    bad = Log().start().steps(1, 17)
+    t = bad.t
+    bad.start(resumed=15).steps(16, 20)
+    fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=2, lost_bound=2,
+                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=False)
+    check = inv.no_corrupt_restore(evidence(bad, faults=[fault]))
+    assert check.ok is False and "resumed from step 15" in check.detail
+    assert "no restore ever read the corrupted step 15" in inv.all_injected(evidence(bad, faults=[fault])).detail
+
+
+def test_a_step_written_again_after_corruption_may_be_restored() -> None:
+    log = Log().start().steps(1, 17)
+    t = log.t
+    log.start(resumed=10).steps(11, 17).start(resumed=15).steps(16, 20)
+    fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=7, lost_bound=2,
+                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=True)
+    assert inv.no_corrupt_restore(evidence(log, faults=[fault])).ok is True
+
+
+def test_orphans_and_unfired_faults_fail() -> None:
+    log = Log().start().steps(1, 20)
+    assert inv.no_orphans(evidence(log, orphans=["123 python train_tiny.py"])).ok is False
+    unfired = inv.FaultOutcome(kind="kill-worker", injected=False, skipped=None, steps_lost=0, lost_bound=1)
+    skipped = inv.FaultOutcome(kind="disk-full", injected=False, skipped="no shared tier", steps_lost=0, lost_bound=1)
+    assert inv.all_injected(evidence(log, faults=[unfired])).ok is False
+    check = inv.all_injected(evidence(log, faults=[skipped]))
+    assert check.ok is True and "1 skipped with a reason" in check.detail
+
+
+def test_an_unfinished_run_fails() -> None:
+    log = Log().start().steps(1, 20)
+    ev = evidence(log)
+    unfinished = inv.Evidence(**{**ev.__dict__, "completed": False, "completion_detail": "timed out"})
+    assert inv.run_completed(unfinished) == inv.Check(False, "timed out")
+    assert inv.run_completed(evidence(Log().start().steps(1, 12))).ok is False
+
+
+def _records(log: Log, data: DataConfig, *, tamper: dict[int, list[int]] | None = None) -> list[tl.SampleRecord]:
+    """What train_tiny --log-samples writes: per worker pid, per step, each rank's slice of the global batch."""
+    from trainer.data import ElasticSampler
+
+    runs = tl.attempts(log.events)
+    pids = {i: [e.pid for e in log.events if isinstance(e, tl.WorkerStart)
+                and min(range(len(runs)), key=lambda j: abs(runs[j].start_t - e.t)) == i] for i in range(len(runs))}
+    out = []
+    for i, attempt in enumerate(runs):
+        sampler = ElasticSampler(data, rank=0, world_size=1)
+        for _ in range(attempt.resumed_from):
+            sampler.advance()
+        for step in attempt.steps:
+            ids = (tamper or {}).get(step.step, sampler.global_indices())
+            half = len(ids) // 2
+            for rank, pid in enumerate(pids[i]):
+                out.append(tl.SampleRecord(pid, step.step, rank, tuple(ids[rank * half:(rank + 1) * half])))
+            sampler.advance()
+    return out
+
+
+def test_logged_samples_prove_exactly_once() -> None:
+    log = Log().start().steps(1, 13)
+    log.line("worker rank=0 world=2 pid=200 restart=1").line("worker rank=1 world=2 pid=201 restart=1", "node1")
+    log.line("resumed from step 10").steps(11, 20)
+    runs = tl.attempts(log.events)
+    lin = tl.lineage(runs, 5)
+    consumed, problems = tl.consumed_by_step(log.events, runs, lin, _records(log, DATA))
+    assert problems == [] and sorted(consumed) == list(range(1, 21))
+    ev = inv.Evidence(**{**evidence(log).__dict__, "consumed": consumed})
+    check = inv.data_exactly_once(ev)
+    assert check.ok is True and "sample ids logged by the workers for 20 committed steps" in check.detail
+
+    # The resumed attempt re-consumes step 10's samples at step 11: a data position restored wrong.
+    from trainer.data import ElasticSampler
+
+    sampler = ElasticSampler(DATA, rank=0, world_size=1)
+    for _ in range(9):
+        sampler.advance()
+    tampered = _records(log, DATA, tamper={11: sampler.global_indices()})
+    consumed, problems = tl.consumed_by_step(log.events, runs, lin, tampered)
+    ev = inv.Evidence(**{**evidence(log).__dict__, "consumed": consumed})
+    check = inv.data_exactly_once(ev)
+    assert check.ok is False and "step 11: samples" in check.detail and "consumed twice in epoch 0" in check.detail
+
+
+def test_missing_sample_records_are_reported() -> None:
+    log = Log().start().steps(1, 20)
+    runs = tl.attempts(log.events)
+    records = [r for r in _records(log, DATA) if r.step != 7]
+    consumed, problems = tl.consumed_by_step(log.events, runs, tl.lineage(runs, 5), records)
+    assert problems == ["no sample record for committed step 7"] and 7 not in consumed
+
+
+def _job(log: Log):  # type: ignore[no-untyped-def]
+    from elastic.chaos.runner import JobResult
+
+    runs = tl.attempts(log.events)
+    digests = [e.digest for e in log.events if isinstance(e, tl.Digest)]
+    return JobResult(log.events, runs, tl.lineage(runs, 5), True, "ok", digests[-1] if digests else None,
+                     runs[-1].world, log.t, 0.0, [])
+
+
+def test_reference_is_the_first_attempt_that_finished() -> None:
+    from elastic.chaos.config import ChaosConfig
+    from elastic.chaos.runner import ChaosError, _reference
+
+    config = ChaosConfig(report_dir=Path("/tmp"), steps=20)
+    clean = Log().start().steps(1, 20).line("final_digest=aa")
+    ref = _reference(_job(clean), config)
+    assert (ref.digest, ref.world, ref.notes) == ("aa", 2, []) and len(ref.losses) == 20
+
+    # restarted after it had finished (e.g. hang detection during worker shutdown): the first digest counts
+    after = Log().start().steps(1, 20).line("final_digest=aa")
+    after.line('x elastic.events: {"event": "hang_detected", "pid": 1}').start(resumed=15).steps(16, 20)
+    after.line("final_digest=bb")
+    ref = _reference(_job(after), config)
+    assert ref.digest == "aa" and "restarted after it had finished (hang_detected)" in ref.notes[0]
+
+    midway = Log().start().steps(1, 12).start(resumed=10).steps(11, 20).line("final_digest=cc")
+    with pytest.raises(ChaosError, match="restarted mid-run"):
+        _reference(_job(midway), config)
