@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (node-local tier)")
     p.add_argument("--ckpt-every", type=int, default=10, help="save every K steps")
+    p.add_argument("--shared-url", default=None, help="tier 2: any fsspec URL (a shared path, s3://bucket/prefix, ...)")
+    p.add_argument("--run-name", default="tiny", help="run-scoped prefix under --shared-url")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dataset-size", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=32, help="samples per step over all ranks")
@@ -103,7 +105,8 @@ def main() -> None:
     sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch,
                                         seed=args.seed, max_micro_batch=args.max_micro_batch),
                              rank=rank, world_size=world)
-    run = Resumable(ResumeConfig(ckpt_dir=args.ckpt_dir, save_every=args.ckpt_every),
+    run = Resumable(ResumeConfig(ckpt_dir=args.ckpt_dir, save_every=args.ckpt_every,
+                                 shared_url=args.shared_url, run_name=args.run_name),
                     model=ddp, optimizer=optimizer, sampler=sampler,
                     on_rank_saved=lambda s: crash(args, rank, restart, s, "crash_in_save", "in the save of step"))
     step = run.restore()
