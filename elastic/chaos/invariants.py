@@ -7,8 +7,7 @@
                                      checkpoint steps, replaying the sampler over them consumes each
                                      sample once per epoch, and where the state must equal the
                                      reference's, every step's loss does (so each step saw the same batch)
-    no_corrupt_checkpoint_restored   no resume from a step that had been corrupted (or that a worker had
-                                     found corrupt) before it was written again
+    no_corrupt_checkpoint_restored   no restore used a copy the harness damaged (see no_corrupt_restore)
     steps_lost_within_interval       each fault cost at most its bound (1 checkpoint interval; 2 for
                                      corrupt-checkpoint, which destroys the newest one on purpose)
     no_orphan_processes              nothing the harness started, or any of its descendants, is alive
@@ -22,7 +21,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic.chaos.timeline import CheckpointSkipped, Event, Lineage, Resumed, Step
+from elastic.chaos.timeline import (
+    Attempt,
+    CheckpointSkipped,
+    Event,
+    Lineage,
+    Resumed,
+    Step,
+    WorkerStart,
+    attempts,
+)
 from trainer.data import DataConfig, ElasticSampler
 
 
@@ -48,6 +56,8 @@ class FaultOutcome:
     """For a corruption: a restore afterwards found it corrupt and skipped it."""
     not_fired: str | None = None
     """Why a fault that was not skipped never fired."""
+    corrupted_ranks: tuple[int, ...] = ()
+    """The rank directories whose files the harness damaged."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,26 +209,82 @@ def _replay_sampler(data: DataConfig, steps: int) -> list[str]:
 
 
 def no_corrupt_restore(ev: Evidence) -> Check:
-    """A step is suspect from the moment it is corrupted (or a worker finds it corrupt) until training
-    reaches it again and rewrites it; a resume from it in that window restored corrupt data."""
-    suspects: list[tuple[float, int, str]] = [
-        (f.injected_t, f.corrupted_step, f"corrupted by the harness on {f.corrupted_node}")
-        for f in ev.faults if f.corrupted_step is not None and f.injected_t is not None
-    ]
-    suspects += [(e.t, e.step, f"found unreadable on {e.node}: {e.reason[:120]}")
-                 for e in ev.events if isinstance(e, CheckpointSkipped)]
-    if not suspects:
-        return Check(True, "no checkpoint was corrupted or found corrupt")
-    bad = []
-    for t, step, why in suspects:
-        rewritten = next((e.t for e in ev.events if isinstance(e, Step) and e.t > t and e.step == step), float("inf"))
-        for e in ev.events:
-            if isinstance(e, Resumed) and t < e.t < rewritten and e.step == step:
-                bad.append(f"resumed from step {step} at t={e.t:.1f}s although it was {why}")
+    """No restore used a copy the harness damaged.
+
+    A corrupted step stays suspect until training reaches it again (and saves it anew). A resume from
+    it is fine when the node holding the damaged files was not in the group, or none of its ranks
+    owned a damaged file, or it reported the damaged copy unreadable (the checksum caught it and
+    another copy, e.g. the shared tier's, was used), or the steps after the resume repeat the losses
+    they had before the fault (damaged weights or moments would not)."""
+    corruptions = [f for f in ev.faults if f.corrupted_step is not None and f.injected_t is not None]
+    rejected = [e for e in ev.events if isinstance(e, CheckpointSkipped)]
+    if not corruptions:
+        note = f"; {len(rejected)} unreadable copies rejected by the workers" if rejected else ""
+        return Check(True, "no checkpoint was corrupted by the harness" + note)
+    runs = attempts(ev.events)
+    members = _members(ev.events, runs)
+    bad, fine = [], []
+    for f in corruptions:
+        assert f.injected_t is not None and f.corrupted_step is not None
+        step, node = f.corrupted_step, f.corrupted_node
+        rewritten = next((e.t for e in ev.events if isinstance(e, Step) and e.t > f.injected_t and e.step == step),
+                         float("inf"))
+        for r in (e for e in ev.events if isinstance(e, Resumed) and f.injected_t < e.t < rewritten and e.step == step):
+            i = max((j for j, a in enumerate(runs) if a.start_t <= r.t), default=-1)
+            ranks = members.get((i, node or ""), set())
+            start = runs[i].start_t if i >= 0 else r.t
+            if not ranks & set(f.corrupted_ranks):
+                fine.append(f"step {step} resumed without {node}'s damaged rank files")
+            elif any(e.step == step and e.node == node and start - 1 <= e.t <= r.t + 1 for e in rejected):
+                fine.append(f"step {step}: {node} rejected its damaged copy and restored another one")
+            elif same := _continues_as_before(runs, r, before=f.injected_t):
+                fine.append(f"step {step} restored from an intact copy ({same})")
+            else:
+                bad.append(f"resumed from step {step} at t={r.t:.1f}s with {node} (ranks {sorted(ranks)}) in the "
+                           f"group, whose rank files {list(f.corrupted_ranks)} the harness had damaged; no worker "
+                           "reported the damage and the steps after it do not repeat their earlier losses")
     if bad:
         return Check(False, "; ".join(bad[:3]))
-    suspect_steps = sorted({s for _, s, _ in suspects})
-    return Check(True, f"suspect steps {suspect_steps} were never restored before being rewritten")
+    steps = sorted({f.corrupted_step for f in corruptions if f.corrupted_step is not None})
+    return Check(True, "; ".join([f"no damaged copy of steps {steps} was restored", *sorted(set(fine))]))
+
+
+def _members(events: list[Event], runs: list[Attempt]) -> dict[tuple[int, str], set[int]]:
+    """(attempt, node) -> the global ranks the node's workers held in that attempt."""
+    out: dict[tuple[int, str], set[int]] = {}
+    starts = [a.start_t for a in runs]
+    for e in events:
+        if isinstance(e, WorkerStart) and starts:
+            i = min(range(len(starts)), key=lambda j: abs(starts[j] - e.t))
+            out.setdefault((i, e.node), set()).add(e.rank)
+    return out
+
+
+def _continues_as_before(runs: list[Attempt], resumed: Resumed, *, before: float, compare: int = 3) -> str | None:
+    """Whether the attempt that resumed at `resumed` repeats, for its first steps, the losses an attempt
+    from before `before` had at the same steps and world size. Returns the evidence, or None."""
+    after = next((a for a in runs if a.start_t <= resumed.t and a.resumed_from == resumed.step
+                  and a.steps and a.steps[0].t > resumed.t), None)
+    if after is None:
+        return None
+    earlier = {s.step: s.loss for a in runs if a.start_t < before and a.world == after.world for s in a.steps}
+    pairs: list[tuple[int, str, str]] = []
+    for s in after.steps[:compare]:
+        old = earlier.get(s.step)
+        if s.loss is not None and old is not None:
+            pairs.append((s.step, s.loss, old))
+    if not pairs or not all(_close(a, b) for _, a, b in pairs):
+        return None
+    return f"losses of steps {[n for n, _, _ in pairs]} equal those before the fault"
+
+
+def _close(a: str, b: str) -> bool:
+    """Printed losses equal up to float summation order; damaged weights or moments are far off."""
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return a == b
+    return abs(x - y) <= 1e-4 * max(1.0, abs(y))
 
 
 def steps_lost_within(ev: Evidence) -> Check:

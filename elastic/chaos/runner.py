@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+from ckpt.layout import parse_rank_dir_name
 from elastic.chaos import invariants as inv
 from elastic.chaos import report as rpt
 from elastic.chaos import timeline as tl
@@ -324,6 +325,7 @@ def _judge(config: ChaosConfig, fault_plan: tuple[PlannedFault, ...], job: JobRe
             injected_t=None if r.injected_t is None else job.t0 + r.injected_t,
             corrupted_step=r.details.get("corrupted_step"), corrupted_node=r.node,
             exercised=r.details.get("exercised"), not_fired=r.details.get("not_fired"),
+            corrupted_ranks=_ranks_of(r.details.get("files", {})),
         )
         for r in records
     ]
@@ -368,6 +370,12 @@ def _judge(config: ChaosConfig, fault_plan: tuple[PlannedFault, ...], job: JobRe
         seed=config.seed, config=_config_json(config), duration_s=round(duration_s, 2), notes=notes,
         plot=_plot(job, records),
     )
+
+
+def _ranks_of(files: dict[str, object]) -> tuple[int, ...]:
+    """Rank numbers of the damaged files (`.../rank_00001/state.safetensors` -> 1)."""
+    ranks = {parse_rank_dir_name(Path(f).parent.name) for f in files}
+    return tuple(sorted(r for r in ranks if r is not None))
 
 
 def _plot(job: JobResult, records: list[rpt.FaultRecord]) -> rpt.Plot:

@@ -138,18 +138,45 @@ def test_resuming_from_a_corrupted_step_is_caught() -> None:
     corrupted_at = log.t
     log.line("skipping checkpoint step 15: checksum mismatch", node="node1").start(resumed=10).steps(11, 20)
     fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=7, lost_bound=2,
-                             injected_t=corrupted_at, corrupted_step=15, corrupted_node="node1", exercised=True)
+                             injected_t=corrupted_at, corrupted_step=15, corrupted_node="node1", exercised=True,
+                             corrupted_ranks=(1,))
     assert inv.no_corrupt_restore(evidence(log, faults=[fault])).ok is True
     assert inv.steps_lost_within(evidence(log, faults=[fault])).ok is True  # 7 <= 2 intervals
 
+    # Resumed from the corrupted step, and the state is not the one from before: corrupt data.
     bad = Log().start().steps(1, 17)
     t = bad.t
-    bad.start(resumed=15).steps(16, 20)
+    bad.start(resumed=15).steps(16, 20, loss="9.9")
     fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=2, lost_bound=2,
-                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=False)
+                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=False,
+                             corrupted_ranks=(1,))
     check = inv.no_corrupt_restore(evidence(bad, faults=[fault]))
-    assert check.ok is False and "resumed from step 15" in check.detail
+    assert check.ok is False and "resumed from step 15" in check.detail and "rank files [1]" in check.detail
+    # ... but not when the damaged files belong to ranks the node no longer holds
+    moved = inv.FaultOutcome(**{**fault.__dict__, "corrupted_ranks": (3,)})
+    assert inv.no_corrupt_restore(evidence(bad, faults=[moved])).ok is True
     assert "no restore ever read the corrupted step 15" in inv.all_injected(evidence(bad, faults=[fault])).detail
+
+
+def test_resuming_a_corrupted_step_from_an_intact_copy_is_fine() -> None:
+    # The local copy is damaged and rejected; another copy (the shared tier's) serves the resume.
+    log = Log().start().steps(1, 17)
+    t = log.t
+    log.start(resumed=None)
+    log.line("skipping checkpoint step 15: local copy of rank 1 is unusable", node="node1")
+    log.line("resumed from step 15").steps(16, 20)
+    fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=2, lost_bound=2,
+                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=True,
+                             corrupted_ranks=(1,))
+    check = inv.no_corrupt_restore(evidence(log, faults=[fault]))
+    assert check.ok is True and "node1 rejected its damaged copy and restored another one" in check.detail
+
+    # No rejection seen, but the steps after the resume repeat their losses: the data was intact.
+    quiet = Log().start().steps(1, 17)
+    t = quiet.t
+    quiet.start(resumed=15).steps(16, 20)
+    check = inv.no_corrupt_restore(evidence(quiet, faults=[inv.FaultOutcome(**{**fault.__dict__, "injected_t": t})]))
+    assert check.ok is True and "restored from an intact copy (losses of steps [16, 17]" in check.detail
 
 
 def test_a_step_written_again_after_corruption_may_be_restored() -> None:
@@ -157,7 +184,8 @@ def test_a_step_written_again_after_corruption_may_be_restored() -> None:
     t = log.t
     log.start(resumed=10).steps(11, 17).start(resumed=15).steps(16, 20)
     fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=7, lost_bound=2,
-                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=True)
+                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=True,
+                             corrupted_ranks=(1,))
     assert inv.no_corrupt_restore(evidence(log, faults=[fault])).ok is True
 
 
