@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -131,7 +130,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._completed_generation = 0
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
-        self._lock = threading.Lock()
 
     # -- RendezvousHandler -------------------------------------------------------------------
 
