@@ -709,12 +709,19 @@ class Checkpointer:
                 return False
             return m.manifests is None or rank in m.manifests
 
-        own_local = has(local_marker, self.rank) and self._layout.rank_dir(step, self.rank).is_dir()
-        own = own_local or has(shared_marker, self.rank)
+        def local_copy(rank: int) -> bool:
+            return has(local_marker, rank) and self._layout.rank_dir(step, rank).is_dir()
+
+        on_this_node = [r for r in range(saved_world) if local_copy(r)]
+        own = self.rank in on_this_node or has(shared_marker, self.rank)
         for rank in ranks_to_try(
-            rank=self.rank, saved_world_size=saved_world, has_own=own, replicated=replicated
+            rank=self.rank,
+            saved_world_size=saved_world,
+            has_own=own,
+            replicated=replicated,
+            on_this_node=on_this_node,
         ):
-            if has(local_marker, rank) and self._layout.rank_dir(step, rank).is_dir():
+            if rank in on_this_node:
                 try:
                     state = self.load(step, rank=rank)
                     return Restored(

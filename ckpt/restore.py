@@ -8,8 +8,10 @@ and returns the state whose tensors view the mapping: no copy is made until the 
 
 `ranks_to_try` and the tier order are the restore policy: a rank loads its own part; a rank
 that has none (the world grew, or its part lives on another node and not in the shared tier)
-loads rank 0's part of a replicated (DDP) state. Each part is tried in the local tier first,
-then in the shared one; a damaged copy is logged, naming the file, and the next copy is tried.
+loads another rank's part of a replicated (DDP) state: one on this node if there is one (after
+a node loss the survivors' local copies are newer than the shared tier), else rank 0's. Each part
+is tried in the local tier first, then in the shared one; a damaged copy is logged, naming the
+file, and the next copy is tried.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,11 +52,19 @@ class Restored:
     """The rank directory (or URL) it was loaded from."""
 
 
-def ranks_to_try(*, rank: int, saved_world_size: int, has_own: bool, replicated: bool) -> list[int]:
-    """Whose part `rank` loads from a step saved by `saved_world_size` ranks."""
+def ranks_to_try(
+    *, rank: int, saved_world_size: int, has_own: bool, replicated: bool, on_this_node: Sequence[int] = ()
+) -> list[int]:
+    """Whose part `rank` loads from a step saved by `saved_world_size` ranks, in order of preference.
+
+    `on_this_node`: the ranks of that step with a copy in this node's local tier.
+    """
     if rank < saved_world_size and has_own:
         return [rank]
-    return [0] if replicated else []
+    if not replicated:
+        return []
+    local = sorted(r for r in set(on_this_node) if r < saved_world_size)
+    return local + ([0] if 0 not in local else [])
 
 
 def read_manifest(path: Path, *, expected_sha256: str | None) -> tuple[Manifest, bytes]:

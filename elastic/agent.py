@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,7 +67,7 @@ class ElasticAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, *, agent_config: AgentConfig, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
         self.agent_config = agent_config
-        self.progress_dir = tempfile.mkdtemp(prefix="elastic-progress-")
+        self.progress_dir = progress.make_dir()
         os.environ[progress.ENV_DIR] = self.progress_dir  # workers inherit the agent's environment
         self.metrics = AgentMetrics.start(agent_config.metrics_port)
         self._failure_seen_at: float | None = None

@@ -4,44 +4,87 @@ The agent sets `ELASTIC_PROGRESS_DIR` for its workers. A worker calls `beat(step
 (`trainer.Resumable.step_done` does it for you); that rewrites `<dir>/local_rank_<n>` at most a few
 times a second. The agent treats a worker whose file is older than its hang timeout as hung (for
 example one stopped with SIGSTOP, or stuck in a collective) and kills it, so the group restarts.
-A worker that never beats is never judged: plain torchrun scripts keep working unchanged.
+A worker that never beats is never judged: plain torchrun scripts keep working unchanged, and
+neither is one that called `finish()`: flushing checkpoints and tearing down the process group at
+the end can take longer than the hang timeout without anything being stuck.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 ENV_DIR = "ELASTIC_PROGRESS_DIR"
 _MIN_INTERVAL_S = 0.25
+_FINISHED = "finished"
 _last_beat = 0.0
 
 
 def beat(step: int) -> None:
     """Report progress to the agent (a no-op outside elastic-run). Cheap enough to call every step."""
     global _last_beat
-    directory = os.environ.get(ENV_DIR)
     now = time.monotonic()
-    if not directory or now - _last_beat < _MIN_INTERVAL_S:
+    if now - _last_beat < _MIN_INTERVAL_S:
         return
     _last_beat = now
+    _write(str(step))
+
+
+def finish() -> None:
+    """Tell the agent this worker is done training: from now on it is never judged as hung."""
+    _write(_FINISHED)
+
+
+def _write(text: str) -> None:
+    directory = os.environ.get(ENV_DIR)
+    if not directory:
+        return
     path = Path(directory) / f"local_rank_{os.environ.get('LOCAL_RANK', '0')}"
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(str(step))
+        tmp.write_text(text)
         os.replace(tmp, path)
     except OSError:
         pass  # progress reporting must never break training
 
 
 def last_beat_age(directory: str | Path, local_rank: int, now: float | None = None) -> float | None:
-    """Seconds since the worker's last beat, or None if it has not beaten yet."""
+    """Seconds since the worker's last beat; None if it has not beaten yet or has finished."""
+    path = Path(directory) / f"local_rank_{local_rank}"
     try:
-        mtime = (Path(directory) / f"local_rank_{local_rank}").stat().st_mtime
+        mtime = path.stat().st_mtime
+        if path.read_text() == _FINISHED:
+            return None
     except FileNotFoundError:
         return None
     return (time.time() if now is None else now) - mtime
+
+
+def make_dir() -> str:
+    """A fresh beat directory for this agent, named after its pid.
+
+    An agent killed with SIGKILL cannot remove its directory, so each new agent first removes the
+    directories of agents that no longer exist (only ones named after a dead pid).
+    """
+    tmp = Path(tempfile.gettempdir())
+    for old in tmp.glob("elastic-progress-*-*"):
+        pid = old.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"elastic-progress-{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def clear(directory: str | Path) -> None:

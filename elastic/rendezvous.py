@@ -128,6 +128,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id, lease_ttl=config.lease_ttl),
         )
         self._completed_generation = 0
+        self._acked_generation = 0
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
 
@@ -245,6 +246,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             max_nodes=self.config.max_nodes,
             completed_generation=self._completed_generation,
             last_call_expired=last_call_expired,
+            acked_generation=self._acked_generation,
         )
 
     def _join_round(self, deadline: float) -> protocol.Done:
@@ -270,6 +272,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if isinstance(decision, protocol.Write):
                 if self._compare_and_set(decision.state, snap.state_revision):
                     log.info("rendezvous: %s", decision.why)
+                    written = decision.state
+                    if written.status == "closed" and self.config.node_id in written.acked:
+                        self._acked_generation = written.generation
                 continue
             last_reason = decision.reason
             generation = snap.state.generation if snap.state else 0

@@ -8,6 +8,7 @@ Shared state (one JSON document per run, written only by compare-and-set on its 
     status        "joining" (nodes may join) or "closed" (ranks fixed, the round runs)
     participants  node ids; join order while joining, rank order once closed
     previous      rank order of the last closed round, so survivors keep their relative order
+    acked         participants of a closed round that have taken their rank in it
     shutdown      the job ended: every further rendezvous fails with a closed error
     nnodes        (min, max) of the job that created the run: an agent launched with other
                   --nnodes under the same run id is a different job and is refused
@@ -18,6 +19,9 @@ Rules:
   the last-call timeout only bounds a live node that never joins.
 - Participants whose lease expired are dropped from a joining round.
 - A node that arrives while a full round runs with all its members alive waits as a spare.
+- No new round opens until every live participant of the closed round has taken its rank (acked).
+  Without this, a participant whose watch was a moment late would only ever see the newer round,
+  while its peers wait for it in the closed round's store until the store timeout.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class RoundState:
     participants: tuple[str, ...]
     previous: tuple[str, ...] = ()
     shutdown: bool = False
+    acked: tuple[str, ...] = ()
     nnodes: tuple[int, int] | None = None
 
     def to_json(self) -> str:
@@ -49,6 +54,7 @@ class RoundState:
             previous=tuple(doc.get("previous", ())),
             shutdown=bool(doc.get("shutdown", False)),
             nnodes=tuple(doc["nnodes"]) if doc.get("nnodes") else None,  # type: ignore[arg-type]
+            acked=tuple(doc.get("acked", ())),
         )
 
 
@@ -106,6 +112,9 @@ class Knowledge:
     """The last generation this node ran in (0 if none): a closed round at or below it is stale."""
     last_call_expired: bool = False
     """The last-call timer, armed when >= min nodes joined, has run out."""
+    acked_generation: int = 0
+    """The closed round this process took its rank in (0 if none). An ack under this node id in
+    another round came from an earlier incarnation of the node."""
 
 
 def rank_order(participants: tuple[str, ...], previous: tuple[str, ...]) -> tuple[str, ...]:
@@ -115,8 +124,9 @@ def rank_order(participants: tuple[str, ...], previous: tuple[str, ...]) -> tupl
     return tuple(sorted(participants, key=lambda n: (position.get(n, len(previous)), joined[n])))
 
 
-def _close(state: RoundState, participants: tuple[str, ...], why: str) -> Write:
-    return Write(replace(state, status="closed", participants=rank_order(participants, state.previous)), why)
+def _close(state: RoundState, participants: tuple[str, ...], why: str, me: str) -> Write:
+    # The closing node takes its rank in the same write.
+    return Write(replace(state, status="closed", participants=rank_order(participants, state.previous), acked=(me,)), why)
 
 
 def decide(state: RoundState | None, k: Knowledge) -> Decision:
@@ -126,7 +136,7 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
     if state is None:
         first = RoundState(generation=1, status="joining", participants=(me,), nnodes=nnodes)
         if k.max_nodes == 1:
-            return _close(first, first.participants, "first round, max 1 node")
+            return _close(first, first.participants, "first round, max 1 node", me)
         return Write(first, "open the first round")
     if state.shutdown:
         return Closed()
@@ -136,14 +146,21 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
 
     if state.status == "closed":
         if me in state.participants and state.generation > k.completed_generation:
-            return Done(state.generation, state.participants.index(me), len(state.participants), state.participants)
+            rank = state.participants.index(me)
+            if me not in state.acked:
+                return Write(replace(state, acked=(*state.acked, me)), f"take rank {rank} in round {state.generation}")
+            if k.acked_generation == state.generation:
+                return Done(state.generation, rank, len(state.participants), state.participants)
+        pending = [p for p in state.participants if p in k.live and p not in state.acked and p != me]
+        if pending:
+            return Wait(f"round {state.generation} is starting: waiting for {pending} to take their ranks")
         running_full = len(state.participants) >= k.max_nodes and all(p in k.live for p in state.participants)
         if running_full and me not in state.participants:
             return Wait(f"round {state.generation} is full ({k.max_nodes} nodes) and healthy; waiting as a spare")
         nxt = RoundState(generation=state.generation + 1, status="joining", participants=(me,),
                          previous=state.participants, nnodes=nnodes)
         if k.max_nodes == 1:
-            return _close(nxt, nxt.participants, f"round {nxt.generation} with max 1 node")
+            return _close(nxt, nxt.participants, f"round {nxt.generation} with max 1 node", me)
         return Write(nxt, f"open round {nxt.generation} after round {state.generation}")
 
     # status == "joining"
@@ -156,16 +173,16 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
             return Wait(f"round {state.generation} already has max {k.max_nodes} nodes; waiting as a spare")
         joined = (*state.participants, me)
         if len(joined) >= k.max_nodes:
-            return _close(state, joined, f"join round {state.generation} and close it at max {k.max_nodes}")
+            return _close(state, joined, f"join round {state.generation} and close it at max {k.max_nodes}", me)
         return Write(replace(state, participants=joined), f"join round {state.generation}")
     n = len(state.participants)
     if n < k.min_nodes:
         return Wait(f"round {state.generation} has {n} of min {k.min_nodes} nodes")
     missing = sorted(k.live - set(state.participants))
     if not missing:
-        return _close(state, state.participants, f"all {n} live nodes joined round {state.generation}")
+        return _close(state, state.participants, f"all {n} live nodes joined round {state.generation}", me)
     if k.last_call_expired:
-        return _close(state, state.participants, f"last call expired; closing round {state.generation} without {missing}")
+        return _close(state, state.participants, f"last call expired; closing round {state.generation} without {missing}", me)
     return Wait(f"round {state.generation}: waiting for live nodes {missing}", last_call_armed=True)
 
 

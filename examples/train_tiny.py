@@ -110,6 +110,10 @@ def main() -> None:
                     model=ddp, optimizer=optimizer, sampler=sampler,
                     on_rank_saved=lambda s: crash(args, rank, restart, s, "crash_in_save", "in the save of step"))
     step = run.restore()
+    if run.restored is not None:
+        r = run.restored
+        whose = "its own" if r.own else f"rank {r.rank}'s"
+        say(f"rank {rank} restored step {r.step} from {whose} {r.tier} copy {r.path}")
     if rank == 0 and run.resumed_from is not None:
         say(f"resumed from step {step}")
     batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # starts at the restored position

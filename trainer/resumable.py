@@ -127,6 +127,8 @@ class Resumable:
         )
         self.step = 0
         self.resumed_from: int | None = None
+        self.restored: Restored | None = None
+        """What `restore` loaded: the step, whose part (rank), from which tier and path."""
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -147,6 +149,7 @@ class Resumable:
             return 0
         state = restored.state
         self._apply(state, own_rank=restored.own)
+        self.restored = restored
         self.checkpointer.prepare(self.state())
         self.step = self.resumed_from = step
         saved_world = state.get("world_size")
@@ -272,6 +275,7 @@ class Resumable:
 
     def close(self) -> None:
         """Flush the save in flight and pending uploads (bounded), then stop the checkpointer's threads."""
+        progress.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
         if not self.checkpointer.close(timedelta(minutes=5)):
             log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
                         self.checkpointer.last_error)

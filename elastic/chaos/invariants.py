@@ -9,7 +9,10 @@
                                      reference's, every step's loss does (so each step saw the same batch)
     no_corrupt_checkpoint_restored   no restore used a copy the harness damaged (see no_corrupt_restore)
     steps_lost_within_interval       each fault cost at most its bound (1 checkpoint interval; 2 for
-                                     corrupt-checkpoint, which destroys the newest one on purpose)
+                                     corrupt-checkpoint, which destroys the newest one on purpose), plus
+                                     the steps run while the newest save was still being written when
+                                     the fault hit (saves are asynchronous: an uncommitted checkpoint
+                                     cannot be restored, but no committed one may be lost)
     no_orphan_processes              nothing the harness started, or any of its descendants, is alive
     all_faults_injected              every fault not skipped fired, and each corruption was read by a restore
 
@@ -58,6 +61,9 @@ class FaultOutcome:
     """Why a fault that was not skipped never fired."""
     corrupted_ranks: tuple[int, ...] = ()
     """The rank directories whose files the harness damaged."""
+    in_flight: int = 0
+    """Steps run after the newest checkpoint step whose save had not committed on every node when
+    the fault hit; they are allowed on top of the bound."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,9 +294,17 @@ def _close(a: str, b: str) -> bool:
 
 
 def steps_lost_within(ev: Evidence) -> Check:
-    over = [f"{f.kind}: {f.steps_lost} steps lost > {f.lost_bound * ev.ckpt_every}"
-            for f in ev.faults if f.injected and f.steps_lost > f.lost_bound * ev.ckpt_every]
-    costs = ", ".join(f"{f.kind} {f.steps_lost}" for f in ev.faults if f.injected)
+    def allowed(f: FaultOutcome) -> int:
+        return f.lost_bound * ev.ckpt_every + f.in_flight
+
+    def cost(f: FaultOutcome) -> str:
+        extra = f" ({f.in_flight} run while a save was being written)" if f.in_flight else ""
+        return f"{f.kind} {f.steps_lost}{extra}"
+
+    over = [f"{f.kind}: {f.steps_lost} steps lost > {allowed(f)}"
+            + (f" ({f.lost_bound * ev.ckpt_every} + {f.in_flight} run while a save was being written)" if f.in_flight else "")
+            for f in ev.faults if f.injected and f.steps_lost > allowed(f)]
+    costs = ", ".join(cost(f) for f in ev.faults if f.injected)
     if over:
         return Check(False, "; ".join(over))
     if not any(f.injected for f in ev.faults):

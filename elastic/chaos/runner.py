@@ -26,7 +26,7 @@ from elastic.chaos import timeline as tl
 from elastic.chaos.cluster import Cluster, EtcdMembers, ProcessLedger
 from elastic.chaos.config import ChaosConfig
 from elastic.chaos.faults import CATALOG
-from elastic.chaos.inject import Capabilities, Target, inject, probe, skip_reason
+from elastic.chaos.inject import Capabilities, Target, inject, newest_committed, probe, skip_reason
 from elastic.chaos.network import NetnsNetwork
 from elastic.chaos.schedule import PlannedFault, plan
 from elastic.proctree import descendants
@@ -246,6 +246,7 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
                                           f"{pf.at_step}; give it more --steps or fewer faults")
             continue
         latest = timeline.latest_step()
+        committed = _committed_everywhere(cluster)
         t_inj = time.monotonic()
         injection = inject(pf, target)
         record.node, record.target, record.details = injection.node, injection.target or record.target, injection.details
@@ -254,6 +255,7 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
             continue
         record.at_step = latest.step if latest else None
         record.injected_t = round(t_inj - cluster.t0, 3)
+        record.details["committed_everywhere"] = committed
         record.details["corrupted_step"] = injection.corrupted_step
         log.info("elastic-chaos: fault %d %s on %s at step %s", pf.index + 1, pf.kind, injection.target, record.at_step)
         recovery_deadline = min(deadline, time.monotonic() + config.recovery_timeout_s)
@@ -288,6 +290,23 @@ def _restarted(cluster: Cluster, since: float) -> bool:
 
 def _progressed(cluster: Cluster, since: float) -> bool:
     return cluster.finished() or cluster.timeline.latest_step(since=since) is not None
+
+
+def _committed_everywhere(cluster: Cluster) -> int | None:
+    """The newest step committed in the local tier of every live node (None: no node has one,
+    e.g. a custom script that keeps its checkpoints elsewhere)."""
+    steps = [newest_committed(n.local_dir)[0] for n in cluster.live_nodes]
+    if all(s is None for s in steps):
+        return None
+    return min(s or 0 for s in steps)
+
+
+def _in_flight(record: rpt.FaultRecord, ckpt_every: int) -> int:
+    """Steps run after a checkpoint step whose save had not committed everywhere at the fault."""
+    committed = record.details.get("committed_everywhere")
+    if committed is None or record.at_step is None:
+        return 0
+    return max(0, record.at_step - committed - ckpt_every)
 
 
 def _describe_target(pf: PlannedFault) -> str:
@@ -326,6 +345,7 @@ def _judge(config: ChaosConfig, fault_plan: tuple[PlannedFault, ...], job: JobRe
             corrupted_step=r.details.get("corrupted_step"), corrupted_node=r.node,
             exercised=r.details.get("exercised"), not_fired=r.details.get("not_fired"),
             corrupted_ranks=_ranks_of(r.details.get("files", {})),
+            in_flight=_in_flight(r, config.ckpt_every),
         )
         for r in records
     ]

@@ -97,6 +97,18 @@ def test_a_restart_without_a_resume_line_starts_from_zero() -> None:
     assert check.ok is False and "kill-node: 13 steps lost > 5" in check.detail
 
 
+def test_steps_run_while_the_newest_save_was_being_written_are_allowed_on_top_of_the_interval() -> None:
+    # Killed at step 12 while step 10's save was still being written: the restore can only use
+    # step 5, so 7 steps are lost, 2 of them allowed because step 10 had not committed yet.
+    log = Log().start().steps(1, 12).start(world=1, resumed=5).steps(6, 20)
+    fault = inv.FaultOutcome(kind="kill-worker", injected=True, skipped=None, steps_lost=7, lost_bound=1, in_flight=2)
+    check = inv.steps_lost_within(evidence(log, faults=[fault]))
+    assert check.ok is True and "kill-worker 7 (2 run while a save was being written)" in check.detail
+    strict = inv.FaultOutcome(**{**fault.__dict__, "in_flight": 1})
+    check = inv.steps_lost_within(evidence(log, faults=[strict]))
+    assert check.ok is False and "7 steps lost > 6 (5 + 1 run while a save was being written)" in check.detail
+
+
 def test_skipped_and_repeated_steps_break_exactly_once() -> None:
     gap = Log().start().steps(1, 12).start(resumed=10).steps(12, 20)  # step 11 never ran
     check = inv.data_exactly_once(evidence(gap))

@@ -264,6 +264,23 @@ def test_load_of_rank_not_on_this_node_raises_not_found(tmp_path: Path) -> None:
         node_a.load(10, rank=5)
 
 
+def test_after_a_node_loss_the_survivors_restore_their_newest_local_step(tmp_path: Path) -> None:
+    # World 4 on two nodes (ranks 0-1 on node a, 2-3 on node b). Node a is lost; node b's two
+    # ranks become ranks 0 and 1 of a world of 2. Neither has its own part on node b, so each loads
+    # a part node b holds (replicated state) instead of falling back to an older or remote copy.
+    node_b = tmp_path / "node-b"
+    for step in (5, 10):
+        savers = [make(node_b, rank=r, world_size=4) for r in (2, 3)]
+        for c in savers:
+            c.save(step, rank_state(c.rank) | {"step": step})
+        savers[0].commit(step)
+    for new_rank in range(2):
+        restored = make(node_b, rank=new_rank, world_size=2).restore()
+        assert restored is not None
+        assert (restored.step, restored.rank, restored.own, restored.tier) == (10, 2, False, "local")
+        assert raw_bytes(restored.state["model"]["w"]) == raw_bytes(rank_state(2)["model"]["w"])
+
+
 def test_commit_without_any_save_raises_not_found(tmp_path: Path) -> None:
     c = make(tmp_path)
     with pytest.raises(CheckpointNotFoundError, match="nothing was saved for step 3"):

@@ -83,6 +83,11 @@ def test_restore_rank_policy() -> None:
     assert ranks_to_try(rank=3, saved_world_size=2, has_own=False, replicated=True) == [0]
     assert ranks_to_try(rank=1, saved_world_size=2, has_own=False, replicated=True) == [0]
     assert ranks_to_try(rank=3, saved_world_size=2, has_own=False, replicated=False) == []
+    # After a node loss the survivors' local copies beat the (older) shared tier: a rank whose own
+    # part was on the lost node loads a part held on its own node, then rank 0's.
+    assert ranks_to_try(rank=2, saved_world_size=6, has_own=False, replicated=True, on_this_node=[5, 4]) == [4, 5, 0]
+    assert ranks_to_try(rank=1, saved_world_size=2, has_own=False, replicated=True, on_this_node=[0]) == [0]
+    assert ranks_to_try(rank=1, saved_world_size=2, has_own=True, replicated=True, on_this_node=[0]) == [1]
 
 
 def test_check_compatible_lists_every_offending_key() -> None:

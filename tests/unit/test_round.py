@@ -28,6 +28,7 @@ def know(
     max_nodes: int = 4,
     completed: int = 0,
     expired: bool = False,
+    acked: int = 0,
 ) -> Knowledge:
     """Knowledge of node `me`; `live` lists the live node ids as one string, e.g. "abc"."""
     return Knowledge(
@@ -37,6 +38,7 @@ def know(
         max_nodes=max_nodes,
         completed_generation=completed,
         last_call_expired=expired,
+        acked_generation=acked,
     )
 
 
@@ -44,8 +46,12 @@ def joining(participants: str, generation: int = 1, previous: str = "", nnodes: 
     return RoundState(generation, "joining", tuple(participants), tuple(previous), nnodes=nnodes)
 
 
-def closed(participants: str, generation: int = 1, previous: str = "", nnodes: tuple[int, int] | None = None) -> RoundState:
-    return RoundState(generation, "closed", tuple(participants), tuple(previous), nnodes=nnodes)
+def closed(
+    participants: str, generation: int = 1, previous: str = "", nnodes: tuple[int, int] | None = None, acked: str | None = None
+) -> RoundState:
+    """A closed round; by default every participant has taken its rank (the round is running)."""
+    return RoundState(generation, "closed", tuple(participants), tuple(previous), nnodes=nnodes,
+                      acked=tuple(participants if acked is None else acked))
 
 
 def test_no_state_opens_round_one() -> None:
@@ -57,7 +63,7 @@ def test_no_state_opens_round_one() -> None:
 def test_no_state_with_max_one_closes_the_first_round_at_once() -> None:
     decision = decide(None, know("a", "a", min_nodes=1, max_nodes=1))
     assert isinstance(decision, Write)
-    assert decision.state == closed("a", nnodes=(1, 1))
+    assert decision.state == closed("a", nnodes=(1, 1), acked="a")
 
 
 def test_joining_round_waits_for_live_nodes_with_last_call_armed() -> None:
@@ -78,13 +84,13 @@ def test_all_live_joined_closes_in_rank_order() -> None:
     state = joining("dcb", generation=2, previous="bac")
     decision = decide(state, know("c", "bcd", min_nodes=2, max_nodes=4, completed=1))
     assert isinstance(decision, Write)
-    assert decision.state == RoundState(2, "closed", ("b", "c", "d"), ("b", "a", "c"))
+    assert decision.state == RoundState(2, "closed", ("b", "c", "d"), ("b", "a", "c"), acked=("c",))
 
 
 def test_reaching_max_closes_immediately_without_waiting_for_other_live_nodes() -> None:
     decision = decide(joining("ab"), know("c", "abcd", min_nodes=1, max_nodes=3))
     assert isinstance(decision, Write)
-    assert decision.state == closed("abc")
+    assert decision.state == closed("abc", acked="c")
 
 
 def test_joining_below_max_adds_me_to_the_round() -> None:
@@ -122,12 +128,33 @@ def test_last_call_expired_closes_without_the_missing_live_node() -> None:
     assert isinstance(decide(state, know("a", "abc", min_nodes=2, max_nodes=4)), Wait)
     decision = decide(state, know("a", "abc", min_nodes=2, max_nodes=4, expired=True))
     assert isinstance(decision, Write)
-    assert decision.state == closed("ab")
+    assert decision.state == closed("ab", acked="a")
 
 
-def test_closed_round_i_am_in_is_done_with_my_rank() -> None:
-    decision = decide(closed("abc", generation=3), know("b", "abc", completed=2))
-    assert decision == Done(3, 1, 3, ("a", "b", "c"))
+def test_closed_round_i_am_in_is_taken_then_done_with_my_rank() -> None:
+    state = closed("abc", generation=3, acked="a")
+    take = decide(state, know("b", "abc", completed=2))
+    assert isinstance(take, Write)
+    assert take.state == closed("abc", generation=3, acked="ab")
+    assert decide(take.state, know("b", "abc", completed=2, acked=3)) == Done(3, 1, 3, ("a", "b", "c"))
+
+
+def test_no_new_round_opens_before_every_live_participant_took_its_rank() -> None:
+    # c closed round 1 with a and b; b has not read it yet. d arrives: opening round 2 now would
+    # leave a and c waiting for b in round 1's store, so d waits.
+    state = closed("abc", acked="ac")
+    decision = decide(state, know("d", "abcd", min_nodes=1, max_nodes=4))
+    assert isinstance(decision, Wait)
+    assert "b" in decision.reason
+    # a participant that died before taking its rank does not hold the next round up
+    assert isinstance(decide(state, know("d", "acd", min_nodes=1, max_nodes=4)), Write)
+
+
+def test_ack_from_an_earlier_incarnation_of_my_node_id_is_not_mine() -> None:
+    # Node b was restarted under the same id: the rank b took in round 2 belonged to the old process.
+    decision = decide(closed("ab", generation=2), know("b", "ab", min_nodes=1, max_nodes=2, acked=0))
+    assert isinstance(decision, Write)
+    assert decision.state == joining("b", generation=3, previous="ab", nnodes=(1, 2))
 
 
 def test_stale_closed_round_opens_the_next_round_with_previous_participants() -> None:

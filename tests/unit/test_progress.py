@@ -1,0 +1,44 @@
+"""The worker-to-agent progress contract (`elastic/progress.py`): beats, finish, stale directories."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic import progress
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_beat_age_grows_and_a_finished_worker_is_never_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(progress.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(progress, "_last_beat", 0.0)
+    assert progress.last_beat_age(tmp_path, 1) is None  # not beaten yet
+    progress.beat(7)
+    beat_file = tmp_path / "local_rank_1"
+    os.utime(beat_file, (beat_file.stat().st_mtime - 100, beat_file.stat().st_mtime - 100))
+    age = progress.last_beat_age(tmp_path, 1)
+    assert age is not None and age >= 99
+    progress.finish()
+    os.utime(beat_file, (beat_file.stat().st_mtime - 100, beat_file.stat().st_mtime - 100))
+    assert progress.last_beat_age(tmp_path, 1) is None
+
+
+def test_make_dir_removes_directories_of_dead_agents_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead_dir = tmp_path / f"elastic-progress-{dead.stdout.strip()}-abc"
+    live_dir = tmp_path / f"elastic-progress-{os.getpid()}-def"
+    for d in (dead_dir, live_dir):
+        d.mkdir()
+        (d / "local_rank_0").write_text("3")
+    mine = Path(progress.make_dir())
+    assert mine.parent == tmp_path and mine.name.startswith(f"elastic-progress-{os.getpid()}-")
+    assert not dead_dir.exists()
+    assert live_dir.exists()
