@@ -27,10 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, training_digest
+from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, training_digest, wrap_ddp
 
 
 def say(line: str) -> None:
@@ -99,7 +98,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(32, 1))
-    ddp = DDP(model)
+    ddp = wrap_ddp(model)  # one gradient-bucket layout for the whole run: bitwise resume at any world size
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dataset = Samples(args.dataset_size, args.seed)
     sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch,

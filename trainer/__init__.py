@@ -3,10 +3,12 @@
 Public surface: `Resumable` and `ResumeConfig` (restore at start, save every N steps), `train_loop`
 (the same loop written once: you write the step), `ElasticSampler` and `DataConfig` (the global
 data position, the per-rank batch and gradient accumulation), `training_digest` / `state_digest`,
-`Topology`, and the errors.
+`Topology`, `wrap_ddp` (DDP with one gradient-bucket layout, for bitwise resume at any world
+size), and the errors.
 """
 
 from trainer.data import DataConfig, ElasticSampler
+from trainer.ddp import wrap_ddp
 from trainer.digest import state_digest, training_digest
 from trainer.errors import StateMismatchError, TrainerError
 from trainer.loop import train_loop
@@ -24,4 +26,5 @@ __all__ = [
     "state_digest",
     "train_loop",
     "training_digest",
+    "wrap_ddp",
 ]

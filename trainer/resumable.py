@@ -43,6 +43,7 @@ from ckpt import (
 from elastic import progress
 from trainer import rng
 from trainer.data import ElasticSampler
+from trainer.ddp import layout_is_stable
 from trainer.errors import StateMismatchError
 from trainer.topology import Topology
 
@@ -103,6 +104,11 @@ class Resumable:
         on_rank_saved: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
+        self.topology = topology or Topology.from_env()
+        if self.topology.world_size >= 3 and not layout_is_stable(model):
+            log.info("this DDP rebuilds its gradient buckets after its first iteration, so with %d ranks the first "
+                     "step after a resume rounds differently from an uninterrupted run (resume stays correct, "
+                     "not bitwise); wrap the model with trainer.wrap_ddp for bitwise resume", self.topology.world_size)
         # Save the unwrapped module so a checkpoint does not depend on DDP's "module." prefix.
         self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self.optimizer = optimizer
@@ -112,7 +118,6 @@ class Resumable:
         self.extras: dict[str, Any] = dict(extras or {})
         _check_json_able(self.extras)
         self.on_rank_saved = on_rank_saved
-        self.topology = topology or Topology.from_env()
         shared = None
         if config.shared_url:
             shared = SharedConfig(url=config.shared_url, run_name=config.run_name,

@@ -109,6 +109,10 @@ def run(config: ChaosConfig, *, reference: Reference | None = None) -> tuple[rpt
         report = _judge(config, fault_plan, chaos_job, records, reference, time.monotonic() - started)
     except ChaosError as exc:
         report = _error_report(config, fault_plan, str(exc), time.monotonic() - started)
+    except Exception as exc:  # noqa: BLE001 - a harness bug must still end in a (failed) report
+        log.exception("elastic-chaos: internal error")
+        report = _error_report(config, fault_plan, f"internal error in elastic-chaos ({type(exc).__name__}: {exc}); "
+                               f"please report it with the logs in {logs}", time.monotonic() - started)
     finally:
         if etcd is not None:
             etcd.stop()

@@ -25,8 +25,8 @@ STEPS, EVERY = 25, 5
 RNG_DEPENDENT = ("--dropout", "0.2", "--augment", "0.05")
 
 
-def tiny(procs: Procs, ckpt: Path, *extra: str, steps: int = STEPS) -> subprocess.Popen[str]:
-    return procs.elastic_run("--nproc-per-node", "2", "--max-restarts", "2", str(TINY),
+def tiny(procs: Procs, ckpt: Path, *extra: str, steps: int = STEPS, nproc: int = 2) -> subprocess.Popen[str]:
+    return procs.elastic_run("--nproc-per-node", str(nproc), "--max-restarts", "2", str(TINY),
                              "--steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY),
                              *RNG_DEPENDENT, *extra)
 
@@ -53,7 +53,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("seed,workers", [(0, 0), (1, 2), (2, 1)])
+@pytest.mark.parametrize("seed,workers", [(0, 0), (1, 2)])
 def test_worker_killed_at_a_random_step_resumes_bitwise(
     procs: Procs, tmp_path: Path, reference: str, seed: int, workers: int
 ) -> None:
@@ -69,6 +69,18 @@ def test_worker_killed_at_a_random_step_resumes_bitwise(
     resumed = re.search(r"resumed from step (\d+)", out)
     assert (int(resumed[1]) if resumed else 0) in {committed, max(committed - EVERY, 0)}, out[-3000:]
     assert digest(out) == reference
+
+
+@pytest.mark.timeout(240)
+def test_four_ranks_resume_bitwise(procs: Procs, tmp_path: Path) -> None:
+    # From 3 ranks on, float sums depend on the all-reduce's order, which depends on DDP's gradient
+    # bucket layout: the example's wrap_ddp keeps one layout, so the resumed run matches bitwise.
+    ref = digest(finish(tiny(procs, tmp_path / "ref", "--num-workers", "1", steps=15, nproc=4), timeout=180))
+    out = finish(tiny(procs, tmp_path / "kill", "--crash-at-step", "12", "--crash-rank", "2", "--num-workers", "1",
+                      steps=15, nproc=4), timeout=180)
+    assert "fault: rank 2 kills itself (SIGKILL) at step 12" in out
+    assert re.search(r"resumed from step (5|10)\b", out), out[-3000:]
+    assert digest(out) == ref
 
 
 @pytest.mark.timeout(180)
