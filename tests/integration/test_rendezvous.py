@@ -23,6 +23,7 @@ from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer, free_port
 from elastic.membership import Membership, MembershipConfig
 from elastic.rendezvous import EtcdV3RendezvousHandler, RendezvousConfig
+from elastic.round import RoundState
 from tests.conftest import read_state
 
 pytestmark = [
@@ -249,6 +250,27 @@ def test_lost_node_is_reported_to_its_peers(cluster: Cluster) -> None:
     b.membership.leave()  # revokes b's lease, as etcd would once a dead agent's TTL ran out
     # a's answer comes from its watch-fed view of the run: it must catch up within moments.
     assert wait_until(lambda: a.num_nodes_waiting() > 0, 3), "a was not told that b left its round"
+
+
+def test_no_round_opens_before_every_member_of_the_closed_one_took_its_rank(cluster: Cluster, client: EtcdClient) -> None:
+    # Round 1 closed with b (rank 0) and a; a took its rank, b has not read the closed round yet
+    # (its watch is a moment late). A newcomer c must not open round 2 now: b would only ever see
+    # round 2, and a would wait for b in round 1's store until the store timeout.
+    a, b, c = (cluster.handler(n, min_nodes=1, max_nodes=3) for n in "abc")
+    a._start_membership()  # noqa: SLF001 - live, as an agent in the middle of its rendezvous
+    b._start_membership()  # noqa: SLF001
+    key = a._state_key  # noqa: SLF001
+    client.raw.put(key, RoundState(generation=1, status="closed", participants=("b", "a"), acked=("a",),
+                                   nnodes=(1, 3)).to_json())
+    fc = cluster.start(c)
+    time.sleep(1.0)
+    state = read_state(client, cluster.run_id)
+    assert state is not None and state.generation == 1 and not fc.done()
+    info = b.next_rendezvous()  # b takes its rank in round 1 ...
+    assert (info.rank, info.world_size) == (0, 2)
+    # ... and only then may c open round 2.
+    assert wait_until(lambda: (s := read_state(client, cluster.run_id)) is not None and s.generation == 2, 5)
+    assert read_state(client, cluster.run_id).participants[0] == "c"  # type: ignore[union-attr]
 
 
 def _etcd_range_count(etcd: EtcdServer) -> int:
