@@ -58,6 +58,7 @@ class SaveMetrics:
             "skipped",
             "failed",
             "abandoned",
+            "superseded",
         )
 
     def describe(self) -> str:

@@ -1,9 +1,11 @@
 """The background thread that replicates published tier-1 rank directories to tier 2.
 
-Each rank runs one. Jobs are uploaded in step order (every rank uploads the same steps in the
-same order, so the commit of a step never waits on a rank that skipped it). An upload whose
-bounded retries are spent stays at the head of the queue and is tried again after a pause of
-`retry.maximum`: training never waits for tier 2, and after an outage the backlog catches up.
+Each rank runs one. Jobs are uploaded in step order. An upload whose bounded retries are spent
+stays at the head of the queue and is tried again after a pause of `retry.maximum`: training never
+waits for tier 2. A queued step with a newer step queued behind it is superseded and not uploaded
+(unless the shared tier keeps it forever): after an outage the backlog catches up by uploading the
+newest step only. Ranks may disagree on which steps they skipped; rank 0 gives up waiting for a
+step once a newer one commits, so a step some rank skipped never blocks a commit.
 
 Rank 0 also commits: after uploading step s it polls the step directory for every rank's
 marker (same run, generation and world size) and then writes COMMIT, then applies shared
@@ -170,9 +172,12 @@ class Replicator:
                     self._cond.wait()
                 if self._stop.is_set():
                     return
+                superseded = self._drop_superseded_locked()
                 job = self._queue.pop(0) if self._queue else None
                 self._current = job
                 self._working = True
+            for old in superseded:
+                self._supersede(old, by=job.step if job is not None else None)
             retry_later = False
             try:
                 retry_later = self._round(job)
@@ -268,6 +273,21 @@ class Replicator:
             tier2_s=self._clock() - job.published_at,
             error=None,
         )
+        job.done.set()
+
+    def _drop_superseded_locked(self) -> list[UploadJob]:
+        """Take the queued steps that have a newer step queued behind them off the queue."""
+        keep_every = self.tier.config.keep_every
+        if len(self._queue) < 2:
+            return []
+        newest = self._queue[-1].step
+        dropped = [j for j in self._queue[:-1] if j.step < newest and (keep_every is None or j.step % keep_every)]
+        self._queue = [j for j in self._queue if all(j is not d for d in dropped)]
+        return dropped
+
+    def _supersede(self, job: UploadJob, *, by: int | None) -> None:
+        logger.info("rank %d: not uploading step %d: superseded by step %s", self.rank, job.step, by)
+        self._metrics.update(job.metrics, log=True, status="superseded", error=None)
         job.done.set()
 
     def _give_up(self, job: UploadJob, why: str) -> None:
