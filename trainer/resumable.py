@@ -40,7 +40,7 @@ from ckpt import (
     SharedConfig,
     check_compatible,
 )
-from elastic import progress
+from elastic import orphan, progress
 from trainer import rng
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable
@@ -105,6 +105,8 @@ class Resumable:
     ) -> None:
         self.config = config
         self.topology = topology or Topology.from_env()
+        if orphan.under_agent():
+            orphan.exit_with_parent()  # a worker whose agent was SIGKILLed must not linger
         if self.topology.world_size >= 3 and not layout_is_stable(model):
             log.info("this DDP rebuilds its gradient buckets after its first iteration, so with %d ranks the first "
                      "step after a resume rounds differently from an uninterrupted run (resume stays correct, "

@@ -172,3 +172,21 @@ def test_sigstopped_worker_is_detected_and_the_job_recovers(procs: Procs, tmp_pa
     assert re.search(r"resumed from step (10|15)\b", out)
     assert "final_digest=" in out
 
+
+
+@pytest.mark.timeout(90)
+def test_workers_end_themselves_when_their_agent_is_sigkilled(procs: Procs, tmp_path: Path) -> None:
+    # torch starts workers in sessions of their own: killing only the agent used to leave them as
+    # orphans hanging in their next collective. Resumable's parent watch ends them.
+    node = Node(procs, "--standalone", "--nproc-per-node", "2", str(TINY), "--steps", "100000",
+                "--ckpt-dir", str(tmp_path / "ckpt"), "--step-sleep", "0.05")
+    wait_until(lambda: "step=3 " in node.text, 60, "training to start", [node])
+    workers = [int(m) for m in re.findall(r"worker rank=\d+ world=2 pid=(\d+)", node.text)]
+    assert len(workers) == 2
+    os.kill(node.proc.pid, signal.SIGKILL)  # the agent alone; its workers keep running for now
+    try:
+        wait_until(lambda: not any(alive(p) for p in workers), 10, "the orphaned workers to exit", [node])
+    finally:
+        for pid in workers:  # not descendants of the dead agent any more: end them by pid
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
