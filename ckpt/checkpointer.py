@@ -257,7 +257,12 @@ class Checkpointer:
                 return PendingSave(step, metrics, None)
         self._metrics.add(metrics)
         overlapped = self.config.mode == "overlapped"
-        snapshot = self._staging.stage(tensors, layout, overlapped=overlapped)
+        stage_timeout = self.config.stage_timeout.total_seconds()
+        try:
+            snapshot = self._staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout)
+        except CheckpointTimeoutError as exc:
+            self._metrics.update(metrics, log=True, status="failed", error=str(exc))
+            raise
         pending = PendingSave(step, metrics, snapshot)
         if not overlapped:
             pending._staged.set()
@@ -334,7 +339,11 @@ class Checkpointer:
         metrics = pending.metrics
         try:
             snapshot.run_deferred_copies()
-            snapshot.wait()
+            if not snapshot.wait(self.config.stage_timeout.total_seconds()):
+                raise CheckpointTimeoutError(
+                    f"the device-to-host copy of step {pending.step} did not finish within "
+                    f"{self.config.stage_timeout} (CheckpointConfig.stage_timeout); is the GPU stuck?"
+                )
             pending._staged.set()
             started = time.monotonic()
             written = persist_rank(

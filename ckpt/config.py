@@ -144,6 +144,10 @@ class CheckpointConfig:
     busy_timeout: timedelta = timedelta(minutes=10)
     """Longest wait of save_async() for the previous save under if_busy="wait"."""
 
+    stage_timeout: timedelta = timedelta(minutes=5)
+    """Longest wait for the device-to-host copy of one save (a stuck GPU); past it the save
+    fails with CheckpointTimeoutError and training is told."""
+
     checksum: str = "sha256"
     """Per-chunk checksum algorithm of new files: "sha256" or "crc32" (see ckpt/checksum.py)."""
 
@@ -173,6 +177,7 @@ class CheckpointConfig:
         _check_choice("mode", self.mode, MODES)
         _check_choice("if_busy", self.if_busy, BUSY_POLICIES)
         _check_duration("busy_timeout", self.busy_timeout, allow_zero=True)
+        _check_duration("stage_timeout", self.stage_timeout)
         _check_choice("checksum", self.checksum, ALGORITHMS)
         _check_int("checksum_threads", self.checksum_threads, minimum=0)
         if self.shared is not None and not isinstance(self.shared, SharedConfig):

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckpt.errors import CheckpointTimeoutError
 from ckpt.safetensors_io import check_storable, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -211,9 +212,17 @@ class StagingArea:
         return self._layout
 
     def stage(
-        self, tensors: Mapping[str, torch.Tensor], layout: StagingLayout, *, overlapped: bool
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        layout: StagingLayout,
+        *,
+        overlapped: bool,
+        timeout: float = 300.0,
     ) -> Snapshot:
-        """Copy `tensors` into the buffer; in overlapped mode only start the copies."""
+        """Copy `tensors` into the buffer; in overlapped mode only start the copies.
+
+        Raises CheckpointTimeoutError when a device copy is not done within `timeout` seconds (a
+        stuck device)."""
         needs_pin = any(t.device.type == "cuda" for t in tensors.values())
         self._ensure(layout.data_bytes, pin=needs_pin)
         assert self._buffer is not None
@@ -243,8 +252,11 @@ class StagingArea:
                 events.append(event)
         sources.extend(src for _, src in deferred)
         snapshot = Snapshot(layout, self._buffer, events=events, deferred=deferred, sources=sources)
-        if not overlapped:
-            snapshot.wait()
+        if not overlapped and not snapshot.wait(timeout):
+            raise CheckpointTimeoutError(
+                f"the device-to-host copy of the checkpoint did not finish within {timeout:.0f}s "
+                f"(CheckpointConfig.stage_timeout); is the GPU stuck?"
+            )
         return snapshot
 
     def reserve(self, tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
