@@ -33,10 +33,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, train_loop, training_digest
+from trainer import (
+    DataConfig,
+    ElasticSampler,
+    Resumable,
+    ResumeConfig,
+    train_loop,
+    training_digest,
+    wrap_ddp,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -178,7 +187,9 @@ def main() -> None:
     say(f"worker rank={rank} world={world} pid={os.getpid()} restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
     torch.manual_seed(args.seed)
     model = GPT(args).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else model
+    # wrap_ddp (one gradient-bucket layout) for bitwise resume; plain DDP rebuilds its buckets for speed.
+    wrap = wrap_ddp if args.deterministic or device.type == "cpu" else DDP
+    ddp = wrap(model, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
     warm, total = args.warmup, args.steps
@@ -226,7 +237,11 @@ def main() -> None:
             if rank == 0:
                 say(f"step={done} loss={mean:.6f} lr={scheduler.get_last_lr()[0]:.3e} tok/s={rate:.0f}")
 
-    step = train_loop(train_step, run, args.steps, loader=loader)
+    # Flash and memory-efficient attention have no deterministic backward: --deterministic on CUDA
+    # uses the math kernel (slower), so that a resumed run can match an uninterrupted one bitwise.
+    attention = (sdpa_kernel(SDPBackend.MATH) if args.deterministic and device.type == "cuda" else nullcontext())
+    with attention:
+        step = train_loop(train_step, run, args.steps, loader=loader)
     if rank == 0 and run.resumed_from == step:
         say(f"resumed from step {step}")
     if rank == 0 and meter.timed_steps > 0:
