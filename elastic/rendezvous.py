@@ -146,9 +146,16 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         started = time.monotonic()
+        deadline = started + self.config.join_timeout.total_seconds()
         self._start_membership()
-        done = self._join_round(started + self.config.join_timeout.total_seconds())
-        store, addr, port = self._round_store(done, started + self.config.join_timeout.total_seconds())
+        while True:
+            done = self._join_round(deadline)
+            try:
+                store, addr, port = self._round_store(done, deadline)
+                break
+            except _RoundAbandoned as exc:
+                log.warning("rendezvous: abandoning round %d: %s; joining the next one", done.generation, exc)
+                self._completed_generation = done.generation
         self._completed_generation = done.generation
         self._round = done.participants
         emit("round_closed", run_id=self.config.run_id, node=self.config.node_id, generation=done.generation,
@@ -272,9 +279,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if isinstance(decision, protocol.Write):
                 if self._compare_and_set(decision.state, snap.state_revision):
                     log.info("rendezvous: %s", decision.why)
-                    written = decision.state
-                    if written.status == "closed" and self.config.node_id in written.acked:
-                        self._acked_generation = written.generation
+                    took = protocol.taken(decision.state, self.config.node_id)
+                    if took is not None:
+                        self._acked_generation = took.generation
+                        return took
                 continue
             last_reason = decision.reason
             generation = snap.state.generation if snap.state else 0
@@ -327,6 +335,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if published is not None:
                 addr, port = str(published["addr"]), int(published["port"])  # type: ignore[call-overload]
                 return dist.TCPStore(addr, port, is_master=False, timeout=timeout), addr, port
+            if done.participants[0] not in snap.live:
+                raise _RoundAbandoned(f"its rank 0 ({done.participants[0]}) left before publishing the round's store")
             if time.monotonic() >= deadline:
                 raise ElasticRendezvousTimeoutError(
                     f"rank 0 of round {done.generation} ({done.participants[0]}) did not publish its store at {key} in time"
@@ -349,6 +359,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             if self._compare_and_set(closed, snap.state_revision):
                 log.info("rendezvous: run %s closed", self.config.run_id)
                 return
+
+
+class _RoundAbandoned(Exception):
+    """The closed round this node was placed in can never start; join the next one."""
 
 
 def create_handler(params: RendezvousParameters) -> EtcdV3RendezvousHandler:

@@ -186,6 +186,18 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
     return Wait(f"round {state.generation}: waiting for live nodes {missing}", last_call_armed=True)
 
 
+def taken(state: RoundState, me: str) -> Done | None:
+    """`Done` if node `me`, by writing `state`, took its rank in that closed round.
+
+    A node that took its rank must run that round even if the state moves on before it reads it
+    again (a newcomer may open the next round as soon as every member took its rank): its peers
+    already count on it.
+    """
+    if state.status == "closed" and me in state.acked and me in state.participants:
+        return Done(state.generation, state.participants.index(me), len(state.participants), state.participants)
+    return None
+
+
 def nodes_waiting(state: RoundState | None, k: Knowledge, my_round: tuple[str, ...]) -> int:
     """For a node running round `k.completed_generation`: how many reasons there are to re-rendezvous now.
 

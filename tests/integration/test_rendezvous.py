@@ -273,6 +273,20 @@ def test_no_round_opens_before_every_member_of_the_closed_one_took_its_rank(clus
     assert read_state(client, cluster.run_id).participants[0] == "c"  # type: ignore[union-attr]
 
 
+def test_a_round_whose_rank_0_left_before_publishing_its_store_is_abandoned(cluster: Cluster, client: EtcdClient) -> None:
+    # Round 1 closed with a (rank 0) and b, but a is gone (its lease expired) before it published
+    # the round's store. b must not wait out its join timeout: it joins the next round instead.
+    b = cluster.handler("b", min_nodes=1, max_nodes=2, join_timeout=20)
+    client.raw.put(b._state_key, RoundState(generation=1, status="closed", participants=("a", "b"),  # noqa: SLF001
+                                            acked=("a",), nnodes=(1, 2)).to_json())
+    started = time.monotonic()
+    info = b.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert time.monotonic() - started < 10
+    state = read_state(client, cluster.run_id)
+    assert state is not None and state.generation == 2 and state.participants == ("b",)
+
+
 def _etcd_range_count(etcd: EtcdServer) -> int:
     with urllib.request.urlopen(f"http://{etcd.endpoint}/metrics", timeout=5) as resp:
         text = resp.read().decode()

@@ -15,6 +15,7 @@ from elastic.round import (
     decide,
     nodes_waiting,
     rank_order,
+    taken,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -148,6 +149,16 @@ def test_no_new_round_opens_before_every_live_participant_took_its_rank() -> Non
     assert "b" in decision.reason
     # a participant that died before taking its rank does not hold the next round up
     assert isinstance(decide(state, know("d", "acd", min_nodes=1, max_nodes=4)), Write)
+
+
+def test_a_node_that_took_its_rank_runs_that_round_even_if_the_state_moves_on() -> None:
+    take = decide(closed("ab", acked="b"), know("a", "abc", completed=0))
+    assert isinstance(take, Write)
+    # Right after a's write every member has taken its rank, so c may open round 2 at once; a must
+    # not re-read and follow c (b would wait for a in round 1's store): its own write says Done.
+    assert taken(take.state, "a") == Done(1, 0, 2, ("a", "b"))
+    assert taken(joining("ab"), "a") is None
+    assert taken(closed("ab", acked="b"), "a") is None
 
 
 def test_ack_from_an_earlier_incarnation_of_my_node_id_is_not_mine() -> None:
