@@ -251,6 +251,7 @@ def main() -> None:
     if rank == 0:
         say(f"final_digest={digest}")
     if dist.is_initialized():
+        del ddp  # before the process group: see trainer.wrap_ddp ("Teardown")
         dist.destroy_process_group()
 
 

@@ -155,6 +155,7 @@ def main() -> None:
     digest = training_digest(ddp, optimizer)
     if rank == 0:
         say(f"final_digest={digest}")
+    del ddp  # before the process group: see trainer.wrap_ddp ("Teardown")
     dist.destroy_process_group()
 
 

@@ -11,6 +11,11 @@ b + a, so this only shows from 3 ranks on.)
 `wrap_ddp` passes `find_unused_parameters=True`, which keeps the initial layout (reverse
 parameter order, bucket_cap_mb buckets) for good: DDP never rebuilds buckets in that mode. The
 cost is one walk of the autograd graph per step, and torch prints a one-time warning about it.
+
+Teardown: `del` the DDP model before `dist.destroy_process_group()`. Otherwise DDP's reducer holds
+the last reference to the gloo process group, and freeing it joins gloo's worker threads while
+holding the GIL; a worker thread still releasing the tensors of its last collective needs the GIL,
+and the process hangs at exit (seen under load with torch 2.13; pytorch#56297). The examples do this.
 """
 
 from __future__ import annotations
