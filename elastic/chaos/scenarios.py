@@ -1,9 +1,9 @@
 """Named presets for `elastic-chaos run --scenario NAME`. Flags given explicitly override a preset.
 
 smoke   2 nodes x 1 worker, 40 steps: kill-worker, corrupt-checkpoint, kill-node@last. Under a minute
-        on 2 idle cores; `make test` runs it. The node killed is the one holding the highest group
-        rank: a survivor can then restore from its own local tier. (Losing the rank-0 node is a
-        separate, harder case: run `--faults kill-node@0` to see how the job copes.)
+        on 2 idle cores; `make test` runs it. Losing the rank-0 node instead
+        (`--faults kill-worker,corrupt-checkpoint,kill-node@0`) passes too: the survivor restores
+        from the part its own local tier holds.
 mixed   3 nodes x 1 worker, 60 steps: kill-node, kill-worker, hang-worker, corrupt-checkpoint, with
         seeded targets. The acceptance run of the chaos issue; try several seeds.
 soak    `mixed` repeated `--runs N` times (default 50) with seeds seed, seed+1, ...; one reference
