@@ -128,7 +128,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id, lease_ttl=config.lease_ttl),
         )
         self._completed_generation = 0
-        self._acked_generation = 0
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
 
@@ -253,7 +252,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             max_nodes=self.config.max_nodes,
             completed_generation=self._completed_generation,
             last_call_expired=last_call_expired,
-            acked_generation=self._acked_generation,
         )
 
     def _join_round(self, deadline: float) -> protocol.Done:
@@ -281,7 +279,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     log.info("rendezvous: %s", decision.why)
                     took = protocol.taken(decision.state, self.config.node_id)
                     if took is not None:
-                        self._acked_generation = took.generation
                         return took
                 continue
             last_reason = decision.reason

@@ -112,9 +112,6 @@ class Knowledge:
     """The last generation this node ran in (0 if none): a closed round at or below it is stale."""
     last_call_expired: bool = False
     """The last-call timer, armed when >= min nodes joined, has run out."""
-    acked_generation: int = 0
-    """The closed round this process took its rank in (0 if none). An ack under this node id in
-    another round came from an earlier incarnation of the node."""
 
 
 def rank_order(participants: tuple[str, ...], previous: tuple[str, ...]) -> tuple[str, ...]:
@@ -145,12 +142,11 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
                         f"this agent has --nnodes {nnodes[0]}:{nnodes[1]}")
 
     if state.status == "closed":
-        if me in state.participants and state.generation > k.completed_generation:
+        # Done comes from the node's own write (see `taken`). A round that already holds this
+        # node's ack, read later, was taken by an earlier incarnation of the node: it is stale.
+        if me in state.participants and me not in state.acked and state.generation > k.completed_generation:
             rank = state.participants.index(me)
-            if me not in state.acked:
-                return Write(replace(state, acked=(*state.acked, me)), f"take rank {rank} in round {state.generation}")
-            if k.acked_generation == state.generation:
-                return Done(state.generation, rank, len(state.participants), state.participants)
+            return Write(replace(state, acked=(*state.acked, me)), f"take rank {rank} in round {state.generation}")
         pending = [p for p in state.participants if p in k.live and p not in state.acked and p != me]
         if pending:
             return Wait(f"round {state.generation} is starting: waiting for {pending} to take their ranks")
