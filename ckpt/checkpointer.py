@@ -339,11 +339,7 @@ class Checkpointer:
         metrics = pending.metrics
         try:
             snapshot.run_deferred_copies()
-            if not snapshot.wait(self.config.stage_timeout.total_seconds()):
-                raise CheckpointTimeoutError(
-                    f"the device-to-host copy of step {pending.step} did not finish within "
-                    f"{self.config.stage_timeout} (CheckpointConfig.stage_timeout); is the GPU stuck?"
-                )
+            snapshot.require_consistent(self.config.stage_timeout.total_seconds(), f"step {pending.step}")
             pending._staged.set()
             started = time.monotonic()
             written = persist_rank(

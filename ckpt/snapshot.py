@@ -139,28 +139,32 @@ class Snapshot:
     def is_consistent(self) -> bool:
         return self._cpu_done.is_set() and all(e.query() for e in self._events)
 
-    def wait(self, timeout: float | None = None) -> bool:
+    def wait(self, timeout: float) -> bool:
         """Block until the copy is complete; False if `timeout` seconds passed first.
 
         Raises the error of a failed deferred copy.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout
         if not self._cpu_done.wait(timeout):
             return False
         if self._error is not None:
             raise self._error
-        if deadline is None:
-            for event in self._events:
-                event.synchronize()
-        else:
-            pause = 0.0002
-            while not all(e.query() for e in self._events):
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(pause)
-                pause = min(pause * 2, 0.005)
+        pause = 0.0002
+        while not all(e.query() for e in self._events):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
         self._sources = []
         return True
+
+    def require_consistent(self, timeout: float, what: str) -> None:
+        """`wait`, raising CheckpointTimeoutError (a stuck device) when `timeout` passes first."""
+        if not self.wait(timeout):
+            raise CheckpointTimeoutError(
+                f"the device-to-host copy of {what} did not finish within {timeout:.0f}s "
+                f"(CheckpointConfig.stage_timeout); is the GPU stuck?"
+            )
 
     def parts(self) -> list[memoryview]:
         """The file's bytes: [length + header, data]. Only valid once the copy is consistent."""
@@ -252,11 +256,8 @@ class StagingArea:
                 events.append(event)
         sources.extend(src for _, src in deferred)
         snapshot = Snapshot(layout, self._buffer, events=events, deferred=deferred, sources=sources)
-        if not overlapped and not snapshot.wait(timeout):
-            raise CheckpointTimeoutError(
-                f"the device-to-host copy of the checkpoint did not finish within {timeout:.0f}s "
-                f"(CheckpointConfig.stage_timeout); is the GPU stuck?"
-            )
+        if not overlapped:
+            snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot
 
     def reserve(self, tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
