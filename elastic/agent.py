@@ -191,6 +191,9 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: lis
         result = agent.run()
         if result.is_failed():
             raise ChildFailedError(name=_get_entrypoint_name(entrypoint, args), failures=result.failures)
+        mark_succeeded = getattr(spec.rdzv_handler, "mark_succeeded", None)
+        if mark_succeeded is not None:
+            mark_succeeded()  # the handler closes the run on shutdown only after a success
         return result.return_values
     except SignalException:
         # Killed by a signal: leave the run open so the other nodes can carry on without us.

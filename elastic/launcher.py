@@ -84,6 +84,12 @@ def _validate(parser: ArgumentParser, args: Namespace) -> None:
         conf = torchrun._parse_rendezvous_config(args.rdzv_conf)  # noqa: SLF001 - torchrun's own parser
     except ValueError as exc:
         parser.error(f"--rdzv-conf {args.rdzv_conf!r}: {exc}")
+    validate_conf = getattr(rendezvous, "validate_conf", None)
+    if validate_conf is not None:
+        try:
+            validate_conf(conf)
+        except ValueError as exc:
+            parser.error(f"--rdzv-conf: {exc}")
     if args.node_id is not None:
         if "node_id" in conf and conf["node_id"] != args.node_id:
             parser.error("--node-id and --rdzv-conf node_id=... disagree; pass one of them")
