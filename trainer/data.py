@@ -175,6 +175,13 @@ class ElasticSampler:
                 "epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
+        self.epoch = state["epoch"]
+        self.position = state["position"]
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise StateMismatchError, saying what differs, unless `load_state_dict(state)` would
+        succeed; changes nothing."""
         c = self.config
         differ = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in
                   (("seed", c.seed), ("dataset_size", c.dataset_size), ("global_batch", c.global_batch))
@@ -192,8 +199,6 @@ class ElasticSampler:
                 f"global batch {c.global_batch}: the last step of an epoch starts at "
                 f"{(c.dataset_size // c.global_batch - 1) * c.global_batch}); the checkpoint does not "
                 "belong to this dataset")
-        self.epoch = epoch
-        self.position = position
 
 
 class StepBatchSampler:

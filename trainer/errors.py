@@ -9,3 +9,11 @@ class TrainerError(Exception):
 
 class StateMismatchError(TrainerError, ValueError):
     """A checkpoint does not fit the model, optimizer or data being resumed; the message lists what differs."""
+
+
+class InvalidStateError(TrainerError, ValueError):
+    """A checkpoint's state tree is malformed (damaged or crafted): not what `Resumable` writes.
+
+    `Resumable.restore` treats it like a damaged file: it warns, naming the checkpoint, and falls
+    back to an older step. The message names the entry at fault.
+    """

@@ -14,8 +14,13 @@ step boundaries.
         run.step_done(step)              # advances the data position; saves every `save_every` steps
     run.close()
 
-What a checkpoint holds: model, optimizer, LR scheduler, GradScaler, the RNG states (python,
-numpy, torch CPU, every CUDA device), the data position and JSON-able user extras.
+What a checkpoint holds: model, optimizer (and the model's name of each of its parameters), LR
+scheduler, GradScaler, the RNG states (python, numpy, torch CPU, every CUDA device), the data
+position and JSON-able user extras (the caller's own dict, read at each save).
+
+A restore checks the whole tree before it changes anything (trainer/validate.py): a malformed
+tree is skipped like a damaged file, in favour of an older step; one that does not fit this run
+raises StateMismatchError.
 """
 
 from __future__ import annotations
@@ -34,18 +39,17 @@ from ckpt import (
     CheckpointConfig,
     Checkpointer,
     CheckpointError,
-    CheckpointMismatchError,
     CheckpointVersionError,
     Restored,
     SharedConfig,
-    check_compatible,
 )
 from elastic import orphan, progress
 from trainer import rng
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable
-from trainer.errors import StateMismatchError
+from trainer.errors import InvalidStateError, StateMismatchError
 from trainer.topology import Topology
+from trainer.validate import check_state, param_names
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +89,10 @@ class Resumable:
     """Restores the newest good checkpoint at start and saves every `save_every` steps.
 
     `scheduler` and `scaler` are anything with state_dict/load_state_dict (an LR scheduler, a
-    `torch.amp.GradScaler`). `extras` is a dict of JSON-able values saved with every checkpoint and
-    updated in place by `restore()`. `on_rank_saved(step)` is a fault-injection point for tests: it
+    `torch.amp.GradScaler`). `extras` is the caller's own dict of JSON-able values, kept, not
+    copied (`run.extras` is the same object): every save stores its contents at that moment, and
+    `restore()` updates it in place with the checkpoint's (keys the checkpoint lacks are kept).
+    `on_rank_saved(step)` is a fault-injection point for tests: it
     runs right after this rank's files of `step` are written and before the group commits it.
     """
 
@@ -117,7 +123,9 @@ class Resumable:
         self.scheduler = scheduler
         self.scaler = scaler
         self.sampler = sampler
-        self.extras: dict[str, Any] = dict(extras or {})
+        if extras is not None and not isinstance(extras, dict):
+            raise ValueError(f"extras must be a dict (it is kept and updated in place), got {type(extras).__name__}")
+        self.extras: dict[str, Any] = extras if extras is not None else {}  # the caller's dict itself
         _check_json_able(self.extras)
         self.on_rank_saved = on_rank_saved
         shared = None
@@ -170,34 +178,57 @@ class Resumable:
 
     def _agree_on_checkpoint(self) -> tuple[int, Restored | None]:
         # Every rank must resume from the same step. Each proposes its newest readable checkpoint
-        # (local tier, else shared tier); the group takes the minimum and checks that everyone can
-        # read it, else tries older ones. A checkpoint of a newer format stops the whole group.
+        # (local tier, else shared tier); the group takes the minimum, every rank loads that step
+        # and checks its whole state tree, and the group votes: all usable, done; any rank that
+        # cannot read it or finds it malformed, everyone tries older steps; a checkpoint of a newer
+        # format or one that does not fit this run stops the whole group.
         cap: int | None = None
         while True:
-            newer: CheckpointVersionError | None = None
+            problem: Exception | None = None
             try:
                 found = self.checkpointer.restore(max_step=cap)
             except CheckpointVersionError as exc:
-                found, newer = None, exc
+                found, problem = None, exc
             mine = found.step if found is not None else -1
-            agreed = self.topology.all_min(_NEWER_FORMAT if newer else mine)
+            agreed = self.topology.all_min(_NEWER_FORMAT if problem else mine)
             if agreed == _NEWER_FORMAT:
-                self._raise_newer(newer)
+                self._raise_newer(problem)
             if agreed < 0:
                 return -1, None
             if agreed != mine:
                 try:
                     found = self.checkpointer.restore(step=agreed)
                 except CheckpointVersionError as exc:
-                    newer, found = exc, None
-            readable = _NEWER_FORMAT if newer else (0 if found is None else 1)
-            verdict = self.topology.all_min(readable)
+                    found, problem = None, exc
+            vote, problem = self._judge(found, problem)
+            verdict = self.topology.all_min(vote)
             if verdict == _NEWER_FORMAT:
-                self._raise_newer(newer)
-            if verdict == 1:
+                self._raise_newer(problem)
+            if verdict == _MISMATCH:
+                if isinstance(problem, StateMismatchError):
+                    raise problem
+                raise StateMismatchError(f"another rank found that step {agreed} in {self.config.ckpt_dir} does not "
+                                         "fit its model, optimizer or data settings; its log says what differs")
+            if verdict == _USABLE:
                 assert found is not None
                 return agreed, found
             cap = agreed - 1
+
+    def _judge(self, found: Restored | None, problem: Exception | None) -> tuple[int, Exception | None]:
+        """This rank's vote on the loaded checkpoint `found`, and the error behind it."""
+        if isinstance(problem, CheckpointVersionError):
+            return _NEWER_FORMAT, problem
+        if found is None:
+            return _UNREADABLE, None
+        try:
+            check_state(found.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler)
+        except InvalidStateError as exc:
+            log.warning("skipping checkpoint step %d: the %s copy %s holds a malformed state (damaged or not "
+                        "written by elastic-train): %s; trying an older step", found.step, found.tier, found.path, exc)
+            return _UNREADABLE, exc
+        except StateMismatchError as exc:
+            return _MISMATCH, exc
+        return _USABLE, None
 
     def _raise_newer(self, exc: CheckpointVersionError | None) -> None:
         # Falling back to an older step would silently throw away the newer run's progress.
@@ -208,17 +239,8 @@ class Resumable:
             path=exc.path if exc else self.config.ckpt_dir) from exc
 
     def _apply(self, state: Mapping[str, Any], *, own_rank: bool) -> None:
-        # Check everything before changing anything, so a mismatch leaves the live objects untouched.
-        try:
-            check_compatible(state["model"], self.model.state_dict())
-        except CheckpointMismatchError as exc:
-            raise StateMismatchError(str(exc)) from exc
-        if self.optimizer is not None:
-            _check_optimizer(self.optimizer, state.get("optimizer"))
+        # `state` passed check_state (in _judge): nothing below is expected to fail half-way.
         if self.sampler is not None:
-            if state.get("data") is None:
-                raise StateMismatchError("the checkpoint has no data position but this run has a sampler; "
-                                         "resume without one, or start from a fresh --ckpt-dir")
             self.sampler.load_state_dict(state["data"])
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
@@ -232,7 +254,7 @@ class Resumable:
                     log.warning("the checkpoint has no %s state; this run's %s starts fresh", name, name)
                 continue
             obj.load_state_dict(saved)
-        self.extras.update(state.get("extras") or {})
+        self.extras.update(state.get("extras") or {})  # in place: the caller's dict
         if own_rank:
             rng.restore(state["rng"])
         else:
@@ -265,6 +287,7 @@ class Resumable:
             "world_size": self.topology.world_size,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "param_names": param_names(self.model, self.optimizer) if self.optimizer is not None else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "data": self.sampler.state_dict() if self.sampler is not None else None,
@@ -288,7 +311,11 @@ class Resumable:
                         self.checkpointer.last_error)
 
 
-_NEWER_FORMAT = -2  # all_min vote: "a checkpoint here was written by a newer elastic-train"
+# all_min votes on a checkpoint; the smallest wins.
+_USABLE = 1
+_UNREADABLE = 0  # this rank cannot read it, or its state is malformed: try an older step
+_NEWER_FORMAT = -2  # written by a newer elastic-train: stop
+_MISMATCH = -3  # does not fit this run's model, optimizer or data settings: stop
 
 
 def _check_json_able(extras: dict[str, Any]) -> None:
@@ -297,24 +324,3 @@ def _check_json_able(extras: dict[str, Any]) -> None:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"extras must be JSON-able (dicts with str keys, lists, str, int, float, bool, None): "
                          f"{exc}") from exc
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any) -> None:
-    if saved is None:
-        raise StateMismatchError("the checkpoint has no optimizer state but this run has an optimizer; "
-                                 "start from a fresh --ckpt-dir")
-    groups, saved_groups = optimizer.param_groups, saved.get("param_groups", [])
-    problems = []
-    if len(groups) != len(saved_groups):
-        problems.append(f"{len(saved_groups)} parameter group(s) in the checkpoint, {len(groups)} now")
-    for i, (g, sg) in enumerate(zip(groups, saved_groups, strict=False)):
-        if len(g["params"]) != len(sg["params"]):
-            problems.append(f"group {i} has {len(sg['params'])} parameters in the checkpoint, {len(g['params'])} now")
-        keys, saved_keys = set(g) - {"params"}, set(sg) - {"params"}
-        # One-sided differences are how torch versions add options; both sides differing is another class.
-        if keys - saved_keys and saved_keys - keys:
-            problems.append(f"group {i} hyperparameters differ (another optimizer class?): only in the checkpoint "
-                            f"{sorted(saved_keys - keys)}, only now {sorted(keys - saved_keys)}")
-    if problems:
-        raise StateMismatchError(f"the checkpoint's optimizer state does not fit this {type(optimizer).__name__}: "
-                                 + "; ".join(problems) + ". Resume with the same optimizer, or start from a fresh --ckpt-dir.")

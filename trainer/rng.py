@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from trainer.errors import InvalidStateError
 
 try:
     import numpy as np
@@ -27,13 +30,74 @@ def capture() -> dict[str, Any]:
     return state
 
 
+def check(state: Any) -> None:
+    """Raise InvalidStateError, naming the entry, unless `state` is a capture `restore` can apply.
+
+    Each entry is tried on a scratch generator, so nothing global changes. Entries of generators
+    this process lacks (numpy not installed, no CUDA) are checked for their type only.
+    """
+    if not isinstance(state, Mapping):
+        raise InvalidStateError(f"rng is a {type(state).__name__}, not a mapping of RNG states")
+    for key in ("python", "torch"):
+        if key not in state:
+            raise InvalidStateError(f"rng has no {key!r} entry")
+    try:
+        random.Random().setstate(_as_python_state(state["python"]))
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidStateError(f"rng['python'] is not a Python random state ({exc})") from exc
+    _check_bytes("rng['torch']", state["torch"], torch.get_rng_state().numel())
+    try:
+        torch.Generator().set_state(state["torch"])
+    except (TypeError, RuntimeError) as exc:
+        raise InvalidStateError(f"rng['torch'] is not a torch CPU generator state ({exc})") from exc
+    if "numpy" in state:
+        _check_numpy(state["numpy"])
+    if "cuda" in state:
+        devices = state["cuda"]
+        if not isinstance(devices, (list, tuple)):
+            raise InvalidStateError(f"rng['cuda'] is a {type(devices).__name__}, not a list of device states")
+        size = torch.cuda.get_rng_state(0).numel() if torch.cuda.is_available() else None
+        for i, device_state in enumerate(devices):
+            _check_bytes(f"rng['cuda'][{i}]", device_state, size)
+
+
+def _check_bytes(what: str, value: Any, size: int | None) -> None:
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        got = f"{value.dtype}{list(value.shape)} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise InvalidStateError(f"{what} is a {got}, not a 1-D torch.uint8 tensor (a generator state)")
+    if size is not None and value.numel() != size:
+        raise InvalidStateError(f"{what} holds {value.numel()} bytes; a generator state here has {size}")
+
+
+def _check_numpy(s: Any) -> None:
+    keys = s.get("keys") if isinstance(s, Mapping) else None
+    if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int32 or tuple(keys.shape) != (624,):
+        got = f"{keys.dtype}{list(keys.shape)} tensor" if isinstance(keys, torch.Tensor) else type(keys).__name__
+        raise InvalidStateError(f"rng['numpy']['keys'] is a {got}, not the int32[624] tensor of a numpy MT19937 "
+                                "state")
+    if np is None:
+        return
+    try:
+        np.random.RandomState().set_state(_as_numpy_state(s))
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise InvalidStateError(f"rng['numpy'] is not a numpy random state ({exc!r})") from exc
+
+
+def _as_numpy_state(s: Mapping[str, Any]) -> tuple[Any, ...]:
+    for key in ("pos", "has_gauss"):
+        if isinstance(s[key], bool) or not isinstance(s[key], int):
+            raise TypeError(f"{key} is {s[key]!r}, not an int")
+    if not isinstance(s["cached_gaussian"], (int, float)) or not isinstance(s["kind"], str):
+        raise TypeError(f"kind {s['kind']!r} / cached_gaussian {s['cached_gaussian']!r} have the wrong type")
+    return (s["kind"], s["keys"].numpy().view(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+
+
 def restore(state: dict[str, Any]) -> None:
+    """Apply a capture that `check` accepted."""
     random.setstate(_as_python_state(state["python"]))
     torch.set_rng_state(state["torch"])
     if np is not None and "numpy" in state:
-        s = state["numpy"]
-        keys = s["keys"].numpy().view(np.uint32)
-        np.random.set_state((s["kind"], keys, s["pos"], s["has_gauss"], s["cached_gaussian"]))
+        np.random.set_state(_as_numpy_state(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         devices = state["cuda"]
         if len(devices) == torch.cuda.device_count():
@@ -55,5 +119,11 @@ def derive(state: dict[str, Any], rank: int) -> None:
 
 def _as_python_state(value: Any) -> tuple[Any, ...]:
     # random.setstate wants (version, tuple-of-ints, gauss_next) with tuples, not lists.
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise TypeError(f"expected (version, internal state, gauss_next), got a {type(value).__name__}")
     version, internal, gauss = value
-    return (int(version), tuple(int(x) for x in internal), gauss)
+    if not isinstance(internal, (tuple, list)) or not all(type(x) is int for x in internal):
+        raise TypeError("the internal state is not a sequence of ints")
+    if type(version) is not int or not (gauss is None or type(gauss) is float):
+        raise TypeError(f"version {version!r} / gauss_next {gauss!r} have the wrong type")
+    return (version, tuple(internal), gauss)

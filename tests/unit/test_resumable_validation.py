@@ -1,0 +1,195 @@
+"""A checkpoint whose state tree is malformed is skipped like a damaged file, before anything is
+loaded; one that is well formed but does not fit the run is a StateMismatchError; `extras` is the
+caller's own dict.
+
+The bad checkpoints are real saves: a real state written by `Resumable`, loaded back, one value
+replaced, and saved and committed again through ckpt's public API (`Checkpointer.save`/`commit`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import REPO, Procs
+from tests.unit.test_resumable import make, train
+from trainer import Resumable, ResumeConfig, StateMismatchError, state_digest
+
+State = dict[str, Any]
+
+
+def _set(path: str, value: Callable[[Any], Any]) -> Callable[[State], None]:
+    """Replace the entry at '/'-separated `path` (int segments index the optimizer state) with value(old)."""
+    *parents, leaf = [int(p) if p.isdigit() else p for p in path.split("/")]
+
+    def change(state: State) -> None:
+        node: Any = state
+        for key in parents:
+            node = node[key]
+        node[leaf] = value(node[leaf])
+    return change
+
+
+def _drop(key: str) -> Callable[[State], None]:
+    return lambda state: state.pop(key)
+
+
+# Each one is what a damaged or crafted checkpoint can hold; none is what Resumable writes.
+MALFORMED: dict[str, Callable[[State], None]] = {
+    "rng-missing": _drop("rng"),
+    "rng-torch-as-list": _set("rng/torch", lambda t: t.tolist()),
+    "rng-torch-too-short": _set("rng/torch", lambda t: t[:100].clone()),
+    "rng-python-not-a-state": _set("rng/python", lambda _: "seed 0"),
+    "rng-python-short": _set("rng/python", lambda s: (s[0], s[1][:10], s[2])),
+    "rng-numpy-keys-float": _set("rng/numpy/keys", lambda t: t.float()),
+    "rng-cuda-not-bytes": lambda s: s["rng"].update(cuda=[torch.zeros(16)]),
+    "model-as-list": _set("model", lambda m: list(m.values())),
+    "model-entry-not-a-tensor": _set("model/0.weight", lambda t: t.tolist()),
+    "optimizer-not-a-state-dict": _set("optimizer", lambda _: "adam"),
+    "optimizer-exp-avg-wrong-shape": _set("optimizer/state/0/exp_avg", lambda _: torch.zeros(3)),
+    "optimizer-step-not-scalar": _set("optimizer/state/1/step", lambda _: torch.zeros(2)),
+    "optimizer-param-ids-not-ints": _set("optimizer/param_groups/0/params", lambda p: [str(i) for i in p]),
+    "data-epoch-not-an-int": _set("data/epoch", lambda _: "one"),
+    "scheduler-as-list": _set("scheduler", lambda _: [1, 2]),
+    "extras-as-list": _set("extras", lambda _: ["x"]),
+}
+
+
+def craft(run: Resumable, step: int, change: Callable[[State], None]) -> None:
+    """Rewrite committed `step` of `run`'s directory with `change` applied to its real state."""
+    run.checkpointer.wait_persisted()
+    state = run.checkpointer.load(step)
+    change(state)
+    run.checkpointer.save(step, state)
+    run.checkpointer.commit(step)
+
+
+@pytest.mark.parametrize("damage", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_newest_checkpoint_is_skipped_for_the_older_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Callable[[State], None]
+) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 2)
+    at_step_2 = state_digest(run.state())  # model, optimizer, scheduler, RNG, data, extras of step 2
+    train(run, model, opt, 2, 4)
+    craft(run, 4, damage)
+    run.close()
+
+    run2, model2, opt2, _ = make(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        assert run2.restore() == 2
+    assert state_digest(run2.state()) == at_step_2  # all of step 2, nothing of step 4
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "trainer.resumable"]
+    assert "malformed state" in warning
+    assert str(tmp_path / "ckpt" / "step_000000000004" / "rank_00000") in warning
+    train(run2, model2, opt2, 2, 3)  # the optimizer steps: no bad state got into it
+    run2.close()
+
+
+@pytest.mark.parametrize("damage", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_only_checkpoint_changes_nothing(tmp_path: Path, damage: Callable[[State], None]) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 2)
+    craft(run, 2, damage)
+    run.close()
+    run2, *_ = make(tmp_path)
+    before = state_digest(run2.state())
+    assert run2.restore() == 0
+    assert state_digest(run2.state()) == before  # model, optimizer, RNG, data position untouched
+    run2.close()
+
+
+def test_reordered_optimizer_is_a_mismatch_not_damage(tmp_path: Path) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 2)
+    run.close()
+    torch.manual_seed(0)
+    model2 = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    opt2 = torch.optim.Adam(list(model2.parameters())[::-1], lr=0.1)  # same optimizer, other parameter order
+    before = state_digest({"model": model2.state_dict(), "optimizer": opt2.state_dict()})
+    other = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2), model=model2, optimizer=opt2)
+    with pytest.raises(StateMismatchError, match="parameter order differs: group 0 position 0 is '0.weight'"):
+        other.restore()
+    assert state_digest({"model": model2.state_dict(), "optimizer": opt2.state_dict()}) == before
+    other.close()
+
+
+def test_extras_is_the_callers_dict_saved_as_it_is_at_each_save(tmp_path: Path) -> None:
+    config = ResumeConfig(ckpt_dir=str(tmp_path), save_every=1)
+    mine: dict[str, Any] = {}
+    run = Resumable(config, model=nn.Linear(2, 1), extras=mine)
+    assert run.extras is mine
+    mine["tokens"] = 5
+    run.step_done(1)
+    mine["tokens"] = 7  # after the save of step 1, before that of step 2
+    run.step_done(2)
+    run.checkpointer.wait_persisted()
+    assert run.checkpointer.load(1)["extras"] == {"tokens": 5}
+    assert run.checkpointer.load(2)["extras"] == {"tokens": 7}
+    run.close()
+
+    theirs: dict[str, Any] = {"tokens": 0, "only_here": True}
+    run2 = Resumable(config, model=nn.Linear(2, 1), extras=theirs)
+    assert run2.restore() == 2
+    assert run2.extras is theirs and theirs == {"tokens": 7, "only_here": True}  # updated in place
+    run2.close()
+
+
+_TWO_RANKS = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+from trainer import Resumable, ResumeConfig
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    return model, opt, Resumable(ResumeConfig(ckpt_dir=sys.argv[1], save_every=2), model=model, optimizer=opt)
+
+model, opt, run = make()
+run.restore()
+for step in range(4):
+    opt.zero_grad(); model(torch.ones(3, 4)).sum().backward(); opt.step(); run.step_done(step + 1)
+run.checkpointer.wait_persisted()
+if rank == 1:  # only rank 1's copy of step 4 is bad: its Adam state does not fit the parameter
+    state = run.checkpointer.load(4)
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
+    run.checkpointer.save(4, state)
+    run.checkpointer.commit(4)
+run.close()
+dist.barrier()
+model, opt, run = make()
+print(f"rank={rank} restored={run.restore()}", flush=True)
+opt.zero_grad(); model(torch.ones(3, 4)).sum().backward(); opt.step()
+run.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_one_rank_with_a_malformed_copy_takes_the_whole_group_back(tmp_path: Path, procs: Procs) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    workers = [procs.start([sys.executable, "-c", _TWO_RANKS, str(tmp_path / f"node{r}")],
+                           env={**env, "RANK": str(r)}, cwd=str(REPO)) for r in range(2)]
+    outputs = [w.communicate(timeout=150)[0] for w in workers]
+    for r, (w, out) in enumerate(zip(workers, outputs, strict=True)):
+        assert w.returncode == 0, out
+        assert f"rank={r} restored=2" in out, out
+    assert f"{tmp_path / 'node1' / 'step_000000000004' / 'rank_00001'}" in outputs[1]
+    assert "malformed state" in outputs[1] and "malformed state" not in outputs[0]

@@ -1,0 +1,193 @@
+"""Check a checkpoint's whole state tree against the live objects before anything is loaded.
+
+Two kinds of problem, two errors:
+- InvalidStateError: the tree is not what `Resumable` writes (a damaged or crafted checkpoint):
+  `model` not a mapping of tensors, an RNG entry of the wrong type or size, optimizer state
+  tensors that do not have the shape of their parameter, a malformed data position, scheduler
+  or scaler state that is not a mapping, extras that are not a JSON-able dict. The caller treats
+  it like a damaged file: an older checkpoint is used.
+- StateMismatchError: the tree is well formed but does not fit this run (another model, optimizer
+  class or parameter order, other data settings): a user error, reported as such.
+
+Order matters: the tree's own structure is checked first, then its fit with this run, then the
+optimizer's tensors against the parameters they belong to (that needs the fit: the same parameters).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ckpt import CheckpointMismatchError, check_compatible
+from trainer import rng
+from trainer.data import ElasticSampler
+from trainer.errors import InvalidStateError, StateMismatchError
+
+# Per-parameter optimizer state that torch.optim keeps with the parameter's shape (zeros_like(p)
+# in Adam, AdamW, SGD, Adagrad, RMSprop, Adadelta, Adamax, ASGD, Rprop, NAdam, RAdam, Adafactor),
+# and state that is one number. Other keys (LBFGS's history, Adafactor's factored variances) are
+# checked for their type only.
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg",
+                           "acc_delta", "grad_avg", "exp_inf", "ax", "prev", "step_size", "variance"})
+_SCALAR = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str | None]]:
+    """The model's name of each optimizer parameter, group by group (None: not a model parameter).
+
+    Saved with the optimizer state: torch keys that state by position, so this is what tells a
+    reordered optimizer (a mismatch) from state that does not fit its own parameters (damage)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+
+
+def check_state(
+    state: Mapping[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    sampler: ElasticSampler | None,
+) -> None:
+    """Raise InvalidStateError or StateMismatchError (see the module docstring); change nothing."""
+    _check_structure(state)
+    model_state = model.state_dict()
+    try:
+        check_compatible(state["model"], model_state)
+    except CheckpointMismatchError as exc:
+        raise StateMismatchError(str(exc)) from exc
+    if sampler is not None:
+        if state.get("data") is None:
+            raise StateMismatchError("the checkpoint has no data position but this run has a sampler; "
+                                     "resume without one, or start from a fresh --ckpt-dir")
+        sampler.check_state(state["data"])
+    if optimizer is not None:
+        saved = state.get("optimizer")
+        _check_optimizer_fits(optimizer, saved)
+        saved_names = state.get("param_names")
+        if saved_names is not None:
+            _check_param_order(param_names(model, optimizer), saved_names)
+        _check_optimizer_tensors(optimizer, saved)
+
+
+def _check_structure(state: Mapping[str, Any]) -> None:
+    for key in ("model", "rng"):
+        if key not in state:
+            raise InvalidStateError(f"the state has no {key!r} entry")
+    model = state["model"]
+    if not isinstance(model, Mapping):
+        raise InvalidStateError(f"'model' is a {type(model).__name__}, not a mapping of tensors")
+    for key, value in model.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise InvalidStateError(f"'model' entry {key!r} is a {type(value).__name__}, not a tensor")
+    rng.check(state["rng"])
+    world = state.get("world_size")
+    if world is not None and (type(world) is not int or world < 1):
+        raise InvalidStateError(f"'world_size' is {world!r}, not a positive int")
+    data = state.get("data")
+    if data is not None:
+        if not isinstance(data, Mapping):
+            raise InvalidStateError(f"'data' is a {type(data).__name__}, not a data position mapping")
+        for key in ("seed", "dataset_size", "global_batch", "epoch", "position"):
+            if type(data.get(key)) is not int:
+                raise InvalidStateError(f"'data' entry {key!r} is {data.get(key)!r}, not an int")
+        if data["epoch"] < 0 or data["position"] < 0:
+            raise InvalidStateError(f"'data' holds epoch {data['epoch']}, position {data['position']}: "
+                                    "both must be >= 0")
+    optimizer = state.get("optimizer")
+    if optimizer is not None:
+        _check_optimizer_structure(optimizer)
+    names = state.get("param_names")
+    if names is not None and not (_is_list(names) and all(
+            _is_list(g) and all(n is None or isinstance(n, str) for n in g) for g in names)):
+        raise InvalidStateError("'param_names' is not a list of lists of parameter names")
+    for key in ("scheduler", "scaler"):
+        value = state.get(key)
+        if value is not None and not _is_str_mapping(value):
+            raise InvalidStateError(f"{key!r} is a {type(value).__name__}, not a mapping with str keys")
+    extras = state.get("extras")
+    if extras is not None:
+        if not _is_str_mapping(extras):
+            raise InvalidStateError(f"'extras' is a {type(extras).__name__}, not a dict with str keys")
+        try:
+            json.dumps(extras)
+        except (TypeError, ValueError) as exc:
+            raise InvalidStateError(f"'extras' is not JSON-able: {exc}") from exc
+
+
+def _check_optimizer_structure(saved: Any) -> None:
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping) \
+            or not _is_list(saved.get("param_groups")):
+        raise InvalidStateError("'optimizer' is not an optimizer state_dict (a mapping with 'state' and "
+                                "'param_groups')")
+    seen: set[int] = set()
+    for i, group in enumerate(saved["param_groups"]):
+        params = group.get("params") if _is_str_mapping(group) else None
+        if not _is_list(params) or not all(type(p) is int for p in params):
+            raise InvalidStateError(f"'optimizer' param_groups[{i}] has no list of int parameter ids")
+        if seen & set(params) or len(set(params)) != len(params):
+            raise InvalidStateError(f"'optimizer' param_groups[{i}] repeats a parameter id")
+        seen |= set(params)
+    for pid, entry in saved["state"].items():
+        if pid not in seen:
+            raise InvalidStateError(f"'optimizer' state has an entry for parameter {pid!r}, which no group holds")
+        if not _is_str_mapping(entry):
+            raise InvalidStateError(f"'optimizer' state of parameter {pid} is a {type(entry).__name__}, "
+                                    "not a mapping")
+
+
+def _check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    if saved is None:
+        raise StateMismatchError("the checkpoint has no optimizer state but this run has an optimizer; "
+                                 "start from a fresh --ckpt-dir")
+    groups, saved_groups = optimizer.param_groups, saved["param_groups"]
+    problems = []
+    if len(groups) != len(saved_groups):
+        problems.append(f"{len(saved_groups)} parameter group(s) in the checkpoint, {len(groups)} now")
+    for i, (g, sg) in enumerate(zip(groups, saved_groups, strict=False)):
+        if len(g["params"]) != len(sg["params"]):
+            problems.append(f"group {i} has {len(sg['params'])} parameters in the checkpoint, {len(g['params'])} now")
+        keys, saved_keys = set(g) - {"params"}, set(sg) - {"params"}
+        # One-sided differences are how torch versions add options; both sides differing is another class.
+        if keys - saved_keys and saved_keys - keys:
+            problems.append(f"group {i} hyperparameters differ (another optimizer class?): only in the checkpoint "
+                            f"{sorted(saved_keys - keys)}, only now {sorted(keys - saved_keys)}")
+    if problems:
+        raise StateMismatchError(f"the checkpoint's optimizer state does not fit this {type(optimizer).__name__}: "
+                                 + "; ".join(problems) + ". Resume with the same optimizer, or start from a fresh --ckpt-dir.")
+
+
+def _check_param_order(names: list[list[str | None]], saved: Sequence[Sequence[str | None]]) -> None:
+    for i, (group, saved_group) in enumerate(zip(names, saved, strict=False)):
+        for j, (now, then) in enumerate(zip(group, saved_group, strict=False)):
+            if now is not None and then is not None and now != then:
+                raise StateMismatchError(
+                    f"the optimizer's parameter order differs: group {i} position {j} is {then!r} in the "
+                    f"checkpoint, {now!r} now. Build the optimizer's parameter groups in the same order, or "
+                    "start from a fresh --ckpt-dir")
+
+
+def _check_optimizer_tensors(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    # Groups and parameter counts fit (checked before), so position j of a saved group is the live
+    # group's parameter j: its state must have that parameter's shape, or torch fails at step().
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"], strict=True)):
+        for j, (param, pid) in enumerate(zip(group["params"], saved_group["params"], strict=True)):
+            for key, value in saved["state"].get(pid, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                where = f"'optimizer' state {key!r} of group {i} parameter {j} (id {pid})"
+                if key in _PARAM_SHAPED and value.shape != param.shape:
+                    raise InvalidStateError(f"{where} has shape {tuple(value.shape)}; its parameter has "
+                                            f"{tuple(param.shape)}")
+                if key in _SCALAR and value.numel() != 1:
+                    raise InvalidStateError(f"{where} has shape {tuple(value.shape)}, not one number")
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _is_str_mapping(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(k, str) for k in value)
