@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
-from elastic import progress
+from elastic import events, peer_loss, progress
 from elastic.events import emit
 from elastic.metrics import AgentMetrics
 
@@ -71,6 +71,12 @@ class ElasticAgent(LocalElasticAgent):
         os.environ[progress.ENV_DIR] = self.progress_dir  # workers inherit the agent's environment
         self.metrics = AgentMetrics.start(agent_config.metrics_port)
         self._failure_seen_at: float | None = None
+        lease_ttl = getattr(getattr(spec.rdzv_handler, "config", None), "lease_ttl", None)
+        if isinstance(lease_ttl, timedelta):
+            # A rendezvous that watches membership: a worker that dies of a lost peer waits this long
+            # for us to stop it (elastic/peer_loss.py): the lease TTL, two monitor intervals, a margin.
+            grace = lease_ttl.total_seconds() + 2 * spec.monitor_interval + 2
+            os.environ[peer_loss.ENV_GRACE] = f"{grace:g}"
 
     @property
     def _handler(self) -> Any:
@@ -137,6 +143,10 @@ class ElasticAgent(LocalElasticAgent):
         if lost and reason == "worker failure":
             self._remaining_restarts += 1  # the failure came from losing a peer, not from this node
             reason = "peer lost"
+        if lost:
+            log.warning("peer node%s %s lost; the group re-formed with %d node%s",
+                        "s" if len(lost) > 1 else "", ", ".join(lost), worker_group.group_world_size or 0,
+                        "s" if (worker_group.group_world_size or 0) != 1 else "")
         self.metrics.update(restarts_inc=1)
         emit("restart", reason=reason, lost=lost, remaining_restarts=self._remaining_restarts,
              max_restarts=worker_group.spec.max_restarts)
@@ -185,6 +195,7 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: lis
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=getattr(config, "shutdown_timeout", None),
     )))
+    events.route_to_torch(getattr(config, "event_log_handler", "null"))
     shutdown_rdzv = True
     try:
         torch_metrics.initialize_metrics(torch_metrics.MetricsConfig(config.metrics_cfg))

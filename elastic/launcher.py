@@ -1,32 +1,54 @@
 """`elastic-run`: torchrun's command line on the `etcd-v3` rendezvous.
 
 It reuses `torch.distributed.run`'s argument parser and launch config, and torch's
-`LocalElasticAgent` (through `elastic_launch`) for process supervision, restarts and error files.
-What it adds: the `etcd-v3` backend by default, a private embedded etcd when no
-`--rdzv-endpoint` is given (or with `--standalone`), the agent extensions of `elastic/agent.py`
-(hang detection, membership-aware restart accounting, events, metrics), flag validation up front,
-and clean errors.
+`LocalElasticAgent` (through `elastic/agent.py`) for process supervision, restarts and error files.
+What it adds: the `etcd-v3` backend, a private embedded etcd when one node runs without
+`--rdzv-endpoint` (or with `--standalone`), the agent extensions of `elastic/agent.py` (hang
+detection, membership-aware restart accounting, events, metrics), flag validation up front, run ids
+that cannot collide between jobs, and clean errors.
+
+Which rendezvous a command line gets (`_plan`), following torchrun where the user gave no
+`--rdzv-endpoint`:
+- `--rdzv-endpoint` (or `--standalone`, or one node): `etcd-v3`, on that etcd or a private one;
+- a fixed `--nnodes N>1`, or an explicit `--master-port`, without `--rdzv-endpoint`: torchrun's
+  static rendezvous at `--master-addr:--master-port` (node rank 0 hosts the store), exactly as
+  torchrun does; it is not elastic, and a one-line note says how to make it so;
+- an explicit `--rdzv-backend` other than `etcd-v3` (c10d, static, ...): torch's backend, as asked.
+
+Python callers use `main(argv)`, which behaves like `torch.distributed.run.main`: a bad configuration
+raises `ValueError`, a failed job `ChildFailedError`. The console script is `cli()`, which maps
+those to exit status 2 and 1.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from argparse import ArgumentParser, Namespace
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import run as torchrun
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from elastic import rendezvous
+from elastic import events, rendezvous
 from elastic.agent import AgentConfig, launch
 from elastic.errors import ElasticError
 from elastic.etcd_server import EtcdServer
 
 log = logging.getLogger("elastic.launcher")
+
+STATIC = "static"
+TORCHRUN_DEFAULT_RUN_ID = "none"
+TORCHRUN_DEFAULT_MASTER_PORT = 29500
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def build_parser() -> ArgumentParser:
@@ -34,9 +56,30 @@ def build_parser() -> ArgumentParser:
     parser.prog = "elastic-run"
     parser.description = (
         "Launch an elastic, fault-tolerant PyTorch job. Accepts torchrun's flags; the rendezvous is "
-        "etcd v3 (`etcd-v3`). Without --rdzv-endpoint, a private etcd is started for this node."
+        "etcd v3 (`etcd-v3`). Without --rdzv-endpoint, one node gets a private etcd; a fixed --nnodes N>1 "
+        "gets torchrun's static rendezvous at --master-addr:--master-port."
     )
-    parser.set_defaults(rdzv_backend=rendezvous.BACKEND_NAME)
+    helps = {
+        "standalone": "One node on a private embedded etcd with a random run id (torchrun: a c10d store). "
+                      "Contradicts --rdzv-endpoint.",
+        "rdzv_backend": f"Rendezvous backend (default: {rendezvous.BACKEND_NAME}, on --rdzv-endpoint or a private "
+                        "embedded etcd for one node; without --rdzv-endpoint a fixed --nnodes N>1 or an explicit "
+                        "--master-port uses torchrun's static rendezvous). An explicit c10d, static, ... runs "
+                        "torch's backend as asked, without fast re-formation.",
+        "rdzv_endpoint": "etcd endpoint(s) of the job, host:port[,host:port...] (for etcd-v3; any URL scheme, "
+                         "http or https). Every node of one job must pass the same endpoint and --rdzv-id. "
+                         "Leave it out for one node: a private etcd is started for it.",
+        "rdzv_id": "The job's run id; all nodes of one job pass the same one, and a finished job's id is closed. "
+                   "Default: derived from TORCHELASTIC_RUN_ID, SLURM_JOB_ID or JOB_UID (a Kubernetes Job uid); "
+                   "random for one node; required for several nodes on an external etcd.",
+        "master_port": "Port of the static rendezvous store on the node of rank 0 (default 29500); workers get it "
+                       "as MASTER_PORT. Used without --rdzv-endpoint, as torchrun does.",
+    }
+    for action in parser._actions:  # noqa: SLF001 - torchrun's parser, our words for our behaviour
+        if action.dest in helps:
+            action.help = helps[action.dest]
+        if action.dest == "rdzv_backend":
+            action.default = None  # None: not given, so _plan decides (see the module docstring)
     ours = parser.add_argument_group("elastic-train")
     ours.add_argument(
         "--node-id",
@@ -60,94 +103,226 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def _validate(parser: ArgumentParser, args: Namespace) -> None:
-    """Reject bad or contradictory flags before anything starts, argparse-style (exit code 2)."""
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """How this node meets the others, decided from the flags before anything starts."""
+
+    backend: str
+    """The torch rendezvous backend to use (`etcd-v3`, `static`, `c10d`, ...)."""
+    embedded_etcd: bool
+    """Start a private etcd for this node (etcd-v3 without --rdzv-endpoint)."""
+    run_id: str
+    """The run id every node of the job agrees on."""
+    notes: tuple[str, ...] = ()
+    """One-line notes for the user, logged once at start."""
+
+    def __post_init__(self) -> None:
+        if self.embedded_etcd and self.backend != rendezvous.BACKEND_NAME:
+            raise ValueError(f"an embedded etcd serves only the {rendezvous.BACKEND_NAME} backend, not {self.backend!r}")
+
+
+def scheduler_run_id(env: Mapping[str, str]) -> str | None:
+    """A run id all nodes of one scheduler job agree on and no other job has, or None outside one.
+
+    TORCHELASTIC_RUN_ID as set by an outer launcher or operator; Slurm's job id plus its requeue count
+    (a requeued job is a new run: the old run id may be closed); the uid of a Kubernetes Job, exposed
+    to the pod through the downward API as JOB_UID (deploy/k8s/job.yaml sets it from the label
+    batch.kubernetes.io/controller-uid).
+    """
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return env["TORCHELASTIC_RUN_ID"]
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_RESTART_COUNT') or 0}"
+    if env.get("JOB_UID"):
+        return f"k8s-{env['JOB_UID']}"
+    return None
+
+
+def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
+    """Pick the rendezvous for these flags; ValueError names the flag when they cannot work."""
+    min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
+    given_id = args.rdzv_id if args.rdzv_id != TORCHRUN_DEFAULT_RUN_ID else None
+    derived = given_id or scheduler_run_id(env)
+    backend = args.rdzv_backend
+    if backend is None:
+        fixed_multi_node = min_nodes == max_nodes > 1
+        if not args.rdzv_endpoint and not args.standalone and (fixed_multi_node or args.master_port is not None):
+            backend = STATIC  # torchrun's rule for these flags (torch.distributed.run.run)
+        else:
+            backend = rendezvous.BACKEND_NAME
+    if backend == STATIC:
+        if not 0 <= args.node_rank < max_nodes:
+            raise ValueError(f"--node-rank {args.node_rank}: must be 0..{max_nodes - 1} for --nnodes {args.nnodes}")
+        note = (f"static rendezvous at {args.master_addr}:{args.master_port or TORCHRUN_DEFAULT_MASTER_PORT}, "
+                f"node rank {args.node_rank} of {max_nodes} (torchrun's non-elastic mode: a lost node ends the job); "
+                "for elastic membership and fast re-formation pass --rdzv-endpoint <etcd host:port>")
+        return Plan(backend=STATIC, embedded_etcd=False, run_id=derived or TORCHRUN_DEFAULT_RUN_ID, notes=(note,))
+    if backend != rendezvous.BACKEND_NAME:
+        note = (f"--rdzv-backend {backend}: torch's {backend} rendezvous as asked; a lost node is then noticed "
+                f"only by a collective's timeout. Fast re-formation needs {rendezvous.BACKEND_NAME}: leave out "
+                "--rdzv-backend and pass --rdzv-endpoint <etcd host:port> (or no endpoint for one node on a "
+                "private etcd)")
+        if args.standalone:  # torchrun's --standalone: a c10d store on a free local port
+            args.rdzv_endpoint, derived = "localhost:0", None
+        return Plan(backend=backend, embedded_etcd=False, run_id=derived or str(uuid.uuid4()), notes=(note,))
+    if env.get(SHARE_STORE_ENV) == "1":
+        raise ValueError(
+            f"{SHARE_STORE_ENV}=1 is not supported by {rendezvous.BACKEND_NAME}: the rank-0 agent hosts each "
+            "round's TCPStore and publishes it in etcd under its lease, so the store outlives worker restarts, "
+            "dies with its node (which the other nodes then see at once) and is fresh in every round; a store "
+            "hosted by worker rank 0 would die with that worker. Unset it, or pass --rdzv-backend c10d"
+        )
+    if args.standalone or not args.rdzv_endpoint:
+        if max_nodes > 1 and min_nodes == max_nodes:
+            asked = "--standalone" if args.standalone else f"--rdzv-backend {backend}"
+            raise ValueError(
+                f"{asked} with --nnodes {args.nnodes} needs --rdzv-endpoint: every node must reach the same etcd. "
+                "Leave out --rdzv-backend and --standalone for torchrun's static rendezvous at "
+                "--master-addr:--master-port"
+            )
+        notes = ()
+        if max_nodes > 1:
+            notes = (f"no --rdzv-endpoint: a private etcd for this node only, so no other node can join "
+                     f"(--nnodes {args.nnodes}); pass --rdzv-endpoint <etcd host:port> for several nodes",)
+        run_id = str(uuid.uuid4()) if args.standalone else (derived or str(uuid.uuid4()))
+        return Plan(backend=backend, embedded_etcd=True, run_id=run_id, notes=notes)
+    notes = ()
+    if args.master_port is not None:
+        notes = ("--master-port is not used with --rdzv-endpoint (as with torchrun's c10d): workers find the "
+                 "round's store in MASTER_ADDR and MASTER_PORT",)
+    if derived is None:
+        if max_nodes > 1:
+            raise ValueError(
+                f"--rdzv-id is required with --rdzv-endpoint and --nnodes {args.nnodes}: every node of one job must "
+                "pass the same id, and a finished job's id is closed for good (torchrun's default 'none' would "
+                "collide with the previous job). Pass e.g. --rdzv-id job-42, or run under Slurm (SLURM_JOB_ID), "
+                "or set TORCHELASTIC_RUN_ID or JOB_UID"
+            )
+        derived = str(uuid.uuid4())  # one node: nobody else needs to agree on it
+    return Plan(backend=backend, embedded_etcd=False, run_id=derived, notes=notes)
+
+
+def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
+    """Reject bad or contradictory flags before anything starts; ValueError names the flag."""
     if args.standalone and args.rdzv_endpoint:
-        parser.error("--standalone starts a private etcd and contradicts --rdzv-endpoint; pass one of them")
+        raise ValueError("--standalone starts a private etcd and contradicts --rdzv-endpoint; pass one of them")
     try:
         min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
-    except (RuntimeError, ValueError):
-        parser.error(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX, e.g. --nnodes 1:4")
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX, e.g. --nnodes 1:4") from exc
     if not 0 < min_nodes <= max_nodes:
-        parser.error(f"--nnodes {args.nnodes!r}: need 0 < MIN <= MAX")
+        raise ValueError(f"--nnodes {args.nnodes!r}: need 0 < MIN <= MAX")
     if args.max_restarts < 0:
-        parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
+        raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
     if args.monitor_interval <= 0:
-        parser.error(f"--monitor-interval {args.monitor_interval}: must be positive")
+        raise ValueError(f"--monitor-interval {args.monitor_interval}: must be positive")
     try:
         nproc = torchrun.determine_local_world_size(args.nproc_per_node)
     except ValueError as exc:
-        parser.error(f"--nproc-per-node {args.nproc_per_node!r}: {exc}")
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: {exc}") from exc
     if nproc <= 0:
-        parser.error(f"--nproc-per-node {args.nproc_per_node!r}: must be a positive count or auto/cpu/gpu/xpu")
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: must be a positive count or auto/cpu/gpu/xpu")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise ValueError(f"--master-port {args.master_port}: must be 1..65535")
     try:
         conf = torchrun._parse_rendezvous_config(args.rdzv_conf)  # noqa: SLF001 - torchrun's own parser
     except ValueError as exc:
-        parser.error(f"--rdzv-conf {args.rdzv_conf!r}: {exc}")
+        raise ValueError(f"--rdzv-conf {args.rdzv_conf!r}: {exc}") from exc
+    plan = _plan(args, env)
     validate_conf = getattr(rendezvous, "validate_conf", None)
-    if validate_conf is not None:
+    if validate_conf is not None and plan.backend == rendezvous.BACKEND_NAME:
         try:
             validate_conf(conf)
         except ValueError as exc:
-            parser.error(f"--rdzv-conf: {exc}")
+            raise ValueError(f"--rdzv-conf: {exc}") from exc
     if args.node_id is not None:
         if "node_id" in conf and conf["node_id"] != args.node_id:
-            parser.error("--node-id and --rdzv-conf node_id=... disagree; pass one of them")
+            raise ValueError("--node-id and --rdzv-conf node_id=... disagree; pass one of them")
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"node_id={args.node_id}"]))
-    if args.rdzv_backend == rendezvous.BACKEND_NAME and args.rdzv_endpoint:
+    if plan.backend == rendezvous.BACKEND_NAME and args.rdzv_endpoint:
         from elastic.etcd_client import parse_endpoints
 
         try:
             parse_endpoints(args.rdzv_endpoint)
         except ValueError as exc:
-            parser.error(f"--rdzv-endpoint: {exc}")
+            raise ValueError(f"--rdzv-endpoint: {exc}") from exc
     if args.hang_timeout is not None and args.hang_timeout <= 0:
-        parser.error(f"--hang-timeout {args.hang_timeout}: must be a positive number of seconds")
+        raise ValueError(f"--hang-timeout {args.hang_timeout}: must be a positive number of seconds")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        parser.error(f"--metrics-port {args.metrics_port}: must be 0..65535")
+        raise ValueError(f"--metrics-port {args.metrics_port}: must be 0..65535")
     needs_file = not args.module and not args.no_python
     if needs_file and not os.path.isfile(args.training_script):
-        parser.error(f"training script {args.training_script!r} does not exist")
+        raise ValueError(f"training script {args.training_script!r} does not exist")
+    events.route_to_torch(args.event_log_handler)  # raises ValueError naming an unknown handler
+    return plan
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _validate(parser, args)
-    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"), format="[elastic-run] %(asctime)s %(levelname)s %(name)s: %(message)s")
-
+def run(args: Namespace, plan: Plan) -> dict[int, Any]:
+    """Run this node's agent for a validated plan; raises ChildFailedError when the job fails."""
+    for note in plan.notes:
+        log.info("%s", note)
+    args.rdzv_backend, args.rdzv_id = plan.backend, plan.run_id
+    args.standalone = False  # handled by the plan; torchrun's meaning (a c10d store) does not apply
+    if args.master_port is None:
+        args.master_port = TORCHRUN_DEFAULT_MASTER_PORT  # only the static backend reads it
     etcd: EtcdServer | None = None
     try:
-        if args.rdzv_backend == rendezvous.BACKEND_NAME:
+        if plan.backend == rendezvous.BACKEND_NAME:
             rendezvous.register()
-            if args.standalone or not args.rdzv_endpoint:
-                etcd = EtcdServer().start()
-                args.rdzv_endpoint = etcd.endpoint
-                if args.standalone or args.rdzv_id == "none":
-                    args.rdzv_id = str(uuid.uuid4())
-                log.info("embedded etcd at %s; run id %s", etcd.endpoint, args.rdzv_id)
-            args.standalone = False  # torchrun's --standalone means a c10d store; ours is handled above
-        if args.master_port is None:
-            args.master_port = 29500  # torchrun's default; only the static backend reads it
+        if plan.embedded_etcd:
+            etcd = EtcdServer().start()
+            args.rdzv_endpoint = etcd.endpoint
+            log.info("embedded etcd at %s; run id %s", etcd.endpoint, plan.run_id)
         config, cmd, cmd_args = torchrun.config_from_args(args)
-        if not config.run_id:
-            config.run_id = str(uuid.uuid4())
         agent_config = AgentConfig(
             hang_timeout=timedelta(seconds=args.hang_timeout) if args.hang_timeout else None,
             metrics_port=args.metrics_port,
         )
-        launch(config, cmd, cmd_args, agent_config)
-        return 0
-    except ChildFailedError as exc:
-        print(f"elastic-run: the job failed:\n{exc.format_msg()}", file=sys.stderr)
-        return 1
-    except (ElasticError, RendezvousError) as exc:
-        print(f"elastic-run: error: {exc}", file=sys.stderr)
-        return 1
+        return launch(config, cmd, cmd_args, agent_config)
     finally:
         if etcd is not None:
             etcd.stop()
 
 
+def _setup_logging() -> None:
+    logging.basicConfig(level=os.environ.get("LOGLEVEL", "INFO"),
+                        format="[elastic-run] %(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@record
+def main(argv: list[str] | None = None) -> dict[int, Any]:
+    """`elastic-run` for Python callers, like `torch.distributed.run.main`.
+
+    Unknown flags exit through argparse (SystemExit 2) as in torchrun; a bad configuration raises
+    ValueError naming the flag; a failed job raises ChildFailedError. `@record` writes a launcher-level
+    error file to TORCHELASTIC_ERROR_FILE when one is set, as torchrun does.
+    """
+    args = build_parser().parse_args(argv)
+    plan = _validate(args, os.environ)
+    _setup_logging()
+    return run(args, plan)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The `elastic-run` console script: exit 2 for bad flags, 1 for a failed job, 128+N for signal N."""
+    try:
+        main(argv)
+        return 0
+    except ValueError as exc:
+        build_parser().error(str(exc))  # usage and "elastic-run: error: ...", exit status 2
+    except ChildFailedError as exc:
+        print(f"elastic-run: the job failed:\n{exc.format_msg()}", file=sys.stderr)
+        return 1
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        print(f"elastic-run: stopped by {name}: workers stopped; the run is left open, so a requeued job with "
+              "the same --rdzv-id can continue it", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except (ElasticError, RendezvousError) as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        return 1
+    return 2  # not reached: parser.error exits
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
         time.sleep(0.005)
-    return launcher.main(argv[split + 1:])
+    return launcher.cli(argv[split + 1:])
 
 
 def _die_with_parent() -> None:
