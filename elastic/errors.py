@@ -30,6 +30,18 @@ class NodeIdConflictError(RendezvousError, ElasticError):
     """Another live agent already registered the same node id in the same run."""
 
 
+class EtcdRecordError(RendezvousError, ElasticError):
+    """A value under a run's etcd prefix is malformed (not what an agent of this run writes)."""
+
+    def __init__(self, key: str, problem: str, advice: str | None = None, mod_revision: int = 0) -> None:
+        self.key = key
+        self.problem = problem
+        self.mod_revision = mod_revision
+        """The value's mod_revision, so a warning about it is given once per write."""
+        advice = advice or f"Delete it with `etcdctl del {key}`, or use another --rdzv-id"
+        super().__init__(f"etcd key {key} is malformed: {problem}. {advice}.")
+
+
 class RunIdConflictError(RendezvousError, ElasticError):
     """The run id is in use by a job launched with different settings."""
 
@@ -47,6 +59,7 @@ __all__ = [
     "ElasticRendezvousClosedError",
     "ElasticRendezvousTimeoutError",
     "EtcdBinaryNotFoundError",
+    "EtcdRecordError",
     "EtcdStartError",
     "EtcdUnavailableError",
     "NodeIdConflictError",

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,6 +33,7 @@ from elastic import round as protocol
 from elastic.errors import (
     ElasticRendezvousClosedError,
     ElasticRendezvousTimeoutError,
+    EtcdRecordError,
     EtcdUnavailableError,
     RunIdConflictError,
 )
@@ -39,6 +41,8 @@ from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.events import emit
 from elastic.liveness import Beacon, Monitor
 from elastic.membership import Membership, MembershipConfig, run_prefix
+from elastic.rdzv_settings import TORCH_KEYS, RendezvousSettings, parse_conf
+from elastic.records import RunKeys
 from elastic.view import RunView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -46,16 +50,12 @@ log = logging.getLogger(__name__)
 BACKEND_NAME = "etcd-v3"
 
 
-def _seconds(value: str | int | float | None, default: float, name: str) -> timedelta:
-    if value is None or value == "":
-        return timedelta(seconds=default)
-    try:
-        seconds = float(value)
-    except ValueError as exc:
-        raise ValueError(f"--rdzv-conf {name}={value!r} must be a number of seconds") from exc
-    if seconds <= 0:
-        raise ValueError(f"--rdzv-conf {name}={value!r} must be positive")
-    return timedelta(seconds=seconds)
+def validate_conf(conf: Mapping[str, object]) -> None:
+    """Check every `--rdzv-conf` key and value of the etcd-v3 backend; ValueError names the key.
+
+    An unknown key is an error that lists the known ones (`elastic.rdzv_settings.KNOWN_KEYS`).
+    """
+    parse_conf(conf)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,30 +84,41 @@ class RendezvousConfig:
     def __post_init__(self) -> None:
         if not 0 < self.min_nodes <= self.max_nodes:
             raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: need 0 < min <= max")
+        for name in ("lease_ttl", "join_timeout", "last_call_timeout"):
+            if getattr(self, name) <= timedelta(0):
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @staticmethod
     def from_parameters(params: RendezvousParameters) -> RendezvousConfig:
-        conf = params.config
+        # The same parser as elastic-run's up-front check, so stock torchrun rejects the same mistakes.
+        try:
+            settings = parse_conf({k: v for k, v in params.config.items() if k not in TORCH_KEYS})
+        except ValueError as exc:
+            raise ValueError(f"--rdzv-conf: {exc}") from exc
+        return RendezvousConfig.from_settings(params, settings)
+
+    @staticmethod
+    def from_settings(params: RendezvousParameters, settings: RendezvousSettings) -> RendezvousConfig:
         default_node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         return RendezvousConfig(
             run_id=params.run_id,
-            node_id=str(conf.get("node_id") or default_node),
+            node_id=settings.node_id or default_node,
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
             local_addr=params.local_addr or socket.getfqdn(),
             etcd=EtcdClientConfig(
                 endpoints=params.endpoint,
-                ca_cert=conf.get("cacert") or conf.get("ca_cert"),
-                cert=conf.get("cert"),
-                key=conf.get("key"),
-                user=conf.get("user"),
-                password=conf.get("password"),
-                retry_deadline=_seconds(conf.get("etcd_timeout"), 15, "etcd_timeout"),
+                ca_cert=settings.ca_cert,
+                cert=settings.cert,
+                key=settings.key,
+                user=settings.user,
+                password=settings.password,
+                retry_deadline=settings.etcd_timeout,
             ),
-            prefix=str(conf.get("prefix") or "elastic-train"),
-            lease_ttl=_seconds(conf.get("lease_ttl"), 3, "lease_ttl"),
-            join_timeout=_seconds(conf.get("join_timeout"), 600, "join_timeout"),
-            last_call_timeout=_seconds(conf.get("last_call_timeout"), 30, "last_call_timeout"),
+            prefix=settings.prefix,
+            lease_ttl=settings.lease_ttl,
+            join_timeout=settings.join_timeout,
+            last_call_timeout=settings.last_call_timeout,
         )
 
 
@@ -118,8 +129,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self.config = config
         self._client = client or EtcdClient(config.etcd)
         self._prefix = run_prefix(config.prefix, config.run_id)
-        self._state_key = self._prefix + "rdzv/state"
-        self._store_prefix = self._prefix + "rdzv/store/"
+        self.keys = RunKeys(self._prefix)
+        self._state_key = self.keys.state
         self.view = RunView(self._client, self._prefix)
         self._beacon: Beacon | None = None
         self._monitor: Monitor | None = None
@@ -128,6 +139,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id, lease_ttl=config.lease_ttl),
         )
         self._completed_generation = 0
+        """The round this node last took a rank in and ran (0: none)."""
+        self._succeeded = False
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
 
@@ -167,11 +180,20 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
 
     def is_closed(self) -> bool:
-        snap = self.view.read()
-        return bool(snap.state and snap.state.shutdown)
+        state = self.view.read().checked_state()
+        return bool(state and state.shutdown)
 
     def set_closed(self) -> None:
-        self._close_run()
+        """Close the run for every agent (torch's API: an explicit operator decision)."""
+        self._close_run(force=True)
+
+    def mark_succeeded(self) -> None:
+        """This node's workers finished the job: `shutdown()` may then close the run.
+
+        elastic-run's agent calls it on success; stock torchrun does not, so under torchrun
+        `shutdown()` only leaves the run.
+        """
+        self._succeeded = True
 
     def num_nodes_waiting(self) -> int:
         # Called by the agent every monitor interval while workers are healthy; answered from the
@@ -183,6 +205,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except EtcdUnavailableError as exc:
             log.warning("rendezvous: etcd unreachable while workers are healthy; keeping them running (%s)", exc)
             return 0
+        # A malformed state (the view warned, naming the key) leaves healthy workers running; a lost
+        # member still counts, and the rendezvous that follows fails naming the key.
         return protocol.nodes_waiting(snap.state, self._knowledge(snap), self._round)
 
     @property
@@ -191,8 +215,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self.view.degraded_since is not None
 
     def shutdown(self) -> bool:
+        """Leave the run and unregister this node; close the run only after `mark_succeeded()`, and only
+        if this node ran the run's newest round (a refused, duplicate, spare or timed-out agent never does)."""
         try:
-            self._close_run()
+            if self._succeeded:
+                self._close_run(force=False)
             return True
         except Exception as exc:  # noqa: BLE001 - process boundary: the agent is exiting anyway
             log.warning("rendezvous: shutdown of run %s failed: %s", self.config.run_id, exc)
@@ -226,13 +253,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _track_peers(self, snap: Snapshot) -> None:
         if self._monitor is not None:
-            self._monitor.track({n: str(r["beacon"]) for n, r in snap.nodes.items()
-                                 if n != self.config.node_id and r.get("beacon")})
+            self._monitor.track({n: r.beacon for n, r in snap.nodes.items()
+                                 if n != self.config.node_id and r.beacon})
 
     def _peer_lost(self, node: str) -> None:
         # The peer's agent process is gone: revoke its lease now instead of waiting out the TTL.
         record = self.view.snapshot().nodes.get(node)
-        lease_id = int(record.get("lease_id") or 0) if record else 0  # type: ignore[call-overload]
+        lease_id = record.lease_id if record else 0
         if lease_id:
             try:
                 self._client.call(lambda: self._client.raw.revoke_lease(lease_id), what=f"revoke the lease of {node}",
@@ -260,9 +287,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         last_reason = ""
         while True:
             snap = self.view.read()
+            state = snap.checked_state()  # a malformed state fails the rendezvous, naming the key
             now = time.monotonic()
             expired = last_call_at is not None and now >= last_call_at
-            decision = protocol.decide(snap.state, self._knowledge(snap, expired))
+            decision = protocol.decide(state, self._knowledge(snap, expired))
             if isinstance(decision, protocol.Done):
                 return decision
             if isinstance(decision, protocol.Closed):
@@ -282,7 +310,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         return took
                 continue
             last_reason = decision.reason
-            generation = snap.state.generation if snap.state else 0
+            generation = state.generation if state else 0
             if decision.last_call_armed and (last_call_at is None or generation != last_call_generation):
                 last_call_at = now + self.config.last_call_timeout.total_seconds()
                 last_call_generation = generation
@@ -310,7 +338,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     # -- the round's store ---------------------------------------------------------------------
 
     def _round_store(self, done: protocol.Done, deadline: float) -> tuple[dist.Store, str, int]:
-        key = f"{self._store_prefix}{done.generation}"
+        key = self.keys.store(done.generation)
         timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
         if done.rank == 0:
             # A fresh TCPStore per round: keys of an earlier round can never leak into this one.
@@ -330,7 +358,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             snap = self.view.read()
             published = snap.stores.get(done.generation)
             if published is not None:
-                addr, port = str(published["addr"]), int(published["port"])  # type: ignore[call-overload]
+                addr, port = published.addr, published.port
                 return dist.TCPStore(addr, port, is_master=False, timeout=timeout), addr, port
             if done.participants[0] not in snap.live:
                 raise _RoundAbandoned(f"its rank 0 ({done.participants[0]}) left before publishing the round's store")
@@ -342,20 +370,32 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _prune_stores(self, generation: int) -> None:
         raw = self._client.raw
-        stale = [raw.transactions.delete(f"{self._store_prefix}{g}") for g in range(max(1, generation - 8), generation)]
+        stale = [raw.transactions.delete(self.keys.store(g)) for g in range(max(1, generation - 8), generation)]
         if stale:
             self._client.call(lambda: raw.transaction(compare=[], success=stale, failure=[]), what="prune old store keys")
 
-    def _close_run(self) -> None:
-        while True:
+    def _close_run(self, *, force: bool) -> None:
+        """Mark the run shut down. Unless `force`, only if this node may (`protocol.may_close`)."""
+        for _ in range(20):  # each failed compare-and-set means another writer moved on; re-read
             snap = self.view.read(deadline=timedelta(seconds=3))
-            base = snap.state or protocol.RoundState(generation=0, status="closed", participants=())
-            if base.shutdown:
+            try:
+                state = snap.checked_state()
+            except EtcdRecordError as exc:
+                if not force:
+                    log.warning("rendezvous: leaving run %s open: %s", self.config.run_id, exc)
+                    return
+                state = None  # an explicit close replaces the malformed document
+            if state is not None and state.shutdown:
                 return
-            closed = dataclasses.replace(base, shutdown=True)
-            if self._compare_and_set(closed, snap.state_revision):
+            if not force and not protocol.may_close(state, self.config.node_id, self._completed_generation):
+                log.info("rendezvous: node %s leaves run %s open: it did not run the run's newest round",
+                         self.config.node_id, self.config.run_id)
+                return
+            base = state or protocol.RoundState(generation=0, status="closed", participants=())
+            if self._compare_and_set(dataclasses.replace(base, shutdown=True), snap.state_revision):
                 log.info("rendezvous: run %s closed", self.config.run_id)
                 return
+        log.warning("rendezvous: could not close run %s: its state kept changing", self.config.run_id)
 
 
 class _RoundAbandoned(Exception):

@@ -9,7 +9,8 @@ Shared state (one JSON document per run, written only by compare-and-set on its 
     participants  node ids; join order while joining, rank order once closed
     previous      rank order of the last closed round, so survivors keep their relative order
     acked         participants of a closed round that have taken their rank in it
-    shutdown      the job ended: every further rendezvous fails with a closed error
+    shutdown      the job ended: every further rendezvous fails with a closed error; only a member of
+                  the newest round whose workers succeeded sets it (see `may_close`)
     nnodes        (min, max) of the job that created the run: an agent launched with other
                   --nnodes under the same run id is a different job and is refused
 
@@ -46,16 +47,45 @@ class RoundState:
 
     @staticmethod
     def from_json(raw: str | bytes) -> RoundState:
-        doc = json.loads(raw)
+        """Parse a state document. Raises ValueError saying what is wrong with it (never KeyError/TypeError)."""
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:  # also UnicodeDecodeError
+            raise ValueError(f"not JSON ({exc})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+        generation = doc.get("generation")
+        if type(generation) is not int or generation < 0:
+            raise ValueError(f"generation must be a non-negative integer, got {generation!r}")
+        status = doc.get("status")
+        if status not in ("joining", "closed"):
+            raise ValueError(f"status must be 'joining' or 'closed', got {status!r}")
+        shutdown = doc.get("shutdown", False)
+        if type(shutdown) is not bool:
+            raise ValueError(f"shutdown must be true or false, got {shutdown!r}")
+        nnodes = doc.get("nnodes")
+        if nnodes is not None and not (
+            isinstance(nnodes, list) and len(nnodes) == 2 and all(type(n) is int for n in nnodes) and 0 < nnodes[0] <= nnodes[1]
+        ):
+            raise ValueError(f"nnodes must be [min, max] with 0 < min <= max, got {nnodes!r}")
         return RoundState(
-            generation=int(doc["generation"]),
-            status=doc["status"],
-            participants=tuple(doc["participants"]),
-            previous=tuple(doc.get("previous", ())),
-            shutdown=bool(doc.get("shutdown", False)),
-            nnodes=tuple(doc["nnodes"]) if doc.get("nnodes") else None,  # type: ignore[arg-type]
-            acked=tuple(doc.get("acked", ())),
+            generation=generation,
+            status=status,
+            participants=_node_ids(doc, "participants", required=True),
+            previous=_node_ids(doc, "previous"),
+            shutdown=shutdown,
+            nnodes=(nnodes[0], nnodes[1]) if nnodes else None,
+            acked=_node_ids(doc, "acked"),
         )
+
+
+def _node_ids(doc: dict[str, object], name: str, required: bool = False) -> tuple[str, ...]:
+    if name not in doc and not required:
+        return ()
+    value = doc.get(name)
+    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+        raise ValueError(f"{name} must be a list of node ids, got {value!r}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -199,12 +229,27 @@ def nodes_waiting(state: RoundState | None, k: Knowledge, my_round: tuple[str, .
 
     Counts nodes waiting in a newer round (a newer closed round without us counts once: we must
     rejoin), plus members of our round whose lease expired (their peers would otherwise hang in a
-    collective until its timeout).
+    collective until its timeout). With no readable state (`None`) only the lost members count.
     """
-    if state is None or state.shutdown:
+    if state is not None and state.shutdown:
         return 0
     waiting = 0
-    if state.generation > k.completed_generation:
+    if state is not None and state.generation > k.completed_generation:
         waiting = len(state.participants) if state.status == "joining" else 1
     lost = [p for p in my_round if p not in k.live]
     return waiting + len(lost)
+
+
+def may_close(state: RoundState | None, me: str, completed_generation: int) -> bool:
+    """Whether node `me`, whose workers finished the job in round `completed_generation`, may close the run.
+
+    Only a member of the run's newest round may: that round is the one it ran, or the joining round
+    opened right after it (a peer or a spare moved on first; `previous` holds the ranks of our round).
+    A node that never took a rank (refused, a duplicate node id, a spare, timed out) has
+    `completed_generation` 0 and never closes the run, nor does a member of an older round.
+    """
+    if state is None or state.shutdown or completed_generation <= 0:
+        return False
+    if state.status == "closed":
+        return state.generation == completed_generation and me in state.participants
+    return state.generation == completed_generation + 1 and me in state.previous

@@ -4,12 +4,14 @@ The rendezvous reads it to decide, waits on it for the next change, and the agen
 asks it every 0.1 s whether a peer was lost, without a round trip to etcd. One background thread
 holds one prefix watch; every event (a join, a lease expiry or revoke, a state write) triggers a
 fresh range read, and a periodic re-read covers a watch that broke silently. When etcd cannot be
-reached the view keeps its last snapshot and reports itself degraded.
+reached the view keeps its last snapshot and reports itself degraded. A malformed value is not an
+unreachable etcd: `elastic/records.py` parses every value; a bad node or store record is left out
+with a warning naming the key, a bad round state is carried in the snapshot (`state_error`) and
+raised by `Snapshot.checked_state()` where the rendezvous needs the state.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -18,8 +20,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from elastic import round as protocol
+from elastic.errors import EtcdRecordError
 from elastic.etcd_client import EtcdClient
 from elastic.events import emit
+from elastic.records import NodeRecord, RunKeys, StoreRecord, parse_run
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +31,24 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Snapshot:
     state: protocol.RoundState | None
+    """The round state; None if the key does not exist or is malformed (see `state_error`)."""
     state_revision: int
     """mod_revision of the state key; 0 if it does not exist (compare-and-set guard)."""
     live: frozenset[str]
-    nodes: dict[str, dict[str, object]] = field(default_factory=dict)
-    """Registered node id -> its membership record (plus `lease_id`)."""
-    stores: dict[int, dict[str, object]] = field(default_factory=dict)
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    """Registered node id -> its membership record (malformed records are left out)."""
+    stores: dict[int, StoreRecord] = field(default_factory=dict)
     """Round generation -> the TCPStore address its rank 0 published."""
     revision: int = 0
     """etcd's revision at the time of the read: snapshots are ordered by it."""
+    state_error: EtcdRecordError | None = None
+    """Why the state key, which exists, could not be parsed."""
+
+    def checked_state(self) -> protocol.RoundState | None:
+        """The round state; raises `EtcdRecordError` naming the key if it is malformed."""
+        if self.state_error is not None:
+            raise self.state_error
+        return self.state
 
 
 class RunView:
@@ -46,9 +59,8 @@ class RunView:
     def __init__(self, client: EtcdClient, run_prefix: str) -> None:
         self._client = client
         self.prefix = run_prefix
-        self.state_key = run_prefix + "rdzv/state"
-        self.nodes_prefix = run_prefix + "nodes/"
-        self.store_prefix = run_prefix + "rdzv/store/"
+        self.keys = RunKeys(run_prefix)
+        self._warned: set[tuple[str, int]] = set()
         self._cond = threading.Condition()
         self._snapshot: Snapshot | None = None
         self._dirty = threading.Event()
@@ -65,23 +77,22 @@ class RunView:
         """A fresh, linearizable read of the run's keys (also publishes it to waiters)."""
         raw = self._client.raw
         response = self._client.call(lambda: raw.get_prefix_response(self.prefix), what=f"read {self.prefix}", deadline=deadline)
-        state, state_rev = None, 0
-        nodes: dict[str, dict[str, object]] = {}
-        stores: dict[int, dict[str, object]] = {}
-        for kv in response.kvs:
-            key = kv.key.decode()
-            if key == self.state_key:
-                state, state_rev = protocol.RoundState.from_json(kv.value), kv.mod_revision
-            elif key.startswith(self.nodes_prefix):
-                record = _json_or_empty(kv.value)
-                record["lease_id"] = kv.lease
-                nodes[key[len(self.nodes_prefix):]] = record
-            elif key.startswith(self.store_prefix):
-                stores[int(key[len(self.store_prefix):])] = _json_or_empty(kv.value)
+        records = parse_run(self.keys, response.kvs)
+        for bad in (*records.skipped, *filter(None, [records.state_error])):
+            self._warn_once(bad)
         revision = int(response.header.revision)
-        snap = Snapshot(state, state_rev, frozenset(nodes), nodes, stores, revision)
+        snap = Snapshot(records.state, records.state_revision, frozenset(records.nodes), records.nodes, records.stores,
+                        revision, records.state_error)
         self._publish(snap)
         return snap
+
+    def _warn_once(self, bad: EtcdRecordError) -> None:
+        # Once per written value: the view re-reads on every event and every RESYNC.
+        if (bad.key, bad.mod_revision) not in self._warned:
+            self._warned.add((bad.key, bad.mod_revision))
+            ignored = "" if bad.key == self.keys.state else " (ignored)"
+            log.warning("view: %s%s", bad, ignored)
+            emit("bad_record", prefix=self.prefix, key=bad.key, problem=bad.problem[:200])
 
     def snapshot(self) -> Snapshot:
         """The latest known snapshot (reads once if the watch has not delivered one yet)."""
@@ -173,16 +184,9 @@ class RunView:
                 log.debug("view: cancel_watch failed", exc_info=True)
 
 
-def _json_or_empty(value: bytes) -> dict[str, object]:
-    try:
-        doc = json.loads(value)
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
 def _content(snap: Snapshot | None) -> tuple[object, ...] | None:
     """What a snapshot says, without the read revision (which moves on every read)."""
     if snap is None:
         return None
-    return (snap.state, snap.state_revision, snap.live, snap.nodes, snap.stores)
+    error = snap.state_error and str(snap.state_error)  # exceptions compare by identity; their text does not
+    return (snap.state, snap.state_revision, snap.live, snap.nodes, snap.stores, error)

@@ -80,9 +80,13 @@ class Cluster:
         return h.shutdown()
 
     def close(self) -> None:
-        # shutdown() closes the run, which also wakes any thread still waiting in a round.
+        # Closing the run wakes any thread still waiting in a round (shutdown() alone only leaves).
         for h in self.handlers:
             if id(h) not in self.shut:
+                try:
+                    h.set_closed()
+                except Exception:  # noqa: BLE001 - another run id, or etcd gone: shutdown still leaves
+                    pass
                 self.shutdown(h)
         self.pool.shutdown(wait=True)
 
@@ -197,11 +201,12 @@ def test_runs_with_different_ids_do_not_see_each_other(cluster: Cluster) -> None
     assert not second.is_closed(), "closing one run must not close another"
 
 
-def test_shutdown_closes_the_run(cluster: Cluster) -> None:
+def test_shutdown_after_success_closes_the_run(cluster: Cluster) -> None:
     first = cluster.handler("a", min_nodes=1, max_nodes=1)
     cluster.start(first).result(timeout=15)
     other = cluster.handler("b", min_nodes=1, max_nodes=1)
     assert not other.is_closed()
+    first.mark_succeeded()  # the agent says so once the workers succeeded
     assert cluster.shutdown(first) is True
     # shutdown() also releases `first`'s own connection, so another agent of the run observes it.
     assert other.is_closed()
