@@ -46,6 +46,10 @@ class RunIdConflictError(RendezvousError, ElasticError):
     """The run id is in use by a job launched with different settings."""
 
 
+class AdmissionError(RendezvousError, ElasticError):
+    """This agent may not join the run: it lacks the run's join token, or holds another one."""
+
+
 class ElasticRendezvousTimeoutError(RendezvousTimeoutError, ElasticError):
     """A rendezvous round did not complete within its deadline."""
 
@@ -55,6 +59,7 @@ class ElasticRendezvousClosedError(RendezvousClosedError, ElasticError):
 
 
 __all__ = [
+    "AdmissionError",
     "ElasticError",
     "ElasticRendezvousClosedError",
     "ElasticRendezvousTimeoutError",

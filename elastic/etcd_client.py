@@ -3,14 +3,20 @@
 Every call into etcd from this package goes through `EtcdClient.call`, which retries transient
 failures (connection refused, deadline exceeded, leader change) with exponential backoff and jitter
 until a deadline, then raises `EtcdUnavailableError` naming the endpoints.
+
+The password never travels in clear text and never shows: it comes from `--rdzv-conf
+password_file=` or `$ELASTIC_ETCD_PASSWORD` (`password=` still works, with a warning: argv is
+visible in `ps`), it is left out of every repr, masked in every log line (`elastic.credentials`),
+and user/password auth over plain http is refused before anything is sent.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import types
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TypeVar
 
@@ -20,10 +26,14 @@ import etcd3.watch
 import grpc
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
+from elastic.credentials import protect, read_secret_file, redact
 from elastic.errors import EtcdUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
+"""Environment variable the etcd password may come from (instead of `--rdzv-conf password_file=`)."""
 
 # python3-etcd3 0.13's watch thread calls `six.itervalues` on a broken stream without importing
 # six, so a closed channel kills that thread with a NameError instead of failing the watches.
@@ -81,8 +91,8 @@ class EtcdClientConfig:
     """Client private key (PEM) for mutual TLS."""
     user: str | None = None
     """etcd user name for password authentication."""
-    password: str | None = None
-    """etcd password for `user`."""
+    password: str | None = field(default=None, repr=False)
+    """etcd password for `user` (see `resolve_password`); never in a repr or a log line."""
     request_timeout: timedelta = timedelta(seconds=3)
     """Deadline of one etcd RPC."""
     retry_deadline: timedelta = timedelta(seconds=15)
@@ -93,7 +103,13 @@ class EtcdClientConfig:
         if (self.cert is None) != (self.key is None):
             raise ValueError("etcd TLS needs both a client certificate and its key (cert= and key=), or neither")
         if (self.user is None) != (self.password is None):
-            raise ValueError("etcd auth needs both user= and password=, or neither")
+            raise ValueError("etcd auth needs both user= and a password (password_file= or $ELASTIC_ETCD_PASSWORD), or neither")
+        if self.password is not None and not self.secure:
+            raise ValueError(
+                f"refusing to send the etcd password of user {self.user!r} in clear text over plain http to "
+                f"{self.endpoints}: use TLS, with https:// endpoints or --rdzv-conf cacert=PATH (the CA of the "
+                "etcd servers); or log in with a client certificate (cert=, key=) instead of a password"
+            )
         if self.request_timeout <= timedelta(0) or self.retry_deadline <= timedelta(0):
             raise ValueError(f"etcd timeouts must be positive, got {self.request_timeout} and {self.retry_deadline}")
 
@@ -102,11 +118,42 @@ class EtcdClientConfig:
         return self.ca_cert is not None or any(s for _, _, s in parse_endpoints(self.endpoints))
 
 
+def resolve_password(user: str | None, password: str | None, password_file: str | None,
+                     environ: Mapping[str, str] | None = None) -> str | None:
+    """The etcd password for `user`: from `password_file=` (or `password=`), else `$ELASTIC_ETCD_PASSWORD`.
+
+    `password=` works but is warned about: the command line is visible to every user of the machine.
+    Raises ValueError naming the key when the settings contradict each other or the file is bad.
+    """
+    environ = os.environ if environ is None else environ
+    from_env = environ.get(PASSWORD_ENV) or None
+    if password is not None and password_file is not None:
+        raise ValueError("password= and password_file= contradict each other; pass one of them (password_file= is safer)")
+    if user is None:
+        if password is not None or password_file is not None:
+            raise ValueError(f"{'password' if password is not None else 'password_file'}= needs user=: the etcd user it logs in as")
+        if from_env is not None:
+            log.warning("etcd: $%s is set but --rdzv-conf has no user=; the password is not used", PASSWORD_ENV)
+        return None
+    if password_file is not None:
+        password = read_secret_file(password_file, key="password_file")
+    elif password is not None:
+        log.warning("etcd: --rdzv-conf password= shows the etcd password to every user of this machine (ps, "
+                    "/proc/PID/cmdline) and keeps it in shell history; use password_file=PATH or $%s instead", PASSWORD_ENV)
+    elif from_env is not None:
+        password = from_env
+    else:
+        raise ValueError(f"user={user} needs a password: pass --rdzv-conf password_file=PATH or set ${PASSWORD_ENV}")
+    protect(password)
+    return password
+
+
 class EtcdClient:
     """A connected etcd v3 client with bounded retries. `raw` is the python-etcd3 client."""
 
     def __init__(self, config: EtcdClientConfig) -> None:
         self.config = config
+        protect(config.password)
         self.raw: etcd3.MultiEndpointEtcd3Client = self.call(self._connect, what="connect")
 
     def _connect(self) -> etcd3.MultiEndpointEtcd3Client:
@@ -145,19 +192,19 @@ class EtcdClient:
             return retrying(fn)
         except Exception as exc:
             if _is_transient(exc):
-                raise EtcdUnavailableError(
+                raise EtcdUnavailableError(redact(
                     f"etcd at {self.config.endpoints} did not answer `{what}` within {limit:.0f}s ({type(exc).__name__}: {exc}). "
                     "Is etcd running and reachable? Check --rdzv-endpoint and the network."
-                ) from exc
+                )) from exc
             if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in (
                 grpc.StatusCode.UNAUTHENTICATED,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.PERMISSION_DENIED,
             ):
-                raise EtcdUnavailableError(
+                raise EtcdUnavailableError(redact(
                     f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. "
                     "Check the user/password and TLS settings in --rdzv-conf."
-                ) from exc
+                )) from exc
             raise
 
     def close(self) -> None:

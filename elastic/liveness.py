@@ -5,6 +5,9 @@ membership record. Peers hold one idle TCP connection to every beacon. When an a
 even by SIGKILL, its kernel closes the socket and the peers read EOF at once; they then revoke the
 dead node's lease, so everyone sees it leave through the normal watch. When a whole machine or its
 network goes away no EOF arrives, and the lease TTL remains the (slower) safety net.
+
+Every socket this package listens on is made by `listening_socket`: bound to `--local-addr` when
+one is given, so nothing listens on interfaces the user did not name.
 """
 
 from __future__ import annotations
@@ -18,11 +21,25 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 
+def listening_socket(host: str | None, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on a free port of `host` (`--local-addr`), or of every interface when None."""
+    if host is None:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=backlog)
+        return socket.create_server(("", 0), backlog=backlog)
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    return socket.create_server((host, 0), family=family, backlog=backlog)
+
+
 class Beacon:
     """A listening socket held open for this agent's lifetime."""
 
-    def __init__(self, host: str) -> None:
-        self._sock = socket.create_server((host, 0), backlog=64)
+    def __init__(self, bind: str | None, *, advertise: str | None = None) -> None:
+        """Listen on `bind` (None: every interface); peers are told `advertise:port` (default: `bind`)."""
+        host = advertise or bind
+        if host is None:
+            raise ValueError("a beacon on every interface needs the address peers reach it at (advertise=)")
+        self._sock = listening_socket(bind, backlog=64)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._peers: list[socket.socket] = []
         self._closed = threading.Event()

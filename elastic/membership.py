@@ -2,7 +2,8 @@
 
 An agent registers `/<prefix>/<run_id>/nodes/<node_id>` under a lease and a keep-alive thread holds
 the lease. When the agent dies, the lease expires and etcd deletes the key, so "who is alive" is a
-range read (or a watch) away, never a guess based on timeouts of collectives.
+range read (or a watch) away, never a guess based on timeouts of collectives. In a run with a join
+token the record carries this node's proof of the token (`elastic/admission.py`), bound to the lease.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from elastic.admission import Admission
 from elastic.errors import NodeIdConflictError
 from elastic.etcd_client import EtcdClient
 
@@ -50,9 +52,10 @@ class MembershipConfig:
 class Membership:
     """Registers this node under a lease and reports the run's live nodes."""
 
-    def __init__(self, client: EtcdClient, config: MembershipConfig) -> None:
+    def __init__(self, client: EtcdClient, config: MembershipConfig, admission: Admission | None = None) -> None:
         self._client = client
         self.config = config
+        self._admission = admission
         self.nodes_prefix = run_prefix(config.prefix, config.run_id) + "nodes/"
         self.key = self.nodes_prefix + config.node_id
         self._lease: Any = None  # etcd3.Lease
@@ -78,7 +81,10 @@ class Membership:
         raw = self._client.raw
         ttl = max(1, math.ceil(self.config.lease_ttl.total_seconds()))
         lease = self._client.call(lambda: raw.lease(ttl), what=f"grant a {ttl}s lease")
-        value = json.dumps({"node_id": self.node_id, "joined_at": time.time(), **info})
+        doc: dict[str, object] = {"node_id": self.node_id, "joined_at": time.time(), **info}
+        if self._admission is not None:
+            doc = self._admission.sign_node(doc, lease.id)
+        value = json.dumps(doc)
         ok, _ = self._client.call(
             lambda: raw.transaction(
                 compare=[raw.transactions.version(self.key) == 0],

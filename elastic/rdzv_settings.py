@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 
 MAX_SECONDS = 30 * 24 * 3600
@@ -46,7 +46,7 @@ class RendezvousSettings:
     """Client private key (PEM) for mutual TLS."""
     user: str | None = None
     """etcd user for password authentication."""
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     """etcd password (visible in `ps`: prefer `password_file`)."""
     password_file: str | None = None
     """File holding the etcd password."""

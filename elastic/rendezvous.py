@@ -17,7 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import grpc
@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic import round as protocol
+from elastic.admission import Admission, load_join_token
 from elastic.errors import (
     ElasticRendezvousClosedError,
     ElasticRendezvousTimeoutError,
@@ -37,9 +38,9 @@ from elastic.errors import (
     EtcdUnavailableError,
     RunIdConflictError,
 )
-from elastic.etcd_client import EtcdClient, EtcdClientConfig
+from elastic.etcd_client import EtcdClient, EtcdClientConfig, resolve_password
 from elastic.events import emit
-from elastic.liveness import Beacon, Monitor
+from elastic.liveness import Beacon, Monitor, listening_socket
 from elastic.membership import Membership, MembershipConfig, run_prefix
 from elastic.rdzv_settings import TORCH_KEYS, RendezvousSettings, parse_conf
 from elastic.records import RunKeys
@@ -80,6 +81,10 @@ class RendezvousConfig:
     """Deadline for one rendezvous round (`--rdzv-conf join_timeout=`)."""
     last_call_timeout: timedelta = timedelta(seconds=30)
     """How long a round with >= min nodes waits for a live node that does not join (`last_call_timeout=`)."""
+    bind_addr: str | None = None
+    """Host this node's listening sockets (beacon, rank 0's TCPStore) bind to: `--local-addr` when given; None: all."""
+    join_token: bytes | None = field(default=None, repr=False)
+    """The run's join token (`$ELASTIC_JOIN_TOKEN` or `join_token_file=`); None: no admission (elastic/admission.py)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.min_nodes <= self.max_nodes:
@@ -112,13 +117,15 @@ class RendezvousConfig:
                 cert=settings.cert,
                 key=settings.key,
                 user=settings.user,
-                password=settings.password,
+                password=resolve_password(settings.user, settings.password, settings.password_file),
                 retry_deadline=settings.etcd_timeout,
             ),
             prefix=settings.prefix,
             lease_ttl=settings.lease_ttl,
             join_timeout=settings.join_timeout,
             last_call_timeout=settings.last_call_timeout,
+            bind_addr=params.local_addr or None,
+            join_token=load_join_token(settings.join_token_file),
         )
 
 
@@ -131,12 +138,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._prefix = run_prefix(config.prefix, config.run_id)
         self.keys = RunKeys(self._prefix)
         self._state_key = self.keys.state
-        self.view = RunView(self._client, self._prefix)
+        self.admission = Admission(config.run_id, self.keys, config.join_token)
+        self.view = RunView(self._client, self._prefix, admission=self.admission)
         self._beacon: Beacon | None = None
         self._monitor: Monitor | None = None
         self.membership = Membership(
             self._client,
             MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id, lease_ttl=config.lease_ttl),
+            admission=self.admission,
         )
         self._completed_generation = 0
         """The round this node last took a rank in and ran (0: none)."""
@@ -233,7 +242,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def _start_membership(self) -> None:
         if self._beacon is None:
-            self._beacon = Beacon(self.config.local_addr)
+            self.admission.enforce(self._client)  # before registering: a refused agent leaves no trace
+            self._beacon = Beacon(self.config.bind_addr, advertise=self.config.local_addr)
             self._monitor = Monitor(self._peer_lost)
             self.view.on_change = self._track_peers
             self.membership.join({"addr": self.config.local_addr, "pid": os.getpid(), "beacon": self._beacon.address})
@@ -329,8 +339,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         raw = self._client.raw
         txn = raw.transactions
         guard = txn.version(self._state_key) == 0 if expected_revision == 0 else txn.mod(self._state_key) == expected_revision
+        doc = state.to_json()
         ok, _ = self._client.call(
-            lambda: raw.transaction(compare=[guard], success=[txn.put(self._state_key, state.to_json())], failure=[]),
+            lambda: raw.transaction(compare=[guard, *self.admission.compares(txn)],
+                                    success=[txn.put(self._state_key, doc), *self.admission.state_puts(txn, doc)], failure=[]),
             what=f"update {self._state_key}",
         )
         return bool(ok)
@@ -342,15 +354,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
         if done.rank == 0:
             # A fresh TCPStore per round: keys of an earlier round can never leak into this one.
-            server = dist.TCPStore(self.config.local_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout, multi_tenant=True)
+            server = self._store_server_socket(timeout)
             self._store_server = server
             addr, port = self.config.local_addr, int(server.port)
             raw = self._client.raw
             lease = self.membership._lease  # noqa: SLF001 - the address dies with rank 0's lease
-            self._client.call(
-                lambda: raw.put(key, json.dumps({"addr": addr, "port": port}), lease=lease),
-                what=f"publish {key}",
-            )
+            record = json.dumps(self.admission.sign_store(done.generation, addr, port))
+            self._client.call(lambda: raw.put(key, record, lease=lease), what=f"publish {key}")
             self._prune_stores(done.generation)
             return server, addr, port
         self._store_server = None
@@ -367,6 +377,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     f"rank 0 of round {done.generation} ({done.participants[0]}) did not publish its store at {key} in time"
                 )
             self.view.wait_changed(snap, deadline - time.monotonic())
+
+    def _store_server_socket(self, timeout: timedelta) -> dist.TCPStore:
+        # torch's TCPStore server listens on all interfaces, whatever host it is given. Handed a
+        # socket already bound to --local-addr (master_listen_fd), it listens there only.
+        if self.config.bind_addr is None:
+            return dist.TCPStore(self.config.local_addr, 0, is_master=True, wait_for_workers=False, timeout=timeout,
+                                 multi_tenant=True)
+        sock = listening_socket(self.config.bind_addr)
+        port = sock.getsockname()[1]
+        fd = sock.detach()  # the store owns the descriptor from here on and closes it
+        try:
+            return dist.TCPStore(self.config.bind_addr, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                                 multi_tenant=True, master_listen_fd=fd)
+        except Exception:
+            os.close(fd)
+            raise
 
     def _prune_stores(self, generation: int) -> None:
         raw = self._client.raw

@@ -18,12 +18,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from elastic import round as protocol
 from elastic.errors import EtcdRecordError
 from elastic.etcd_client import EtcdClient
 from elastic.events import emit
 from elastic.records import NodeRecord, RunKeys, StoreRecord, parse_run
+
+if TYPE_CHECKING:
+    from elastic.admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +60,10 @@ class RunView:
 
     RESYNC = timedelta(seconds=2)
 
-    def __init__(self, client: EtcdClient, run_prefix: str) -> None:
+    def __init__(self, client: EtcdClient, run_prefix: str, admission: Admission | None = None) -> None:
         self._client = client
+        self._admission = admission
+        """Checks the join-token proofs of what is read (elastic/admission.py); None: take records as they are."""
         self.prefix = run_prefix
         self.keys = RunKeys(run_prefix)
         self._warned: set[tuple[str, int]] = set()
@@ -78,6 +84,8 @@ class RunView:
         raw = self._client.raw
         response = self._client.call(lambda: raw.get_prefix_response(self.prefix), what=f"read {self.prefix}", deadline=deadline)
         records = parse_run(self.keys, response.kvs)
+        if self._admission is not None:
+            records = self._admission.admit(records, response.kvs)  # strangers' records become skipped ones
         for bad in (*records.skipped, *filter(None, [records.state_error])):
             self._warn_once(bad)
         revision = int(response.header.revision)
