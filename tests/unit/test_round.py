@@ -13,6 +13,7 @@ from elastic.round import (
     Wait,
     Write,
     decide,
+    may_close,
     nodes_waiting,
     rank_order,
     taken,
@@ -221,3 +222,47 @@ def test_agent_with_other_nnodes_under_the_same_run_id_is_refused() -> None:
     assert isinstance(decision, Conflict)
     assert "2:4" in decision.reason and "1:2" in decision.reason
     assert isinstance(decide(state, know("b", "ab", min_nodes=2, max_nodes=4)), Write)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"hello": 1}',
+        "[1, 2]",
+        "not json",
+        b"\xff\xfe",
+        '{"generation": "1", "status": "joining", "participants": ["a"]}',
+        '{"generation": true, "status": "joining", "participants": ["a"]}',
+        '{"generation": 1, "status": "open", "participants": ["a"]}',
+        '{"generation": 1, "status": "joining", "participants": "ab"}',
+        '{"generation": 1, "status": "joining", "participants": [1]}',
+        '{"generation": 1, "status": "closed", "participants": ["a"], "acked": null}',
+        '{"generation": 1, "status": "closed", "participants": ["a"], "shutdown": "yes"}',
+        '{"generation": 1, "status": "closed", "participants": ["a"], "nnodes": [3, 1]}',
+    ],
+)
+def test_malformed_state_is_a_value_error_saying_what_is_wrong(raw: str | bytes) -> None:
+    with pytest.raises(ValueError) as err:
+        RoundState.from_json(raw)
+    assert type(err.value) in (ValueError,), "never a raw KeyError/TypeError"
+    assert str(err.value)
+
+
+def test_only_a_member_of_the_newest_round_may_close_the_run() -> None:
+    # The round this node ran (generation 3) is the newest: it may close.
+    assert may_close(closed("ab", generation=3), "a", 3)
+    # A peer or spare opened the next round already; our round is its `previous`.
+    assert may_close(joining("c", generation=4, previous="ab"), "a", 3)
+    # Never took a rank (refused, duplicate node id, spare, timed out): completed generation 0.
+    assert not may_close(closed("ab", generation=3), "a", 0)
+    assert not may_close(closed("ab", generation=3), "c", 0)
+    # A member of an older round, or not a member of the newest one.
+    assert not may_close(closed("bc", generation=5), "a", 3)
+    assert not may_close(joining("c", generation=6, previous="bc"), "a", 3)
+    assert not may_close(closed("bc", generation=3), "a", 3)
+    assert not may_close(None, "a", 3)
+    assert not may_close(RoundState(3, "closed", ("a",), shutdown=True), "a", 3)
+
+
+def test_lost_members_count_even_without_a_readable_state() -> None:
+    assert nodes_waiting(None, know("a", "a", completed=2), ("a", "b")) == 1
