@@ -11,10 +11,12 @@ from ckpt.checkpointer import Checkpointer, PendingSave
 from ckpt.compat import check_compatible
 from ckpt.config import CheckpointConfig, RetryConfig, SharedConfig
 from ckpt.errors import (
+    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
     CheckpointTimeoutError,
     CheckpointVersionError,
     CheckpointWriteError,
@@ -25,10 +27,12 @@ from ckpt.restore import Restored
 
 __all__ = [
     "CheckpointConfig",
+    "CheckpointConflictError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointSaveError",
     "CheckpointTimeoutError",
     "CheckpointVersionError",
     "CheckpointWriteError",

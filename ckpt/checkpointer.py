@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -40,7 +39,7 @@ from ckpt.commit import CommitMarker, parse_commit
 from ckpt.config import CheckpointConfig
 from ckpt.durable import discard_tree, remove_quietly, strerror, write_atomic
 from ckpt.errors import (
-    CheckpointCorruptError,
+    CheckpointConflictError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
@@ -48,13 +47,19 @@ from ckpt.errors import (
     CheckpointWriteError,
     SharedStorageError,
 )
+from ckpt.fs_errors import describe
+from ckpt.identity import DirectoryLock, RunIdentity, claim_directory, foreign, job_id
+from ckpt.init_source import open_source, restore_from_source
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, TMP_PREFIX, Layout
-from ckpt.manifest import TensorEntry, parse_manifest
+from ckpt.manifest import TensorEntry
 from ckpt.metrics import MetricsLog, SaveMetrics
+from ckpt.owner import SharedOwner
 from ckpt.replicator import Replicator, UploadJob
-from ckpt.restore import Restored, check_manifest_digest, load_rank_dir, ranks_to_try
-from ckpt.retention import awaiting_replication, select_deletions
+from ckpt.restore import FETCH_PREFIX, Restored, load_from_tier, load_rank_dir, ranks_to_try
+from ckpt.retention import abandoned_steps, awaiting_replication, select_deletions
+from ckpt.safe_io import read_regular
 from ckpt.safetensors_io import dtype_name
+from ckpt.save_policy import SaveFailures
 from ckpt.shared import SharedTier
 from ckpt.snapshot import Snapshot, StagingArea, StagingLayout
 from ckpt.tree import flatten
@@ -62,7 +67,7 @@ from ckpt.writer import BackgroundWriter, WrittenRank, commit_if_complete, persi
 
 logger = logging.getLogger(__name__)
 
-_FETCH_PREFIX = TMP_PREFIX + "fetch-"
+_FETCH_PREFIX = FETCH_PREFIX
 _FETCH_MAX_AGE_S = 3600.0
 
 
@@ -144,6 +149,11 @@ class Checkpointer:
     manifest digests in COMMIT still keep a replaced rank directory from being loaded.
     `on_written(step)`: a fault-injection point for tests, called (on the writer thread) once
     this rank's files of `step` are written and fsynced, before they are published and committed.
+
+    Construction locks `config.local_dir` for this job and claims it (and the shared prefix)
+    for `config.run_name` (ckpt/identity.py, ckpt/owner.py): it raises CheckpointConflictError
+    when another run's checkpoints or another live job are there, CheckpointWriteError when
+    the directory cannot be used (the message says why and what to do). close() unlocks.
     """
 
     def __init__(
@@ -188,8 +198,14 @@ class Checkpointer:
         self._closed = False
         self._shared: SharedTier | None = None
         self._replicator: Replicator | None = None
+        self._owner: SharedOwner | None = None
+        self._failures = SaveFailures(config.max_failed_saves, Path(config.local_dir))
+        self._saved: set[int] = set()  # steps this Checkpointer saved (ckpt/retention.py)
+        self._unreadable: set[int] = set()  # local steps that failed verification at restore
+        self._foreign: dict[int, str] = {}  # local steps committed by another run
+        self._read_timeout = config.read_timeout.total_seconds()
         if config.shared is not None:
-            self._shared = SharedTier(config.shared, stop=self._stop)
+            self._shared = SharedTier(config.shared, stop=self._stop, read_timeout=self._read_timeout)
             self._replicator = Replicator(
                 self._shared,
                 rank=rank,
@@ -199,6 +215,59 @@ class Checkpointer:
                 stop=self._stop,
                 after_progress=self._retention_after_upload,
             )
+        self._lock = DirectoryLock.acquire(self._layout.root, run_name=config.run_name, job=job_id())
+        try:
+            self.identity = self._claim()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _claim(self) -> RunIdentity:
+        """This run's identity in tier 1 and (when reachable) tier 2; see ckpt/identity.py."""
+        shared_uid = None
+        if self._shared is not None:
+            try:
+                found = self._shared.read_identity()
+                shared_uid = found.uid if found is not None and found.name == self.config.run_name else None
+            except SharedStorageError as exc:
+                logger.warning("run identity of %s not read at start: %s", self._shared.url, exc)
+        identity = claim_directory(
+            self._layout.root,
+            self.config.run_name,
+            committed=lambda: self._scan_commits(None)[0],
+            shared_uid=shared_uid,
+        )
+        if self._shared is not None:
+            shared, heartbeat = self._shared, self._shared.config.owner_heartbeat
+            read, write, remove, where = shared.owner_io()
+            self._owner = SharedOwner(
+                read=read,
+                write=write,
+                remove=remove,
+                where=where,
+                job=job_id(),
+                run_name=self.config.run_name,
+                interval=heartbeat.total_seconds(),
+                writer=self.rank == 0,
+                stop=self._stop,
+            )
+
+            def claim_shared() -> None:
+                assert self._owner is not None
+                if not self._owner.claimed:
+                    self._owner.claim()
+                shared.claim_identity(identity)
+
+            shared.pending_claim = claim_shared
+            try:
+                claim_shared()
+            except SharedStorageError as exc:
+                logger.warning(
+                    "shared tier %s not claimed at start (%s); tried again before its first use",
+                    shared.url,
+                    exc,
+                )
+        return identity
 
     def set_generation(self, generation: str) -> None:
         """Set the generation token (see the class docstring) before the first save, e.g. once
@@ -226,6 +295,7 @@ class Checkpointer:
         _check_index("step", step, minimum=0)
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a Mapping, got {type(state).__name__}")
+        self.check()
         tensors, skeleton = flatten(state)
         layout = self._staging.layout_for(tensors)
         replicated = self._replicator.last_replicated if self._replicator else None
@@ -245,6 +315,7 @@ class Checkpointer:
                     f"the save of step {previous} still persisted after busy_timeout "
                     f"{self.config.busy_timeout}"
                 )
+            self.check()  # the save just waited for may have been the last one allowed to fail
             if why is not None:
                 self._metrics.add(metrics)
                 self._metrics.update(
@@ -262,7 +333,9 @@ class Checkpointer:
             snapshot = self._staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout)
         except CheckpointTimeoutError as exc:
             self._metrics.update(metrics, log=True, status="failed", error=str(exc))
+            self._failures.failed(exc)
             raise
+        self._saved.add(step)
         pending = PendingSave(step, metrics, snapshot)
         if not overlapped:
             pending._staged.set()
@@ -271,6 +344,15 @@ class Checkpointer:
         self._last = pending
         self._writer.submit(lambda: self._persist(pending, snapshot, entries, skeleton))
         return pending
+
+    def check(self) -> None:
+        """Raise CheckpointSaveError when saving cannot go on (ckpt/save_policy.py): the last
+        `max_failed_saves` saves failed, or another live job writes the shared prefix. Cheap:
+        no I/O; save_async() calls it too."""
+        fence = None
+        if self._shared is not None:
+            fence = self._shared.fence or (self._owner.fence if self._owner else None)
+        self._failures.check(fence)
 
     def prepare(self, state: Mapping[str, Any]) -> int:
         """Allocate the staging buffer for `state` now (e.g. right after restore) so that the
@@ -354,6 +436,7 @@ class Checkpointer:
                 checksum=self.config.checksum,
                 pool=self._hash_pool(),
                 before_publish=self._before_publish(pending.step),
+                identity=self.identity,
             )
             committed = commit_if_complete(
                 self._layout,
@@ -361,7 +444,9 @@ class Checkpointer:
                 world_size=self.world_size,
                 local_world_size=self.local_world_size,
                 generation=self.generation,
+                identity=self.identity,
             )
+            self._failures.succeeded()
             tier1_s = time.monotonic() - started
             if committed is not None:
                 logger.info(
@@ -376,6 +461,7 @@ class Checkpointer:
                     self._apply_local_retention()
         except CheckpointError as exc:
             pending.error = exc
+            self._failures.failed(exc)
             self._metrics.update(metrics, status="failed", error=str(exc))
             logger.error(
                 "checkpoint of step %d failed on rank %d: %s", pending.step, self.rank, exc
@@ -385,6 +471,7 @@ class Checkpointer:
             pending.error = CheckpointWriteError(
                 f"checkpoint of step {pending.step} failed: {type(exc).__name__}: {exc}"
             )
+            self._failures.failed(pending.error)
             self._metrics.update(metrics, status="failed", error=str(pending.error))
         finally:
             pending._staged.set()
@@ -434,6 +521,7 @@ class Checkpointer:
         tensors, skeleton = flatten(state)
         layout = StagingLayout.of(tensors)  # TypeError before touching the disk
         self._writer.wait_idle(self.config.busy_timeout.total_seconds())
+        self._saved.add(step)
         datas = [
             tensors[s.name].detach().to("cpu").resolve_conj().resolve_neg().contiguous()
             for s in layout.slots
@@ -451,6 +539,7 @@ class Checkpointer:
             checksum=self.config.checksum,
             pool=self._hash_pool(),
             before_publish=self._before_publish(step),
+            identity=self.identity,
         )
         del parts, datas
         elapsed = time.monotonic() - started
@@ -491,7 +580,23 @@ class Checkpointer:
                 f"every rank before commit({step})",
                 path=step_dir,
             )
-        marker = CommitMarker(step=step, world_size=self.world_size)
+        marker = CommitMarker(
+            step=step,
+            world_size=self.world_size,
+            run=self.identity.name,
+            run_uid=self.identity.uid,
+        )
+        try:
+            current = self._read_commit(step)
+        except CheckpointError:
+            current = None  # damaged: replaced
+        other = None if current is None else foreign(current, self.identity, name=self.identity.name)
+        if other is not None:
+            raise CheckpointConflictError(
+                f"step {step} in {step_dir} is committed by {other}, not by this run "
+                f"{self.identity.describe()}; not replacing it. Move that step directory away",
+                path=step_dir,
+            )
         for rank, path in rank_dirs.items():
             if rank >= self.world_size:  # left by an earlier save with a larger world
                 _discard_quietly(path)
@@ -499,8 +604,8 @@ class Checkpointer:
             write_atomic(self._layout.commit_path(step), marker.to_bytes())
         except OSError as exc:
             raise CheckpointWriteError(
-                f"could not write {self._layout.commit_path(step)}: {strerror(exc)}; step "
-                f"{step} stays uncommitted. Free disk space or fix permissions, then commit again",
+                f"could not write {self._layout.commit_path(step)}: "
+                f"{describe(exc, self._layout.root)}; step {step} stays uncommitted",
                 path=step_dir,
             ) from exc
         logger.info("committed step %d (world size %d) in %s", step, self.world_size, step_dir)
@@ -518,8 +623,13 @@ class Checkpointer:
             if not committed:
                 return
             present = list(self._layout.step_dirs())
-            rules = {"keep_last": self.config.keep_last, "keep_every": self.config.keep_every}
-            protected: set[int] = set()
+            abandoned = abandoned_steps(committed, saved=self._saved, unreadable=self._unreadable)
+            rules: dict[str, Any] = {
+                "keep_last": self.config.keep_last,
+                "keep_every": self.config.keep_every,
+                "abandoned": abandoned,
+            }
+            protected: set[int] = set(self._foreign)
             if self._shared is not None:
                 candidates = select_deletions(committed=committed, present=present, **rules)
                 releasable = [s for s in candidates if s in committed]
@@ -530,8 +640,8 @@ class Checkpointer:
                         except (SharedStorageError, CheckpointError) as exc:
                             logger.info("local retention waits for the shared tier: %s", exc)
                             return
-                    protected = awaiting_replication(
-                        releasable,
+                    protected |= awaiting_replication(
+                        set(releasable) - abandoned,
                         shared_committed=set(shared_committed),
                         shared_keep_every=self._shared.config.keep_every,
                     )
@@ -540,11 +650,15 @@ class Checkpointer:
             )
             for step, path in sorted(self._layout.step_dirs().items()):
                 if step in doomed:
-                    logger.info(
-                        "removing %s step %d (%s)",
+                    logger.log(
+                        logging.WARNING if step in abandoned else logging.INFO,
+                        "removing %s step %d (%s)%s",
                         "committed" if step in committed else "uncommitted",
                         step,
                         path,
+                        ": unreadable, or newer than the step this run restarted from"
+                        if step in abandoned
+                        else "",
                     )
                     _discard_quietly(path)
                 elif step in committed:
@@ -559,22 +673,49 @@ class Checkpointer:
     # -- reading -------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
-        """Committed steps in local_dir, newest first. A step with a damaged COMMIT is skipped."""
-        steps = []
+        """Committed steps of this run in local_dir, newest first. A step with a damaged COMMIT
+        is skipped; so is one committed by another run (logged once, naming both runs)."""
+        markers, newer = self._scan_commits(getattr(self, "identity", None))
+        return sorted(set(markers) | newer, reverse=True)
+
+    def _scan_commits(
+        self, identity: RunIdentity | None
+    ) -> tuple[dict[int, CommitMarker], set[int]]:
+        """(this run's committed steps with their markers, steps committed by a newer version).
+
+        With `identity` None, every readable COMMIT counts (used while claiming the directory)."""
+        markers: dict[int, CommitMarker] = {}
+        newer: set[int] = set()
+        foreign_now: dict[int, str] = {}
         for step in self._layout.step_dirs():
             try:
-                if self._read_commit(step) is None:
-                    continue
+                marker = self._read_commit(step)
             except CheckpointVersionError:
-                pass  # committed by a newer version: listed, so load() says "upgrade"
-            except CheckpointCorruptError as exc:
-                logger.warning("ignoring step %d: %s", step, exc)
+                newer.add(step)  # committed by a newer version: listed, so load() says "upgrade"
                 continue
             except CheckpointError as exc:
                 logger.warning("ignoring step %d: %s", step, exc)
                 continue
-            steps.append(step)
-        return sorted(steps, reverse=True)
+            if marker is None:
+                continue
+            if identity is not None:
+                other = foreign(marker, identity, name=identity.name)
+                if other is not None:
+                    foreign_now[step] = other
+                    if step not in self._foreign:
+                        logger.warning(
+                            "ignoring %s: it was committed by %s, not by this run %s; to start "
+                            "from it, use init_from=%s in a new checkpoint directory",
+                            self._layout.commit_path(step),
+                            other,
+                            identity.describe(),
+                            self._layout.step_dir(step),
+                        )
+                    continue
+            markers[step] = marker
+        if identity is not None:
+            self._foreign = foreign_now
+        return markers, newer
 
     def latest(self) -> int | None:
         """The newest committed step in local_dir, or None if there is none."""
@@ -630,6 +771,8 @@ class Checkpointer:
             rank=rank,
             expected_manifest_sha256=expected,
             pool=self._hash_pool(),
+            run=self.identity.name,
+            timeout=self._read_timeout,
         )
         logger.info("loaded rank %d of step %d from %s", rank, step, rank_dir)
         return state
@@ -681,6 +824,16 @@ class Checkpointer:
                 candidate, candidate in local, shared.get(candidate), replicated
             )
             if restored is not None:
+                if (restored.tier == "local" and local_markers_legacy(self, candidate)) or (
+                    restored.tier == "shared" and shared[candidate].legacy
+                ):
+                    logger.warning(
+                        "step %d (%s) carries no run identity (written before it existed); "
+                        "loading it as run %s",
+                        candidate,
+                        restored.path,
+                        self.identity.describe(),
+                    )
                 logger.info(
                     "restored step %d (rank %d's part, %s tier) from %s",
                     restored.step,
@@ -691,7 +844,35 @@ class Checkpointer:
                 return restored
         if candidates:
             logger.warning("no intact checkpoint among steps %s", candidates)
+        elif self.config.init_from is not None and not (local or shared):
+            return self._restore_init(step=step, max_step=max_step, replicated=replicated)
         return None
+
+    def _restore_init(
+        self, *, step: int | None, max_step: int | None, replicated: bool
+    ) -> Restored | None:
+        """Load from config.init_from (ckpt/init_source.py): this run has no checkpoint yet."""
+        tier, fixed = open_source(self.config)
+        return restore_from_source(
+            tier,
+            fixed,
+            rank=self.rank,
+            replicated=replicated,
+            step=step,
+            max_step=max_step,
+            load=lambda t, s, r, m: load_from_tier(
+                t,
+                s,
+                r,
+                m,
+                own_rank=self.rank,
+                fetch_root=self._layout.root,
+                pool=self._hash_pool(),
+                run=None,
+                timeout=self._read_timeout,
+                init_from=True,
+            ),
+        )
 
     def _restore_step(
         self, step: int, in_local: bool, shared_marker: CommitMarker | None, replicated: bool
@@ -717,7 +898,8 @@ class Checkpointer:
         def local_copy(rank: int) -> bool:
             return has(local_marker, rank) and self._layout.rank_dir(step, rank).is_dir()
 
-        on_this_node = [r for r in range(saved_world) if local_copy(r)]
+        # Bounded by what is on disk, never by the (possibly crafted) world size of the COMMIT.
+        on_this_node = [r for r in sorted(self._layout.rank_dirs(step)) if local_copy(r)]
         own = self.rank in on_this_node or has(shared_marker, self.rank)
         for rank in ranks_to_try(
             rank=self.rank,
@@ -740,6 +922,7 @@ class Checkpointer:
                 except CheckpointVersionError:
                     raise
                 except CheckpointError as exc:
+                    self._unreadable.add(step)
                     logger.warning(
                         "skipping checkpoint step %d: local copy of rank %d is unusable: %s",
                         step,
@@ -747,12 +930,24 @@ class Checkpointer:
                         exc,
                     )
             if has(shared_marker, rank):
-                assert shared_marker is not None
+                assert shared_marker is not None and self._shared is not None
                 try:
-                    return self._load_shared(step, rank, shared_marker)
+                    return load_from_tier(
+                        self._shared,
+                        step,
+                        rank,
+                        shared_marker,
+                        own_rank=self.rank,
+                        fetch_root=self._layout.root,
+                        pool=self._hash_pool(),
+                        run=self.identity.name,
+                        timeout=self._read_timeout,
+                    )
                 except CheckpointVersionError:
                     raise
                 except CheckpointError as exc:
+                    if self._replicator is not None:
+                        self._replicator.unreadable.add(step)
                     logger.warning(
                         "skipping checkpoint step %d: shared copy of rank %d is unusable: %s",
                         step,
@@ -761,54 +956,16 @@ class Checkpointer:
                     )
         return None
 
-    def _load_shared(self, step: int, rank: int, marker: CommitMarker) -> Restored:
-        tier = self._shared
-        assert tier is not None
-        expected = None if marker.manifests is None else marker.manifests.get(rank)
-        where = tier.describe(tier.rank_path(step, rank))
-        if tier.is_local:
-            rank_dir = tier.local_path(step, rank, MANIFEST_FILE).parent
-            state = load_rank_dir(
-                rank_dir,
-                step=step,
-                rank=rank,
-                expected_manifest_sha256=expected,
-                pool=self._hash_pool(),
-            )
-            return Restored(step, state, rank, rank == self.rank, "shared", where)
-        data = tier.read_file(step, rank, MANIFEST_FILE)
-        manifest_url = Path(f"{where}/{MANIFEST_FILE}")
-        if data is None:
-            raise CheckpointCorruptError(
-                f"{manifest_url}: manifest is missing although step {step} is committed; "
-                f"restore an earlier step",
-                path=manifest_url,
-            )
-        check_manifest_digest(data, path=manifest_url, expected_sha256=expected)
-        manifest = parse_manifest(data, path=manifest_url)
-        self._layout.root.mkdir(parents=True, exist_ok=True)
-        fetch = self._layout.root / f"{_FETCH_PREFIX}{uuid.uuid4().hex}"
-        fetch.mkdir()
-        try:
-            (fetch / MANIFEST_FILE).write_bytes(data)
-            for name in manifest.files:
-                if "/" in name or name in ("", ".", "..", MANIFEST_FILE):
-                    continue  # load_rank_dir rejects it, naming the manifest
-                tier.download(step, rank, name, fetch / name)
-            logger.info("downloaded rank %d of step %d from %s", rank, step, where)
-            state = load_rank_dir(
-                fetch,
-                step=step,
-                rank=rank,
-                expected_manifest_sha256=expected,
-                pool=self._hash_pool(),
-            )
-        finally:
-            remove_quietly(fetch)  # the loaded tensors keep their mappings
-        return Restored(step, state, rank, rank == self.rank, "shared", where)
-
     def _require_commit(self, step: int) -> CommitMarker:
         marker = self._read_commit(step)
+        other = None if marker is None else foreign(marker, self.identity, name=self.identity.name)
+        if other is not None:
+            raise CheckpointConflictError(
+                f"step {step} in {self._layout.root} was committed by {other}, not by this run "
+                f"{self.identity.describe()}; not loading it (start a new run from it with "
+                f"init_from={self._layout.step_dir(step)})",
+                path=self._layout.commit_path(step),
+            )
         if marker is None:
             path = self._layout.commit_path(step)
             raise CheckpointNotFoundError(
@@ -822,7 +979,7 @@ class Checkpointer:
         """The step's COMMIT marker, or None if it has none."""
         path = self._layout.commit_path(step)
         try:
-            data = path.read_bytes()
+            data = read_regular(path, timeout=self._read_timeout)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
@@ -843,12 +1000,15 @@ class Checkpointer:
         if self._replicator is not None:
             finished = self._replicator.close(max(0.0, deadline - time.monotonic())) and finished
         self._stop.set()
+        if self._owner is not None:
+            self._owner.close()
         with self._pool_lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
                 self._pool = None
         if finished:
             self._staging.release()
+        self._lock.release()
         return finished
 
     def __enter__(self) -> Checkpointer:
@@ -900,3 +1060,11 @@ def _list_dir(path: Path) -> list[Path]:
 def _check_index(what: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+
+
+def local_markers_legacy(checkpointer: Checkpointer, step: int) -> bool:
+    try:
+        marker = checkpointer._read_commit(step)
+    except CheckpointError:
+        return False
+    return marker is not None and marker.legacy

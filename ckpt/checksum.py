@@ -87,6 +87,7 @@ def digest_parts(
     algorithm: str,
     chunk_bytes: int,
     pool: Executor | None = None,
+    chunk_timeout: float | None = None,
 ) -> Checksum:
     """The checksum of the concatenation of `parts`, hashed on `pool` when given."""
     if algorithm not in ALGORITHMS:
@@ -104,7 +105,14 @@ def digest_parts(
     if pool is None or len(chunks) == 1:
         digests = [run(c) for c in chunks]
     else:
-        digests = list(pool.map(run, chunks))
+        # `chunk_timeout` bounds the wait for each next chunk (raises TimeoutError): progress,
+        # not the whole file, has a deadline, so a big file on a slow disk still verifies.
+        futures = [pool.submit(run, c) for c in chunks]
+        try:
+            digests = [f.result(chunk_timeout) for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
     top = hashlib.sha256()
     for d in digests:
         top.update(d)

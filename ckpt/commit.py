@@ -2,7 +2,8 @@
 
 The same record marks a step complete in tier 1 (`<local_dir>/step_.../COMMIT`, for the ranks
 of that directory) and in tier 2 (`<shared>/<run>/step_.../COMMIT`, for every rank). Markers
-written by the asynchronous checkpointer also name the run and the generation (incarnation of
+name the run (its name and uid, see ckpt/identity.py); those written by the asynchronous
+checkpointer also name the generation (incarnation of
 the job) and hold the sha256 of every committed rank's manifest.json: a reader checks the
 manifest it loads against it, so a rank directory replaced after the commit is never mixed in.
 """
@@ -15,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.format import FORMAT_VERSION, check_format_version, corrupt, dumps, get_int, loads_object
+from ckpt.format import (
+    FORMAT_VERSION,
+    check_format_version,
+    corrupt,
+    dumps,
+    get_int,
+    get_optional_strs,
+    loads_object,
+)
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -31,6 +40,14 @@ class CommitMarker:
     run: str = ""
     manifests: Mapping[int, str] | None = None
     """sha256 of each committed rank's manifest.json; None in markers of the synchronous path."""
+    run_uid: str = ""
+    """The uid of the run (ckpt/identity.py) in the tier it is committed in; "" in markers that
+    predate run identity (they name no run, or only its name)."""
+
+    @property
+    def legacy(self) -> bool:
+        """Whether the marker carries no run identity (written before run identity existed)."""
+        return not self.run and not self.run_uid
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {
@@ -40,6 +57,8 @@ class CommitMarker:
         }
         if self.run:
             obj["run"] = self.run
+        if self.run_uid:
+            obj["run_uid"] = self.run_uid
         if self.generation:
             obj["generation"] = self.generation
         if self.manifests is not None:
@@ -55,12 +74,7 @@ def parse_commit(data: bytes, *, path: Path, step: int) -> CommitMarker:
     if found != step:
         raise corrupt(path, f"COMMIT names step {found} but lies in the directory of step {step}")
     world_size = get_int(obj, "world_size", path=path, minimum=1)
-    strings = {}
-    for key in ("generation", "run"):
-        value = obj.get(key, "")
-        if not isinstance(value, str):
-            raise corrupt(path, f"key {key!r} is {value!r}, expected a string")
-        strings[key] = value
+    strings = get_optional_strs(obj, "generation", "run", "run_uid", path=path)
     manifests: dict[int, str] | None = None
     if "manifests" in obj:
         raw = obj["manifests"]
@@ -74,5 +88,11 @@ def parse_commit(data: bytes, *, path: Path, step: int) -> CommitMarker:
                 raise corrupt(path, f"manifests entry of rank {key} is {digest!r}, not a sha256")
             manifests[int(key)] = digest
     return CommitMarker(
-        found, world_size, version, strings["generation"], strings["run"], manifests
+        found,
+        world_size,
+        version,
+        strings["generation"],
+        strings["run"],
+        manifests,
+        strings["run_uid"],
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -18,6 +18,7 @@ from ckpt.checksum import ALGORITHMS
 
 MODES = ("staged", "overlapped")
 BUSY_POLICIES = ("wait", "skip")
+DEFAULT_RUN_NAME = "default"
 _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -79,9 +80,9 @@ class SharedConfig:
     url: str
     """fsspec URL of the shared root: a mounted path, "s3://bucket/prefix", "gs://...", ..."""
 
-    run_name: str
+    run_name: str | None = None
     """Run-scoped prefix under `url`: checkpoints go to <url>/<run_name>/; two runs never mix.
-    Letters, digits, '.', '_' and '-'; the same value on every rank and on every restart."""
+    None (default): CheckpointConfig.run_name. Letters, digits, '.', '_' and '-'."""
 
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     """Passed to the fsspec file system, e.g. {"endpoint_url": ..., "key": ..., "secret": ...}."""
@@ -98,15 +99,16 @@ class SharedConfig:
     commit_timeout: timedelta = timedelta(minutes=10)
     """How long rank 0 waits for every rank's upload of a step before it gives that step up."""
 
+    owner_heartbeat: timedelta = timedelta(seconds=10)
+    """Rank 0 refreshes <url>/<run_name>/OWNER.json this often; another job's record that does
+    not change for 3 of these is stale and taken over (see ckpt/owner.py)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.url, (str, os.PathLike)) or not os.fspath(self.url):
             raise ValueError(f"shared.url must be a non-empty URL or path, got {self.url!r}")
         object.__setattr__(self, "url", os.fspath(self.url))
-        if not isinstance(self.run_name, str) or not _RUN_NAME_RE.fullmatch(self.run_name):
-            raise ValueError(
-                f"shared.run_name must be 1-128 letters, digits, '.', '_' or '-' (not starting "
-                f"with '.', '_' or '-'), got {self.run_name!r}"
-            )
+        if self.run_name is not None:
+            check_run_name("shared.run_name", self.run_name)
         if not isinstance(self.storage_options, Mapping):
             raise ValueError(
                 f"shared.storage_options must be a mapping, got {type(self.storage_options).__name__}"
@@ -117,6 +119,21 @@ class SharedConfig:
         if not isinstance(self.retry, RetryConfig):
             raise ValueError(f"shared.retry must be a RetryConfig, got {self.retry!r}")
         _check_duration("shared.commit_timeout", self.commit_timeout)
+        _check_duration("shared.owner_heartbeat", self.owner_heartbeat)
+
+    @property
+    def run(self) -> str:
+        """The run name (set by CheckpointConfig when left None)."""
+        assert self.run_name is not None, "SharedConfig.run_name is set by CheckpointConfig"
+        return self.run_name
+
+
+def check_run_name(name: str, value: object) -> None:
+    if not isinstance(value, str) or not _RUN_NAME_RE.fullmatch(value):
+        raise ValueError(
+            f"{name} must be 1-128 letters, digits, '.', '_' or '-' (not starting "
+            f"with '.', '_' or '-'), got {value!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +174,23 @@ class CheckpointConfig:
     shared: SharedConfig | None = None
     """Tier 2, or None for a local tier only."""
 
+    run_name: str = DEFAULT_RUN_NAME
+    """The run's identity, recorded in every COMMIT and manifest; restore refuses another run's
+    checkpoints and a directory holding another run's is refused at start (see ckpt/identity.py).
+    Left at "default" while shared.run_name is set, it takes shared.run_name."""
+
+    init_from: str | None = None
+    """Path or fsspec URL of another run's checkpoints to start from when this run has none of
+    its own (fine-tuning): a tier root (its newest committed step) or one step_... directory."""
+
+    max_failed_saves: int | None = 3
+    """After this many failed saves in a row, save_async()/check() raise CheckpointSaveError
+    naming the directory and the cause (None: never; failures are only logged)."""
+
+    read_timeout: timedelta = timedelta(minutes=2)
+    """Deadline of one read of a checkpoint file (a hung disk or mount): a COMMIT or manifest
+    read, or one chunk of a data file's verification; past it the copy counts as unreadable."""
+
     def __post_init__(self) -> None:
         local_dir = self.local_dir
         if not isinstance(local_dir, (str, os.PathLike)):
@@ -182,6 +216,24 @@ class CheckpointConfig:
         _check_int("checksum_threads", self.checksum_threads, minimum=0)
         if self.shared is not None and not isinstance(self.shared, SharedConfig):
             raise ValueError(f"shared must be a SharedConfig or None, got {self.shared!r}")
+        check_run_name("run_name", self.run_name)
+        if self.shared is not None:
+            shared_name = self.shared.run_name
+            if shared_name is None:
+                object.__setattr__(self, "shared", replace(self.shared, run_name=self.run_name))
+            elif self.run_name == DEFAULT_RUN_NAME:
+                object.__setattr__(self, "run_name", shared_name)
+            elif shared_name != self.run_name:
+                raise ValueError(
+                    f"run_name {self.run_name!r} and shared.run_name {shared_name!r} differ; "
+                    f"set one of them (shared.run_name defaults to run_name)"
+                )
+        if self.init_from is not None:
+            if not isinstance(self.init_from, (str, os.PathLike)) or not os.fspath(self.init_from):
+                raise ValueError(f"init_from must be a non-empty path or URL, got {self.init_from!r}")
+            object.__setattr__(self, "init_from", os.fspath(self.init_from))
+        _check_int("max_failed_saves", self.max_failed_saves, minimum=1, optional=True)
+        _check_duration("read_timeout", self.read_timeout)
 
     @property
     def hash_threads(self) -> int:

@@ -40,6 +40,16 @@ class CheckpointTimeoutError(CheckpointError):
     """A wait on background checkpoint work passed its deadline; the work goes on."""
 
 
+class CheckpointSaveError(CheckpointError):
+    """Saving cannot go on: `max_failed_saves` saves in a row failed, or another live job took
+    over the shared prefix. Stop the job; the message names the directory and the cause."""
+
+
+class CheckpointConflictError(CheckpointError):
+    """A checkpoint directory or shared prefix belongs to another run, or another live job uses
+    it; nothing was written. Use another directory, or start from its checkpoints with init_from."""
+
+
 class SharedStorageError(CheckpointError):
     """Tier 2 (shared storage) failed after bounded retries; training goes on, uploads retry."""
 

@@ -78,6 +78,17 @@ def get_str(obj: dict[str, Any], key: str, *, path: Path) -> str:
     return value
 
 
+def get_optional_strs(obj: dict[str, Any], *keys: str, path: Path) -> dict[str, str]:
+    """The values of optional string keys ("" when absent)."""
+    found = {}
+    for key in keys:
+        value = obj.get(key, "")
+        if not isinstance(value, str):
+            raise corrupt(path, f"key {key!r} is {value!r}, expected a string")
+        found[key] = value
+    return found
+
+
 def get_object(obj: dict[str, Any], key: str, *, path: Path) -> dict[str, Any]:
     value = obj.get(key)
     if not isinstance(value, dict):

@@ -18,6 +18,7 @@ from ckpt.format import (
     dumps,
     get_int,
     get_object,
+    get_optional_strs,
     get_str,
     loads_object,
 )
@@ -90,6 +91,10 @@ class Manifest:
     state: Any
     generation: str = ""
     """Which incarnation of the job wrote it (see Checkpointer); "" when unknown."""
+    run: str = ""
+    """The run name that wrote it (ckpt/identity.py); "" in manifests that predate run identity."""
+    run_uid: str = ""
+    """The run's uid in the tier-1 directory it was written to; "" when unknown."""
     format_version: int = 1
     package_version: str = field(default_factory=package_version)
 
@@ -104,6 +109,10 @@ class Manifest:
         }
         if self.generation:
             obj["generation"] = self.generation
+        if self.run:
+            obj["run"] = self.run
+        if self.run_uid:
+            obj["run_uid"] = self.run_uid
         return dumps(
             {
                 **obj,
@@ -147,12 +156,10 @@ def parse_manifest(data: bytes, *, path: Path) -> Manifest:
             raise corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
         tensors[name] = TensorEntry(file, get_str(entry, "dtype", path=path), tuple(shape))
 
-    generation = obj.get("generation", "")
-    if not isinstance(generation, str):
-        raise corrupt(path, f"key 'generation' is {generation!r}, expected a string")
+    optional = get_optional_strs(obj, "generation", "run", "run_uid", path=path)
     return Manifest(
         format_version=version,
-        generation=generation,
+        **optional,
         package_version=get_str(obj, "package_version", path=path),
         step=get_int(obj, "step", path=path),
         rank=rank,

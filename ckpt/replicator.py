@@ -24,8 +24,9 @@ from pathlib import Path
 
 from ckpt.commit import CommitMarker
 from ckpt.errors import CheckpointError, SharedStorageError
+from ckpt.identity import foreign
 from ckpt.metrics import MetricsLog, SaveMetrics
-from ckpt.retention import select_deletions
+from ckpt.retention import abandoned_steps, select_deletions
 from ckpt.shared import RankMarker, SharedTier
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class Replicator:
         """The newest step whose upload (rank 0: commit) this rank finished."""
         self.last_error: str | None = None
         """The latest tier-2 failure, cleared by the next success."""
+        self.saved: set[int] = set()
+        """Steps this rank enqueued (its saves); see ckpt/retention.py on abandoned steps."""
+        self.unreadable: set[int] = set()
+        """Shared steps that failed verification at restore (set by the Checkpointer)."""
 
     # -- API -----------------------------------------------------------------------------
 
@@ -96,6 +101,7 @@ class Replicator:
             if self._closing:
                 raise RuntimeError("the replicator is closed")
             self._queue.append(job)
+            self.saved.add(job.step)
             self._queue.sort(key=lambda j: j.step)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -218,8 +224,20 @@ class Replicator:
         """Upload one job; False if it should be tried again later."""
         started = self._clock()
         self._metrics.update(job.metrics, status="uploading")
+        if self.tier.fence is not None:
+            self._give_up(job, f"not uploading step {job.step}: {self.tier.fence}")
+            return True
         try:
+            self.tier.ensure_identity()
             existing = self.tier.read_commit(job.step)
+            other = None if existing is None else foreign(existing, self.tier.identity, name=self.tier.run_name)
+            if other is not None:
+                self._give_up(
+                    job,
+                    f"{self.tier.describe(self.tier.commit_path(job.step))} is committed by "
+                    f"{other}, not by this run; not replacing it (move it away)",
+                )
+                return True
             if existing is not None:
                 if (
                     existing.generation == self.generation
@@ -338,12 +356,18 @@ class Replicator:
                         f"{self.tier.config.commit_timeout}; the step stays uncommitted there",
                     )
                 continue
+            if self.tier.fence is not None:
+                self._drop_awaiting(step)
+                self._give_up(item.job, f"not committing step {step}: {self.tier.fence}")
+                continue
+            assert self.tier.identity is not None  # claimed before the upload
             marker = CommitMarker(
                 step=step,
                 world_size=self.world_size,
                 generation=self.generation,
                 run=self.tier.run_name,
                 manifests={r: m.manifest_sha256 for r, m in good.items()},
+                run_uid=self.tier.identity.uid,
             )
             try:
                 self.tier.write_commit(marker)
@@ -372,15 +396,20 @@ class Replicator:
             committed = set(self.tier.committed(steps))
             with self._cond:
                 protected = set(self._awaiting) | {j.step for j in self._queue}
+            with self._cond:
+                saved = set(self.saved)
+            abandoned = abandoned_steps(committed, saved=saved, unreadable=self.unreadable)
             doomed = select_deletions(
                 committed=committed,
                 present=steps,
                 keep_last=config.keep_last,
                 keep_every=config.keep_every,
-                protected=protected,
+                protected=protected | self.tier.foreign_steps,
+                abandoned=abandoned,
             )
             for step in doomed:
-                logger.info("removing step %d from %s (retention)", step, self.tier.url)
+                why = "abandoned: unreadable, or newer than this run's restart" if step in abandoned else "retention"
+                logger.info("removing step %d from %s (%s)", step, self.tier.url, why)
                 self.tier.delete_step(step)
         except CheckpointError as exc:
             logger.warning("shared retention skipped: %s", exc)

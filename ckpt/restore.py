@@ -16,9 +16,12 @@ file, and the next copy is tried.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import logging
 import mmap
 import os
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -28,11 +31,21 @@ from typing import Any
 import torch
 
 from ckpt.checksum import digest_parts
+from ckpt.commit import CommitMarker
+from ckpt.durable import remove_quietly
+from ckpt.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointTimeoutError
 from ckpt.format import corrupt
 from ckpt.layout import MANIFEST_FILE
 from ckpt.manifest import FileEntry, Manifest, parse_manifest, resolve_file
+from ckpt.safe_io import open_regular, read_regular, with_deadline
 from ckpt.safetensors_io import dtype_name, map_tensors
+from ckpt.shared import SharedTier
 from ckpt.tree import unflatten
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_READ_TIMEOUT = 120.0
+"""Seconds one read may take (CheckpointConfig.read_timeout)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,9 @@ class Restored:
     """"local" or "shared"."""
     path: str
     """The rank directory (or URL) it was loaded from."""
+    init_from: bool = False
+    """Whether it came from CheckpointConfig.init_from (another run's checkpoint: a new run
+    starts from its state) rather than from this run's own checkpoints."""
 
 
 def ranks_to_try(
@@ -67,9 +83,11 @@ def ranks_to_try(
     return local + ([0] if 0 not in local else [])
 
 
-def read_manifest(path: Path, *, expected_sha256: str | None) -> tuple[Manifest, bytes]:
+def read_manifest(
+    path: Path, *, expected_sha256: str | None, timeout: float = DEFAULT_READ_TIMEOUT
+) -> tuple[Manifest, bytes]:
     try:
-        data = path.read_bytes()
+        data = read_regular(path, timeout=timeout)
     except FileNotFoundError as exc:
         raise corrupt(path, "manifest is missing") from exc
     except OSError as exc:
@@ -94,21 +112,32 @@ def load_rank_dir(
     rank: int,
     expected_manifest_sha256: str | None = None,
     pool: Executor | None = None,
+    run: str | None = None,
+    timeout: float = DEFAULT_READ_TIMEOUT,
 ) -> dict[str, Any]:
     """Load and verify the rank directory `rank_dir` of `step`. Raises CheckpointCorruptError
-    (naming the file) or CheckpointVersionError."""
+    (naming the file), CheckpointVersionError, CheckpointTimeoutError (a read passed `timeout`
+    s), or CheckpointConflictError when the manifest names a run other than `run`."""
     manifest_path = rank_dir / MANIFEST_FILE
-    manifest, _ = read_manifest(manifest_path, expected_sha256=expected_manifest_sha256)
+    manifest, _ = read_manifest(
+        manifest_path, expected_sha256=expected_manifest_sha256, timeout=timeout
+    )
     if (manifest.step, manifest.rank) != (step, rank):
         raise corrupt(
             manifest_path,
             f"manifest describes step {manifest.step} rank {manifest.rank}, "
             f"expected step {step} rank {rank}",
         )
+    if run is not None and manifest.run and manifest.run != run:
+        raise CheckpointConflictError(
+            f"{manifest_path} was written by run {manifest.run!r}, this is run {run!r}; "
+            f"not loading it (start from it with init_from)",
+            path=manifest_path,
+        )
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in manifest.files.items():
         path = resolve_file(rank_dir, name, manifest_path=manifest_path)
-        file_tensors = map_verified(path, entry, pool=pool)
+        file_tensors = map_verified(path, entry, pool=pool, timeout=timeout)
         expected = {n: t for n, t in manifest.tensors.items() if t.file == name}
         if set(file_tensors) != set(expected):
             raise corrupt(path, f"its tensors differ from those listed in {manifest_path}")
@@ -130,32 +159,126 @@ def load_rank_dir(
     return state
 
 
-def map_verified(path: Path, entry: FileEntry, *, pool: Executor | None) -> dict[str, torch.Tensor]:
-    """Map `path` copy-on-write, check its size and checksum, and return its tensors (zero-copy)."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+def map_verified(
+    path: Path, entry: FileEntry, *, pool: Executor | None, timeout: float = DEFAULT_READ_TIMEOUT
+) -> dict[str, torch.Tensor]:
+    """Map `path` copy-on-write, check its size and checksum, and return its tensors (zero-copy).
+
+    Only a regular file is opened (a FIFO or device is refused unopened); each checksum chunk
+    must be read and hashed within `timeout` s of the previous one."""
+
+    def open_and_map() -> mmap.mmap:
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
             if size != entry.bytes:
                 raise corrupt(
                     path, f"file is {size} bytes, the manifest says {entry.bytes} (truncated?)"
                 )
             if size == 0:
                 raise corrupt(path, "file is empty")
-            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+
+    try:
+        mapped = with_deadline(open_and_map, timeout=timeout, what="open", path=path)
     except FileNotFoundError as exc:
         raise corrupt(path, "file listed in the manifest is missing") from exc
     except OSError as exc:
         raise corrupt(path, f"file cannot be read ({exc})") from exc
     view = memoryview(mapped)
+
+    def digest() -> str:
+        return digest_parts(
+            [view],
+            algorithm=entry.algorithm,
+            chunk_bytes=entry.chunk_bytes,
+            pool=pool,
+            chunk_timeout=timeout,
+        ).digest
+
     try:
-        found = digest_parts(
-            [view], algorithm=entry.algorithm, chunk_bytes=entry.chunk_bytes, pool=pool
-        )
+        if pool is None or entry.chunk_bytes == 0 or len(view) <= entry.chunk_bytes:
+            found = with_deadline(digest, timeout=timeout, what="checksum", path=path)
+        else:
+            found = digest()
+    except concurrent.futures.TimeoutError as exc:
+        raise CheckpointTimeoutError(
+            f"reading {path} for its checksum made no progress within {timeout:.0f}s (a hung "
+            f"disk or mount?); this copy is skipped",
+            path=path,
+        ) from exc
+    except OSError as exc:
+        raise corrupt(path, f"file cannot be read ({exc})") from exc
     finally:
         view.release()
-    if found.digest != entry.digest:
+    if found != entry.digest:
         raise corrupt(
             path,
             f"{entry.checksum.describe()} does not match the manifest (bit rot or a partial write)",
         )
     return map_tensors(mapped, path=path)
+
+
+FETCH_PREFIX = ".tmp-fetch-"
+"""Scratch directories (under the tier-1 root) that hold a download while it is verified."""
+
+
+def load_from_tier(
+    tier: SharedTier,
+    step: int,
+    rank: int,
+    marker: CommitMarker,
+    *,
+    own_rank: int,
+    fetch_root: Path,
+    pool: Executor | None,
+    run: str | None,
+    timeout: float = DEFAULT_READ_TIMEOUT,
+    init_from: bool = False,
+) -> Restored:
+    """Load rank `rank` of committed `step` from a shared tier (or an init_from source): in
+    place on a mounted path, else downloaded into a scratch directory under `fetch_root`."""
+    expected = None if marker.manifests is None else marker.manifests.get(rank)
+    where = tier.describe(tier.rank_path(step, rank))
+    own = rank == own_rank
+
+    def load(rank_dir: Path) -> dict[str, Any]:
+        return load_rank_dir(
+            rank_dir,
+            step=step,
+            rank=rank,
+            expected_manifest_sha256=expected,
+            pool=pool,
+            run=run,
+            timeout=timeout,
+        )
+
+    if tier.is_local:
+        state = load(tier.local_path(step, rank, MANIFEST_FILE).parent)
+        return Restored(step, state, rank, own, "shared", where, init_from)
+    data = tier.read_file(step, rank, MANIFEST_FILE)
+    manifest_url = Path(f"{where}/{MANIFEST_FILE}")
+    if data is None:
+        raise CheckpointCorruptError(
+            f"{manifest_url}: manifest is missing although step {step} is committed; "
+            f"restore an earlier step",
+            path=manifest_url,
+        )
+    check_manifest_digest(data, path=manifest_url, expected_sha256=expected)
+    manifest = parse_manifest(data, path=manifest_url)
+    fetch_root.mkdir(parents=True, exist_ok=True)
+    fetch = fetch_root / f"{FETCH_PREFIX}{uuid.uuid4().hex}"
+    fetch.mkdir()
+    try:
+        (fetch / MANIFEST_FILE).write_bytes(data)
+        for name in manifest.files:
+            if "/" in name or name in ("", ".", "..", MANIFEST_FILE):
+                continue  # load_rank_dir rejects it, naming the manifest
+            tier.download(step, rank, name, fetch / name)
+        logger.info("downloaded rank %d of step %d from %s", rank, step, where)
+        state = load(fetch)
+    finally:
+        remove_quietly(fetch)  # the loaded tensors keep their mappings
+    return Restored(step, state, rank, own, "shared", where, init_from)

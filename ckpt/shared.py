@@ -4,6 +4,8 @@
     <url>/<run_name>/step_000000000120/rank_00000/manifest.json
     <url>/<run_name>/step_000000000120/rank_00000.done     per-rank marker, after its files
     <url>/<run_name>/step_000000000120/COMMIT              written last, by rank 0
+    <url>/<run_name>/RUN.json                              the run's uid (ckpt/identity.py)
+    <url>/<run_name>/OWNER.json                            the live job (ckpt/owner.py)
 
 Commit protocol (no collectives; the store is the only channel between ranks):
 1. each rank uploads its data files, then its manifest.json, then its `rank_XXXXX.done` marker
@@ -11,8 +13,8 @@ Commit protocol (no collectives; the store is the only channel between ranks):
 2. rank 0 polls the step directory, with a deadline, until it holds a marker of the same run,
    generation and world size for every rank, then writes COMMIT (listing each rank's manifest
    sha256);
-3. readers consider a step only if COMMIT exists and names their run, and check every manifest
-   they load against it. A partial upload is therefore never read.
+3. readers consider a step only if COMMIT exists and names their run (name and uid, when it
+   names them), and check every manifest they load against it. A partial upload is therefore never read.
 
 Small objects are written atomically: by temp file + rename on a mounted path, and by a single
 PUT (which S3 and GCS make visible whole) on object stores.
@@ -47,6 +49,7 @@ from ckpt.commit import CommitMarker, parse_commit
 from ckpt.config import RetryConfig, SharedConfig
 from ckpt.durable import fsync_dir
 from ckpt.errors import (
+    CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointVersionError,
@@ -61,7 +64,9 @@ from ckpt.format import (
     get_str,
     loads_object,
 )
+from ckpt.identity import RUN_FILE, RunIdentity, foreign
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name, rank_dir_name, step_dir_name, temp_name
+from ckpt.safe_io import read_regular
 
 logger = logging.getLogger(__name__)
 
@@ -136,20 +141,46 @@ class SharedTier:
     """One run's directory in the shared store. Every call retries (bounded) and raises
     SharedStorageError once its retries are spent; FileNotFoundError means "not there"."""
 
-    def __init__(self, config: SharedConfig, *, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        config: SharedConfig,
+        *,
+        stop: threading.Event | None = None,
+        root_url: str | None = None,
+        read_timeout: float = 120.0,
+    ) -> None:
+        """`root_url`: read the checkpoints right under this URL instead of <url>/<run_name>
+        (another run's, for init_from; its COMMITs may name any run)."""
         self.config = config
-        self.run_name = config.run_name
+        self.run_name = config.run
+        self.identity: RunIdentity | None = None
+        """This run's identity in the shared tier, once claimed (see claim_identity)."""
+        self.any_run = root_url is not None
+        self.fence: CheckpointConflictError | None = None
+        """Set when another live job writes the prefix (ckpt/owner.py): nothing more is uploaded."""
+        self._read_timeout = read_timeout
+        self._warned: set[int] = set()
+        self.foreign_steps: set[int] = set()
+        """Steps committed by another run, found by the last committed(); never deleted here."""
+        self.pending_claim: Callable[[], None] | None = None
+        """Claims the identity (and ownership) when the store was unreachable at start."""
+        url = config.url if root_url is None else root_url
         try:
-            fs, base = fsspec.core.url_to_fs(config.url, **config.storage_options)
+            fs, base = fsspec.core.url_to_fs(url, **config.storage_options)
         except (ImportError, ValueError, TypeError) as exc:
             raise ValueError(
-                f"shared.url {config.url!r} cannot be opened with fsspec ({exc}); install the "
-                f"file system's package (s3fs for s3://) and check shared.storage_options"
+                f"{'init_from' if root_url else 'shared.url'} {url!r} cannot be opened with fsspec "
+                f"({exc}); install the file system's package (s3fs for s3://) and check "
+                f"the storage options"
             ) from exc
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
-        self.root = posixpath.join(base.rstrip("/") or "/", config.run_name)
-        self.url = f"{config.url.rstrip('/')}/{config.run_name}"
+        if root_url is None:
+            self.root = posixpath.join(base.rstrip("/") or "/", self.run_name)
+            self.url = f"{url.rstrip('/')}/{self.run_name}"
+        else:
+            self.root = base.rstrip("/") or "/"
+            self.url = url.rstrip("/")
         self._stop = stop or threading.Event()
 
     # -- paths ---------------------------------------------------------------------------
@@ -226,8 +257,10 @@ class SharedTier:
 
     def _cat(self, path: str) -> bytes | None:
         try:
+            if self.is_local:  # a FIFO or device there must not block us (ckpt/safe_io.py)
+                return read_regular(Path(path), timeout=self._read_timeout)
             return self.fs.cat_file(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def _put_file(self, local: Path, path: str) -> None:
@@ -311,9 +344,75 @@ class SharedTier:
         names = self.call(f"listing of {self.url}", self._ls, self.root)
         return sorted(s for n in names if (s := parse_step_dir_name(n)) is not None)
 
+    # -- identity ------------------------------------------------------------------------
+
+    def read_identity(self) -> RunIdentity | None:
+        """The run identity in <prefix>/RUN.json, None if there is none (damaged: logged)."""
+        path = f"{self.root}/{RUN_FILE}"
+        data = self.call(f"read of {self.describe(path)}", self._cat, path)
+        if data is None:
+            return None
+        try:
+            return RunIdentity.parse(data, path=Path(self.describe(path)))
+        except CheckpointCorruptError as exc:
+            logger.warning("ignoring %s", exc)
+            return None
+
+    def claim_identity(self, candidate: RunIdentity) -> RunIdentity:
+        """This run's identity here: the one in RUN.json, else `candidate`, written there."""
+        found = self.read_identity()
+        if found is None or found.name != self.run_name:
+            path = f"{self.root}/{RUN_FILE}"
+            self.call(f"write of {self.describe(path)}", self._put_bytes, path, candidate.to_bytes())
+            # Two nodes starting at once may both write; whichever landed last holds.
+            found = self.read_identity() or candidate
+        if found.uid != candidate.uid:
+            logger.info(
+                "run %r has uid %s in %s and %s in its tier-1 directory (minted apart); each "
+                "tier checks its own",
+                self.run_name,
+                found.uid,
+                self.url,
+                candidate.uid,
+            )
+        self.identity = found
+        return found
+
+    def ensure_identity(self) -> None:
+        """Claim the run identity now if that could not be done at start; raises
+        SharedStorageError while the store stays unreachable."""
+        if self.identity is not None or self.any_run:
+            return
+        if self.pending_claim is not None:
+            self.pending_claim()
+        if self.identity is None:
+            raise SharedStorageError(
+                f"the run identity in {self.url} is not known yet (the store was unreachable); "
+                f"the shared tier is used once it is"
+            )
+
+    def owner_io(self) -> tuple[Callable[[], bytes | None], Callable[[bytes], None], Callable[[], None], str]:
+        """read, write, remove and the URL of <prefix>/OWNER.json (ckpt/owner.py)."""
+        from ckpt.owner import OWNER_FILE
+
+        path = f"{self.root}/{OWNER_FILE}"
+        where = self.describe(path)
+        return (
+            lambda: self.call(f"read of {where}", self._cat, path),
+            lambda data: self.call(f"write of {where}", self._put_bytes, path, data),
+            lambda: self.call(f"removal of {where}", self._rm, path),
+            where,
+        )
+
     def committed(self, steps: list[int] | None = None) -> dict[int, CommitMarker]:
-        """The committed steps of this run (of `steps`, default all) with their markers."""
+        """The committed steps of this run (of `steps`, default all) with their markers.
+
+        Steps committed by another run (a step directory copied in) are logged and left out;
+        so is everything while the run's identity here is unknown (store unreachable at start).
+        """
+        self.ensure_identity()
         found = {}
+        foreign_steps = set()
         for step in self.steps() if steps is None else steps:
             try:
                 marker = self.read_commit(step)
@@ -325,15 +424,25 @@ class SharedTier:
                 continue
             if marker is None:
                 continue
-            if marker.run and marker.run != self.run_name:
+            other = None if self.any_run else foreign(marker, self.identity, name=self.run_name)
+            if other is not None:
+                assert self.identity is not None
+                foreign_steps.add(step)
+                if step in self._warned:
+                    continue
+                self._warned.add(step)
                 logger.warning(
-                    "ignoring %s: it was committed by run %r, not %r",
+                    "ignoring %s: it was committed by %s, not by this run %s",
                     self.describe(self.commit_path(step)),
-                    marker.run,
-                    self.run_name,
+                    other,
+                    self.identity.describe(),
                 )
                 continue
             found[step] = marker
+        if steps is None:
+            self.foreign_steps = foreign_steps
+        else:
+            self.foreign_steps |= foreign_steps
         return found
 
     def delete_step(self, step: int) -> None:

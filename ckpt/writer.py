@@ -31,13 +31,17 @@ from ckpt.durable import (
     fsync_dir,
     publish_dir,
     remove_quietly,
-    strerror,
     write_atomic,
     write_new_file,
 )
-from ckpt.errors import CheckpointError, CheckpointWriteError
+from ckpt.errors import CheckpointConflictError, CheckpointError, CheckpointWriteError
+from ckpt.fs_errors import describe
+from ckpt.identity import RunIdentity, foreign
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
+from ckpt.safe_io import read_regular
+
+_RECORD_TIMEOUT_S = 120.0
 
 logger = logging.getLogger(__name__)
 
@@ -67,10 +71,28 @@ class WrittenRank:
     manifest_sha256: str
 
 
-def uncommit(layout: Layout, step: int) -> None:
-    """Remove the COMMIT of `step` (if any) so that a re-save is invisible until committed again."""
+def uncommit(layout: Layout, step: int, identity: RunIdentity | None = None) -> None:
+    """Remove the COMMIT of `step` (if any) so that a re-save is invisible until committed again.
+
+    Raises CheckpointConflictError, touching nothing, when that COMMIT names another run than
+    `identity`: a run never replaces another run's step (a damaged COMMIT is replaced)."""
     commit_path = layout.commit_path(step)
     if commit_path.exists():
+        if identity is not None:
+            try:
+                marker = parse_commit(
+                    read_regular(commit_path, timeout=_RECORD_TIMEOUT_S), path=commit_path, step=step
+                )
+            except (OSError, CheckpointError):
+                marker = None
+            other = None if marker is None else foreign(marker, identity, name=identity.name)
+            if other is not None:
+                raise CheckpointConflictError(
+                    f"step {step} in {commit_path.parent} is committed by {other}, not by this run "
+                    f"{identity.describe()}; not replacing it. Move that step directory away (it "
+                    f"was copied in from another run) or use another checkpoint directory",
+                    path=commit_path,
+                )
         logger.warning("step %d is committed in %s; replacing it", step, commit_path.parent)
         commit_path.unlink(missing_ok=True)
         fsync_dir(commit_path.parent)
@@ -90,6 +112,7 @@ def persist_rank(
     pool: Executor | None,
     chunk_bytes: int = CHUNK_BYTES,
     before_publish: Callable[[], None] | None = None,
+    identity: RunIdentity | None = None,
 ) -> WrittenRank:
     """Write the file bytes `parts` and a manifest as rank `rank` of `step`, durably, then publish.
 
@@ -101,7 +124,7 @@ def persist_rank(
     tmp: Path | None = None
     digest: PendingDigest | None = None
     try:
-        uncommit(layout, step)
+        uncommit(layout, step, identity)
         if not step_dir.is_dir():
             step_dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(step_dir.parent)
@@ -134,6 +157,8 @@ def persist_rank(
             rank=rank,
             world_size=world_size,
             generation=generation,
+            run=identity.name if identity else "",
+            run_uid=identity.uid if identity else "",
             files={STATE_FILE: FileEntry.of(result, nbytes)},
             tensors=tensors,
             state=skeleton,
@@ -147,8 +172,7 @@ def persist_rank(
     except OSError as exc:
         raise CheckpointWriteError(
             f"could not write rank {rank} of step {step} under {step_dir}: "
-            f"{strerror(exc)}; nothing of this attempt is visible. Free disk space or "
-            f"fix permissions on {layout.root}, then save again",
+            f"{describe(exc, layout.root)}; nothing of this attempt is visible",
             path=step_dir,
         ) from exc
     finally:
@@ -166,6 +190,7 @@ def commit_if_complete(
     world_size: int,
     local_world_size: int,
     generation: str,
+    identity: RunIdentity | None = None,
 ) -> CommitMarker | None:
     """Write the step's COMMIT if `local_world_size` ranks of this generation published it here.
 
@@ -178,20 +203,29 @@ def commit_if_complete(
         if rank >= world_size:
             continue
         try:
-            data = (path / MANIFEST_FILE).read_bytes()
+            data = read_regular(path / MANIFEST_FILE, timeout=_RECORD_TIMEOUT_S)
             manifest = parse_manifest(data, path=path / MANIFEST_FILE)
         except (OSError, CheckpointError):
             continue  # being replaced, or damaged: not part of this commit
+        if identity is not None and manifest.run and manifest.run != identity.name:
+            continue  # another run's (copied in): never part of our commit
         if manifest.generation == generation and manifest.world_size == world_size:
             manifests[rank] = hashlib.sha256(data).hexdigest()
     if len(manifests) < local_world_size:
         return None
     marker = CommitMarker(
-        step=step, world_size=world_size, generation=generation, manifests=manifests
+        step=step,
+        world_size=world_size,
+        generation=generation,
+        manifests=manifests,
+        run=identity.name if identity else "",
+        run_uid=identity.uid if identity else "",
     )
     commit_path = layout.commit_path(step)
     try:
-        current = parse_commit(commit_path.read_bytes(), path=commit_path, step=step)
+        current = parse_commit(
+            read_regular(commit_path, timeout=_RECORD_TIMEOUT_S), path=commit_path, step=step
+        )
         if current == marker:
             return marker
     except (OSError, CheckpointError):
@@ -200,8 +234,8 @@ def commit_if_complete(
         write_atomic(commit_path, marker.to_bytes())
     except OSError as exc:
         raise CheckpointWriteError(
-            f"could not write {commit_path}: {strerror(exc)}; step {step} stays uncommitted "
-            f"here. Free disk space or fix permissions on {layout.root}",
+            f"could not write {commit_path}: {describe(exc, layout.root)}; step {step} stays "
+            f"uncommitted here",
             path=commit_path,
         ) from exc
     return marker

@@ -68,6 +68,8 @@ class Store:
             return []
         steps = []
         for name in names:
+            if not name.rstrip("/").rsplit("/", 1)[-1].startswith("step_"):
+                continue  # RUN.json, OWNER.json
             step = int(name.rstrip("/").rsplit("_", 1)[1])
             if self.fs.exists(f"{name.rstrip('/')}/COMMIT"):
                 steps.append(step)

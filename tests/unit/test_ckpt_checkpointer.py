@@ -69,7 +69,14 @@ def test_two_rank_save_commit_load_is_bitwise_equal(tmp_path: Path) -> None:
     ranks[0].commit(120)
 
     commit = json.loads((tmp_path / "step_000000000120" / "COMMIT").read_text())
-    assert commit == {"format_version": 1, "step": 120, "world_size": 2}
+    run_uid = json.loads((tmp_path / "RUN.json").read_text())["run_uid"]
+    assert commit == {
+        "format_version": 1,
+        "step": 120,
+        "world_size": 2,
+        "run": "default",
+        "run_uid": run_uid,
+    }
     for r, c in enumerate(ranks):
         assert c.latest() == 120
         assert c.saved_world_size(120) == 2
@@ -116,7 +123,14 @@ def test_retention_keeps_last_k_and_removes_older_uncommitted(tmp_path: Path) ->
 
     assert c.committed_steps() == [5, 3]
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["step_000000000003", "step_000000000005", "step_000000000006"]
+    assert names == [
+        ".LOCK.guard",
+        "LOCK",
+        "RUN.json",
+        "step_000000000003",
+        "step_000000000005",
+        "step_000000000006",
+    ]
     assert not stale.exists()
     assert c.load(3)["x"].item() == 3
 
@@ -291,10 +305,9 @@ def test_commit_without_any_save_raises_not_found(tmp_path: Path) -> None:
 def test_local_dir_that_is_a_file_raises_write_error(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_bytes(b"")
-    c = make(not_a_dir)
-    with pytest.raises(CheckpointWriteError, match="step 10.*Not a directory"):
-        c.save(10, rank_state(0))
-    assert c.latest() is None
+    with pytest.raises(CheckpointWriteError, match=f"{not_a_dir} is a regular file.*move it away") as info:
+        make(not_a_dir)  # at start, not at the first save
+    assert "disk space" not in str(info.value)
     assert not_a_dir.read_bytes() == b""
 
 

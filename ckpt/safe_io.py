@@ -1,0 +1,122 @@
+"""Reading checkpoint files that may be crafted or sit on a hung mount: regular files only, each
+read bounded in size and in time.
+
+- A FIFO, socket or device in place of a checkpoint file would block open() or read() for ever
+  (or have side effects: opening some devices does something). `os.stat` is checked for S_ISREG
+  before anything is opened, and the file is then opened O_NONBLOCK and checked again with
+  fstat, so a swap between the two checks cannot slip a FIFO in either.
+- A read of a hung disk or network mount blocks in the kernel; `with_deadline` runs it on a
+  daemon thread and gives up waiting after the deadline (the thread stays blocked, harmlessly).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from ckpt.errors import CheckpointTimeoutError
+from ckpt.format import corrupt
+
+T = TypeVar("T")
+
+MAX_RECORD_BYTES = 256 << 20
+"""Largest JSON record (COMMIT, manifest, marker) read; a manifest of a huge state stays far below."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular(path: Path) -> os.stat_result:
+    """stat `path` (without opening it) and raise CheckpointCorruptError unless it is a regular
+    file. FileNotFoundError passes through."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise corrupt(path, f"it is {_kind(st.st_mode)}, not a regular file")
+    return st
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file `path` (see the module docstring)."""
+    check_regular(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise corrupt(path, f"it is {_kind(st.st_mode)}, not a regular file")
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def with_deadline(fn: Callable[[], T], *, timeout: float, what: str, path: Path) -> T:
+    """Run `fn` on a daemon thread; raise CheckpointTimeoutError naming `path` after `timeout` s."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # thread boundary: handed to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="ckpt-read", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise CheckpointTimeoutError(
+            f"{what} of {path} did not finish within {timeout:.0f}s (a hung disk or mount?); "
+            f"this copy is skipped",
+            path=path,
+        )
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def read_regular(path: Path, *, timeout: float, max_bytes: int = MAX_RECORD_BYTES) -> bytes:
+    """The whole content of the regular file `path`, at most `max_bytes`, read within `timeout` s.
+
+    FileNotFoundError/NotADirectoryError pass through (the file is not there); a non-regular or
+    oversized file raises CheckpointCorruptError, a hung read CheckpointTimeoutError.
+    """
+
+    def read() -> bytes:
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size > max_bytes:
+                raise corrupt(path, f"it is {size} bytes, more than the {max_bytes} a record may be")
+            chunks = []
+            remaining = max_bytes + 1
+            while remaining > 0:
+                chunk = os.read(fd, min(remaining, 1 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                remaining -= len(chunk)
+            data = b"".join(chunks)
+        finally:
+            os.close(fd)
+        if len(data) > max_bytes:
+            raise corrupt(path, f"it grew past the {max_bytes} bytes a record may be while read")
+        return data
+
+    return with_deadline(read, timeout=timeout, what="read", path=path)
