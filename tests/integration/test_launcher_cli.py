@@ -3,6 +3,7 @@ the `etcd-v3` backend through the entry point."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -77,12 +78,12 @@ def assert_one_world(reports: list[dict[str, str]], world_size: int, output: str
     assert reports[0]["MASTER_ADDR"] and int(reports[0]["MASTER_PORT"]) > 0
 
 
-def run_cli(args: list[str], timeout: float) -> tuple[int, str, str, float]:
+def run_cli(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
     """Run a command in its own process group with separate stdout/stderr; end the group after."""
     started = time.monotonic()
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -173,7 +174,7 @@ def test_bad_flags_exit_2_naming_the_flag(
     argv: list[str], named: list[str], noop_script: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exc:
-        launcher.main([*argv, str(noop_script)])
+        launcher.cli([*argv, str(noop_script)])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: elastic-run")
@@ -181,6 +182,9 @@ def test_bad_flags_exit_2_naming_the_flag(
     assert error_line.startswith("elastic-run: error: ")
     for word in named:
         assert word in error_line, f"{word!r} not named in {error_line!r}"
+    # From Python, main() raises ValueError instead, like torch.distributed.run.main.
+    with pytest.raises(ValueError, match=re.escape(named[0])):
+        launcher.main([*argv, str(noop_script)])
 
 
 @pytest.mark.timeout(40)
@@ -195,7 +199,7 @@ def test_zero_nproc_per_node_exits_2(noop_script: Path) -> None:
 def test_missing_training_script_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.py"
     with pytest.raises(SystemExit) as exc:
-        launcher.main(["--nproc-per-node", "1", str(missing)])
+        launcher.cli(["--nproc-per-node", "1", str(missing)])
     assert exc.value.code == 2
     assert str(missing) in capsys.readouterr().err
 
@@ -208,17 +212,21 @@ def test_console_script_rejects_bad_flags_with_exit_2(noop_script: Path) -> None
     assert out == ""
 
 
-def test_unreachable_endpoint_fails_fast_naming_it(noop_script: Path) -> None:
+def test_unreachable_endpoint_fails_fast_naming_it(noop_script: Path, tmp_path: Path) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
+    error_file = tmp_path / "launcher-error.json"
     rc, out, err, elapsed = run_cli(
         [sys.executable, "-m", "elastic.launcher", "--rdzv-endpoint", endpoint, "--rdzv-conf", "etcd_timeout=2",
          "--nproc-per-node", "1", str(noop_script)],
-        timeout=40,
+        timeout=40, env={"TORCHELASTIC_ERROR_FILE": str(error_file)},
     )
-    assert rc != 0
+    assert rc == 1
     assert elapsed < 30, f"took {elapsed:.1f}s to give up"
     assert endpoint in err, err
     assert "Traceback" not in err, err
+    # torch's @record on the launcher: a launcher-level error file, as torchrun writes.
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message.startswith("EtcdUnavailableError") and endpoint in message
 
 
 def test_two_agents_form_one_world(procs, etcd: EtcdServer, run_id: str, train_script: Path) -> None:
@@ -244,8 +252,166 @@ def test_stock_torchrun_uses_the_etcd_v3_entry_point(
     rc, out = finish(proc, timeout=50)
     assert rc == 0, out
     assert_one_world(env_reports(out), 2, out)
-    # Our handler ran the rendezvous: its round state is in etcd, closed by the agent's shutdown.
+    # Our handler ran the rendezvous: its round state is in etcd. Stock torchrun calls the handler's
+    # shutdown() after success and failure alike (it never calls mark_succeeded()), so the handler
+    # only leaves the run and does not close it.
     state = read_state(client, run_id)
     assert state is not None, "no etcd-v3 rendezvous state for the run"
     assert state.participants == ("torchrun-node",)
-    assert state.shutdown
+
+
+# -- torchrun compatibility: run ids, plans, messages, Python callers ---------------------------------
+
+
+def plan(argv: list[str], env: dict[str, str] | None = None) -> launcher.Plan:
+    args = launcher.build_parser().parse_args([*argv, "-m", "any_module"])
+    return launcher._validate(args, env or {})  # noqa: SLF001 - the decision, without starting a job
+
+
+def test_run_id_comes_from_the_scheduler_and_is_required_for_several_nodes_on_an_external_etcd() -> None:
+    external = ["--rdzv-endpoint", "127.0.0.1:2379", "--nnodes", "1:4"]
+    with pytest.raises(ValueError, match="--rdzv-id is required"):
+        plan(external)
+    assert plan(external, {"SLURM_JOB_ID": "77"}).run_id == "slurm-77-0"
+    assert plan(external, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"}).run_id == "slurm-77-2"
+    assert plan(external, {"JOB_UID": "5c1f"}).run_id == "k8s-5c1f"
+    assert plan(external, {"TORCHELASTIC_RUN_ID": "outer", "SLURM_JOB_ID": "77"}).run_id == "outer"
+    assert plan([*external, "--rdzv-id", "job-42"], {"SLURM_JOB_ID": "77"}).run_id == "job-42"
+    # One node needs nobody's agreement: a fresh id each time, never torchrun's shared 'none'.
+    single = plan(["--rdzv-endpoint", "127.0.0.1:2379"])
+    assert single.run_id not in ("", "none") and single.run_id != plan(["--rdzv-endpoint", "127.0.0.1:2379"]).run_id
+    embedded = plan([])
+    assert embedded.embedded_etcd and embedded.backend == "etcd-v3" and embedded.run_id != "none"
+    assert plan(["--standalone"], {"SLURM_JOB_ID": "77"}).run_id != "slurm-77-0"  # standalone: always fresh
+
+
+def test_rendezvous_follows_torchruns_rule_for_the_flags_given() -> None:
+    static = plan(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29400"])
+    assert (static.backend, static.embedded_etcd) == ("static", False)
+    assert "static rendezvous at 10.0.0.1:29400, node rank 1 of 2" in static.notes[0]
+    assert plan(["--master-port", "29400"]).backend == "static"  # as torchrun: an explicit port, one node
+    c10d = plan(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500"])
+    assert c10d.backend == "c10d" and "etcd-v3" in c10d.notes[0] and "--rdzv-endpoint" in c10d.notes[0]
+    with pytest.raises(ValueError, match="--node-rank 2"):
+        plan(["--nnodes", "2", "--node-rank", "2"])
+    with pytest.raises(ValueError, match="needs --rdzv-endpoint"):
+        plan(["--rdzv-backend", "etcd-v3", "--nnodes", "2"])
+    with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is not supported by etcd-v3"):
+        plan([], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert plan(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"], {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    with pytest.raises(ValueError, match="--event-log-handler 'nope'"):
+        plan(["--event-log-handler", "nope"])
+
+
+def test_help_describes_elastic_runs_rendezvous(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.cli(["--help"]) == 0  # torch's @record turns argparse's SystemExit(0) into a return
+    text = " ".join(capsys.readouterr().out.split())
+    assert "private embedded etcd" in text and "C10d TCP store" not in text  # torchrun's --standalone text
+    assert "default: etcd-v3" in text and "etcd endpoint(s) of the job" in text
+
+
+@pytest.mark.timeout(90)
+def test_python_main_raises_child_failed_and_console_exits_1(tmp_path: Path) -> None:
+    failing = tmp_path / "fail.py"
+    failing.write_text(textwrap.dedent("""
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        @record
+        def main():
+            raise KeyError("boom-in-worker")
+
+        main()
+    """))
+    error_file = tmp_path / "launcher-error.json"
+    code = (f"from elastic import launcher\n"
+            f"from torch.distributed.elastic.multiprocessing.errors import ChildFailedError\n"
+            f"try:\n    launcher.main(['--nproc-per-node', '1', '--monitor-interval', '0.1', {str(failing)!r}])\n"
+            f"except ChildFailedError as exc:\n    print('CHILD-FAILED', exc.get_first_failure()[1].exitcode)\n")
+    rc, out, err, _ = run_cli([sys.executable, "-c", code], timeout=60,
+                              env={"TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert rc == 0 and "CHILD-FAILED 1" in out, err
+    # @record copied the worker's error file to the launcher's TORCHELASTIC_ERROR_FILE, as torchrun does.
+    assert "boom-in-worker" in json.loads(error_file.read_text())["message"]["message"]
+    rc, out, err, _ = run_cli([str(BIN / "elastic-run"), "--nproc-per-node", "1", "--monitor-interval", "0.1",
+                               "--event-log-handler", "console", str(failing)], timeout=60)
+    assert rc == 1 and "elastic-run: the job failed" in err and "boom-in-worker" in err
+    # Our events went to torch's event handler too, next to torch's own worker events.
+    torch_events = [json.loads(line) for line in (out + err).splitlines() if line.startswith('{"name": ')]
+    names = {e["name"] for e in torch_events}
+    assert {"elastic.join", "elastic.round_closed", "torchelastic.worker.status.FAILED"} <= names, names
+    closed = next(e for e in torch_events if e["name"] == "elastic.round_closed")
+    assert closed["source"] == "AGENT" and closed["metadata"]["world_size"] == 1
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_stops_cleanly_with_exit_143(procs, tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text("import os, time\nos.write(1, b'WORKER-UP\\n')\ntime.sleep(120)\n")
+    proc = procs.elastic_run("--nproc-per-node", "1", "--monitor-interval", "0.1", str(script))
+    assert proc.stdout is not None
+    for line in proc.stdout:  # bounded by the test's timeout; the worker prints one line at once
+        if "WORKER-UP" in line:
+            break
+    os.kill(proc.pid, signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, rest
+    assert "Traceback" not in rest, rest
+    assert rest.count("elastic-run: stopped by SIGTERM") == 1 and "left open" in rest
+
+
+@pytest.mark.timeout(120)
+def test_explicit_c10d_runs_torchs_backend_with_a_note(procs, train_script: Path) -> None:
+    proc = procs.elastic_run("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                             "--nproc-per-node", "2", "--monitor-interval", "0.1", str(train_script))
+    rc, out = finish(proc, timeout=100)
+    assert rc == 0, out
+    assert_one_world(env_reports(out), 2, out)
+    assert "torch's c10d rendezvous as asked" in out and "Fast re-formation needs etcd-v3" in out
+    assert "embedded etcd" not in out
+
+
+LOOP = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from elastic import peer_loss
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    peer_loss.install()
+    os.write(1, f"LOOPING rank={dist.get_rank()} world={dist.get_world_size()}\\n".encode())
+    for _ in range(600):
+        dist.all_reduce(torch.ones(1))
+        time.sleep(0.05)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.timeout(150)
+def test_lost_peer_is_one_line_not_a_traceback(procs, etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    flags = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
+             "--monitor-interval", "0.1", "--max-restarts", "0"]
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    a = procs.elastic_run(*flags, "--node-id", "a", str(script), env=env)
+    b = procs.elastic_run(*flags, "--node-id", "b", str(script), env=env)
+    lines: list[str] = []
+    assert a.stdout is not None
+    for line in a.stdout:  # bounded by the test's timeout
+        lines.append(line)
+        if "LOOPING" in line and "world=2" in line:
+            break
+    procs.kill_node(b)
+    for line in a.stdout:
+        lines.append(line)
+        if "LOOPING" in line and "world=1" in line:  # the survivor re-formed alone and trains on
+            break
+    procs.kill_group(a, signal.SIGTERM)
+    out = "".join(lines) + a.communicate(timeout=60)[0]
+    assert "peer node b lost; the group re-formed with 1 node" in out, out
+    assert "Traceback" not in out and "Connection closed by peer" not in out, out
