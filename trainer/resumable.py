@@ -39,11 +39,12 @@ from ckpt import (
     CheckpointConfig,
     Checkpointer,
     CheckpointError,
+    CheckpointSaveError,
     CheckpointVersionError,
     Restored,
     SharedConfig,
 )
-from elastic import orphan, progress
+from elastic import orphan, peer_loss, progress
 from trainer import rng
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable
@@ -70,13 +71,17 @@ class ResumeConfig:
     shared_url: str | None = None
     """Tier 2: fsspec URL of shared storage (a mounted path, s3://bucket/prefix, ...), or None."""
     run_name: str = "default"
-    """Run-scoped prefix under shared_url; the same on every rank and every restart of one run."""
+    """The run's identity (recorded in every checkpoint, its prefix under shared_url); the same on every rank and restart."""
     shared_storage_options: dict[str, Any] | None = None
     """fsspec options of shared_url, e.g. {"endpoint_url": ...}."""
     keep_last_shared: int = 3
     """Committed checkpoints kept under shared_url."""
     keep_every: int | None = None
     """Steps that are multiples of this are kept under shared_url forever."""
+    init_from: str | None = None
+    """Path or fsspec URL of another run's checkpoints to start from when this run has none (fine-tuning)."""
+    max_failed_saves: int | None = 3
+    """Saves failing in a row before the job stops with CheckpointSaveError (None: never; only logged)."""
 
     def __post_init__(self) -> None:
         if self.save_every <= 0:
@@ -113,6 +118,7 @@ class Resumable:
         self.topology = topology or Topology.from_env()
         if orphan.under_agent():
             orphan.exit_with_parent()  # a worker whose agent was SIGKILLed must not linger
+            peer_loss.install()  # a lost peer's traceback gives way to the agent's one line
         if self.topology.world_size >= 3 and not layout_is_stable(model):
             log.info("this DDP rebuilds its gradient buckets after its first iteration, so with %d ranks the first "
                      "step after a resume rounds differently from an uninterrupted run (resume stays correct, "
@@ -130,11 +136,12 @@ class Resumable:
         self.on_rank_saved = on_rank_saved
         shared = None
         if config.shared_url:
-            shared = SharedConfig(url=config.shared_url, run_name=config.run_name,
-                                  storage_options=config.shared_storage_options or {},
+            shared = SharedConfig(url=config.shared_url, storage_options=config.shared_storage_options or {},
                                   keep_last=config.keep_last_shared, keep_every=config.keep_every)
         self.checkpointer = Checkpointer(
-            CheckpointConfig(local_dir=config.ckpt_dir, keep_last=config.keep_last, shared=shared),
+            CheckpointConfig(local_dir=config.ckpt_dir, keep_last=config.keep_last, shared=shared,
+                             run_name=config.run_name, init_from=config.init_from,
+                             max_failed_saves=config.max_failed_saves),
             rank=self.topology.rank,
             world_size=self.topology.world_size,
             # fault injection: once this rank's files are fsynced, before publish and commit
@@ -297,18 +304,27 @@ class Resumable:
 
     def save(self, step: int) -> None:
         """Snapshot this rank's state for `step`; writing, committing and uploading run in the
-        background (no collective here: the last local rank commits tier 1, rank 0 tier 2)."""
+        background (no collective here: the last local rank commits tier 1, rank 0 tier 2).
+
+        A failed save is logged and training goes on, until `max_failed_saves` fail in a row:
+        then CheckpointSaveError (naming the directory and the cause) stops the job."""
         try:
             self.checkpointer.save_async(step, self.state())
+        except CheckpointSaveError:
+            raise
         except CheckpointError as exc:
             log.error("checkpoint of step %d failed on rank %d: %s", step, self.topology.rank, exc)
 
     def close(self) -> None:
-        """Flush the save in flight and pending uploads (bounded), then stop the checkpointer's threads."""
+        """Flush the save in flight and pending uploads (bounded), then stop the checkpointer's threads.
+
+        Raises CheckpointSaveError when the last `max_failed_saves` saves failed (no later save
+        would have noticed)."""
         progress.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
         if not self.checkpointer.close(timedelta(minutes=5)):
             log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
                         self.checkpointer.last_error)
+        self.checkpointer.check()
 
 
 # all_min votes on a checkpoint; the smallest wins.

@@ -1,0 +1,40 @@
+"""A job whose checkpoints cannot be written stops with a non-zero exit and an error that names
+the directory and the cause, instead of training to the end without a checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, Procs
+
+pytestmark = pytest.mark.integration
+
+
+def _file_instead_of_dir(ckpt: Path) -> str:
+    ckpt.write_text("a regular file, not a directory\n")
+    return "is a regular file, not a directory"
+
+
+def _files_where_steps_go(ckpt: Path) -> str:
+    ckpt.mkdir()
+    for step in range(2, 41, 2):  # every step directory's place is taken: each save fails (EEXIST)
+        (ckpt / f"step_{step:012d}").write_text("x")
+    return "the last 3 saves to"  # ckpt's max_failed_saves policy, let through by Resumable.save
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("block", [_file_instead_of_dir, _files_where_steps_go], ids=["file", "step-paths"])
+def test_unwritable_ckpt_dir_stops_the_job_naming_it(procs: Procs, tmp_path: Path,
+                                                     block: Callable[[Path], str]) -> None:
+    ckpt = tmp_path / "ckpt"
+    cause = block(ckpt)
+    proc = procs.elastic_run("--nproc-per-node", "1", str(TINY), "--steps", "40", "--ckpt-dir", str(ckpt),
+                             "--ckpt-every", "2")
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode != 0, out[-3000:]
+    assert "final_digest=" not in out, out[-3000:]  # stopped: did not train to the end uncheckpointed
+    assert any(str(ckpt) in line and cause in line for line in out.splitlines()), out[-3000:]
+    assert "free disk space" not in out.lower(), out[-3000:]
