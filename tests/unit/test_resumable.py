@@ -222,3 +222,17 @@ def test_new_rank_gets_derived_deterministic_rng(tmp_path: Path) -> None:
     one, two = restored_stream(1), restored_stream(2)
     assert torch.equal(one, restored_stream(1))  # deterministic
     assert not torch.equal(one, two) and not torch.equal(one, own)
+
+
+def test_init_from_starts_from_another_runs_checkpoint(tmp_path: Path) -> None:
+    run, model, opt, _ = make(tmp_path / "a")  # run "default" in a/ckpt
+    train(run, model, opt, 0, 4)
+    run.close()
+    torch.manual_seed(1)
+    tuned_model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    config = ResumeConfig(ckpt_dir=str(tmp_path / "b"), save_every=2, run_name="fine-tune",
+                          init_from=str(tmp_path / "a" / "ckpt"))
+    tuned = Resumable(config, model=tuned_model, optimizer=torch.optim.Adam(tuned_model.parameters(), lr=0.1))
+    assert tuned.restore() == 4
+    assert training_digest(tuned_model) == training_digest(model)
+    tuned.close()
