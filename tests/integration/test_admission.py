@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,47 +26,35 @@ from elastic.membership import run_prefix
 from elastic.rendezvous import EtcdV3RendezvousHandler, RendezvousConfig
 from elastic.round import RoundState
 from tests.conftest import Procs
-from tests.integration.test_elastic_faults import WORKER, steps_at, wait_until
+from tests.integration.test_elastic_faults import WORKER, Node, steps_at, wait_until
+from tests.integration.test_rendezvous_security import AcceptCounter
 
 pytestmark = pytest.mark.integration
 
 TOKEN_ENV = "ELASTIC_JOIN_TOKEN"  # elastic.admission.TOKEN_ENV, spelled out: what a user sets
 
 
-class Agent:
-    """An elastic-run agent of the recovery worker, its output collected by a thread."""
-
-    def __init__(self, procs: Procs, endpoint: str, run_id: str, node: str, *extra: str, env: dict[str, str]) -> None:
-        self.proc = procs.elastic_run(
-            "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--node-id", node, *extra,
-            str(WORKER), "--interval", "0.05", "--max-seconds", "25", env={"LOGLEVEL": "INFO", **env},
-        )  # fmt: skip
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
+def agent(procs: Procs, monkeypatch: pytest.MonkeyPatch, endpoint: str, run_id: str, node: str, *extra: str,
+          token: str) -> Node:
+    """An elastic-run agent of the recovery worker with `token` in its environment ("" for none)."""
+    monkeypatch.setenv(TOKEN_ENV, token)  # the agent inherits this process's environment
+    return Node(procs, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
+                "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--node-id", node, *extra,
+                str(WORKER), "--interval", "0.05", "--max-seconds", "25")
 
 
 @pytest.mark.timeout(240)
 def test_strangers_get_no_rank_while_the_job_with_the_token_trains_on_and_a_node_with_it_joins(
-    procs: Procs, etcd: EtcdServer, client: EtcdClient, tmp_path: Path,
+    procs: Procs, etcd: EtcdServer, client: EtcdClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run_id = f"adm-{uuid.uuid4().hex[:8]}"
     token = secrets.token_urlsafe(32)
-    victim = Agent(procs, etcd.endpoint, run_id, "n0", env={TOKEN_ENV: token})
+    victim = agent(procs, monkeypatch, etcd.endpoint, run_id, "n0", token=token)
     wait_until(lambda: steps_at([victim], 1) >= 10, 90, "the job training alone", [victim])
 
     strangers_at = time.time()
-    no_token = Agent(procs, etcd.endpoint, run_id, "stranger", env={TOKEN_ENV: ""})
-    wrong_token = Agent(procs, etcd.endpoint, run_id, "impostor", env={TOKEN_ENV: secrets.token_urlsafe(32)})
+    no_token = agent(procs, monkeypatch, etcd.endpoint, run_id, "stranger", token="")
+    wrong_token = agent(procs, monkeypatch, etcd.endpoint, run_id, "impostor", token=secrets.token_urlsafe(32))
     for stranger in (no_token, wrong_token):
         assert stranger.proc.wait(timeout=60) == 1, stranger.text
         assert '"event": "round_closed"' not in stranger.text and '"event": "join"' not in stranger.text
@@ -84,47 +70,18 @@ def test_strangers_get_no_rank_while_the_job_with_the_token_trains_on_and_a_node
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
-    joiner = Agent(procs, etcd.endpoint, run_id, "n1", "--rdzv-conf", f"join_token_file={token_file}", env={TOKEN_ENV: ""})
+    joiner = agent(procs, monkeypatch, etcd.endpoint, run_id, "n1", "--rdzv-conf", f"join_token_file={token_file}", token="")
     wait_until(lambda: steps_at([victim, joiner], 2) >= 10, 90, "both nodes training together", [victim, joiner])
-    for agent in (victim, joiner):
-        assert agent.proc.wait(timeout=90) == 0, agent.text[-3000:]
-    for agent in (victim, joiner, no_token, wrong_token):
-        assert token not in agent.text
-
-
-class BeaconProbe:
-    """A listening socket that stands in for a stranger's beacon and counts who connects to it."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.sock.getsockname()[1]}"
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
+    for node in (victim, joiner):
+        assert node.proc.wait(timeout=90) == 0, node.text[-3000:]
+    for node in (victim, joiner, no_token, wrong_token):
+        assert token not in node.text
 
 
 @pytest.fixture
-def probe() -> Iterator[BeaconProbe]:
-    p = BeaconProbe()
+def probe() -> Iterator[AcceptCounter]:
+    """A listening socket that stands in for a stranger's beacon and counts who connects to it."""
+    p = AcceptCounter()
     try:
         yield p
     finally:
@@ -139,7 +96,7 @@ def make_handler(etcd: EtcdServer, run_id: str, node: str, *, local_addr: str | 
 
 @pytest.mark.timeout(90)
 def test_records_forged_into_etcd_are_ignored_or_refused(
-    etcd: EtcdServer, client: EtcdClient, run_id: str, probe: BeaconProbe, monkeypatch: pytest.MonkeyPatch,
+    etcd: EtcdServer, client: EtcdClient, run_id: str, probe: AcceptCounter, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv(TOKEN_ENV, secrets.token_urlsafe(32))
@@ -151,7 +108,7 @@ def test_records_forged_into_etcd_are_ignored_or_refused(
         assert (info.rank, info.world_size) == (0, 1)
         # A stranger with etcd write access registers by hand, with a made-up proof and a beacon.
         lease = client.raw.lease(30)
-        forged = {"node_id": "evil", "addr": "127.0.0.1", "pid": 1, "beacon": probe.address, "proof": "0" * 64}
+        forged = {"node_id": "evil", "addr": "127.0.0.1", "pid": 1, "beacon": probe.endpoint, "proof": "0" * 64}
         client.raw.put(prefix + "nodes/evil", json.dumps(forged), lease=lease)
         client.raw.put(prefix + "rdzv/store/2", json.dumps({"addr": "127.0.0.1", "port": 1, "proof": "0" * 64}))
         with caplog.at_level(logging.WARNING, logger="elastic.view"):
