@@ -99,3 +99,9 @@ def _install_filter() -> None:
     for handler in [*root.handlers, logging.lastResort]:
         if handler is not None and _FILTER not in handler.filters:
             handler.addFilter(_FILTER)
+
+
+def mask_conf(conf: str) -> str:
+    """A `--rdzv-conf` string as it may be shown: the value of every `password=` replaced by `***`."""
+    return ",".join(f"{item.partition('=')[0]}={MASK}" if item.strip().startswith("password=") else item
+                    for item in conf.split(","))

@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from elastic import events, rendezvous
 from elastic.agent import AgentConfig, launch
+from elastic.credentials import mask_conf
 from elastic.errors import ElasticError
 from elastic.etcd_server import EtcdServer
 
@@ -227,7 +228,7 @@ def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
     try:
         conf = torchrun._parse_rendezvous_config(args.rdzv_conf)  # noqa: SLF001 - torchrun's own parser
     except ValueError as exc:
-        raise ValueError(f"--rdzv-conf {args.rdzv_conf!r}: {exc}") from exc
+        raise ValueError(f"--rdzv-conf {mask_conf(args.rdzv_conf)!r}: {exc}") from exc
     plan = _plan(args, env)
     validate_conf = getattr(rendezvous, "validate_conf", None)
     if validate_conf is not None and plan.backend == rendezvous.BACKEND_NAME:

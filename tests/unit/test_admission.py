@@ -203,3 +203,16 @@ def test_a_rendezvous_config_binds_to_local_addr_only_when_given() -> None:
     unset = RendezvousConfig.from_parameters(RendezvousParameters(**common))
     assert unset.bind_addr is None and unset.local_addr  # advertised: the FQDN, as before
     assert unset.lease_ttl == timedelta(seconds=3)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # torch's @record under capsys
+def test_a_bad_rdzv_conf_is_echoed_with_the_password_masked(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from elastic.launcher import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as exited:
+        cli(["--nnodes", "1", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "x",
+             "--rdzv-conf", "user=u,password=hunter2-typo,junk", str(script)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--rdzv-conf 'user=u,password=***,junk'" in err and "hunter2" not in err
