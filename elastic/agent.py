@@ -69,7 +69,8 @@ class ElasticAgent(LocalElasticAgent):
         self.agent_config = agent_config
         self.progress_dir = progress.make_dir()
         os.environ[progress.ENV_DIR] = self.progress_dir  # workers inherit the agent's environment
-        self.metrics = AgentMetrics.start(agent_config.metrics_port)
+        # Like the beacon and the round's store: only on --local-addr when one is given.
+        self.metrics = AgentMetrics.start(agent_config.metrics_port, getattr(spec, "local_addr", None) or "0.0.0.0")
         self._failure_seen_at: float | None = None
         lease_ttl = getattr(getattr(spec.rdzv_handler, "config", None), "lease_ttl", None)
         if isinstance(lease_ttl, timedelta):

@@ -18,7 +18,7 @@ class AgentMetrics:
     port: int | None = None
 
     @staticmethod
-    def start(port: int | None) -> AgentMetrics:
+    def start(port: int | None, addr: str = "0.0.0.0") -> AgentMetrics:
         metrics = AgentMetrics()
         if port is None:
             return metrics
@@ -36,9 +36,9 @@ class AgentMetrics:
                                                 "Failure seen to workers running again", registry=registry),
             "degraded": prom.Gauge("elastic_degraded", "1 while etcd is unreachable", registry=registry),
         }
-        server, _thread = prom.start_http_server(port, addr="0.0.0.0", registry=registry)
+        server, _thread = prom.start_http_server(port, addr=addr, registry=registry)
         metrics._server, metrics.port = server, int(server.server_port)
-        log.info("metrics: serving Prometheus metrics on port %d", metrics.port)
+        log.info("metrics: serving Prometheus metrics on %s:%d", addr, metrics.port)
         return metrics
 
     def update(self, *, restarts_inc: int = 0, **values: float) -> None:

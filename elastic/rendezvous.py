@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from elastic import peer_loss
 from elastic import round as protocol
 from elastic.admission import Admission, load_join_token
 from elastic.errors import (
@@ -134,6 +135,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
 
     def __init__(self, config: RendezvousConfig, client: EtcdClient | None = None) -> None:
         self.config = config
+        # Under stock torchrun too, a worker that dies of a lost peer waits to be stopped (see
+        # elastic/peer_loss.py), so torch's agent sees a membership change, not a failure that
+        # consumes a restart. elastic-run's agent sets a value of its own from its monitor interval.
+        os.environ.setdefault(peer_loss.ENV_GRACE, f"{config.lease_ttl.total_seconds() + 4:g}")
         self._client = client or EtcdClient(config.etcd)
         self._prefix = run_prefix(config.prefix, config.run_id)
         self.keys = RunKeys(self._prefix)

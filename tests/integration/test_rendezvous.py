@@ -130,19 +130,18 @@ def test_two_nodes_form_a_world_with_a_shared_store(cluster: Cluster) -> None:
 
 
 def test_round_closes_as_soon_as_all_live_nodes_joined_without_last_call(cluster: Cluster) -> None:
-    # --nnodes 1:3 with two live agents: the round closes with 2 at once, not after last_call (30s).
-    a = cluster.handler("a", min_nodes=1, max_nodes=3, last_call_timeout=30)
-    b = cluster.handler("b", min_nodes=1, max_nodes=3, last_call_timeout=30)
+    # --nnodes 1:3 with two live agents: the round closes with 2 at once, not after last_call.
+    # The last call is far longer than the test's timeout, so waiting for it fails the test on a
+    # machine of any speed (no wall-clock threshold that a loaded machine could break).
+    a = cluster.handler("a", min_nodes=1, max_nodes=3, last_call_timeout=600)
+    b = cluster.handler("b", min_nodes=1, max_nodes=3, last_call_timeout=600)
     # Both agents are registered before either decides, so each knows the other is alive.
     a.membership.join()
     b.membership.join()
-    started = time.monotonic()
     fa, fb = cluster.start(a), cluster.start(b)
-    ra, rb = fa.result(timeout=15), fb.result(timeout=15)
-    elapsed = time.monotonic() - started
+    ra, rb = fa.result(timeout=25), fb.result(timeout=25)
     assert ra.world_size == rb.world_size == 2
     assert {ra.rank, rb.rank} == {0, 1}
-    assert elapsed < 5, f"round took {elapsed:.1f}s: it waited for a last call"
 
 
 def test_ranks_are_stable_across_rounds(cluster: Cluster, client: EtcdClient) -> None:
@@ -213,21 +212,21 @@ def test_shutdown_after_success_closes_the_run(cluster: Cluster) -> None:
     started = time.monotonic()
     with pytest.raises(RendezvousClosedError, match=cluster.run_id):
         other.next_rendezvous()
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 20, "a closed run must be refused at once, not after join_timeout (600s)"
 
 
-@pytest.mark.timeout(15)
+@pytest.mark.timeout(30)
 def test_join_timeout_names_the_run(cluster: Cluster) -> None:
     lonely = cluster.handler("a", min_nodes=2, max_nodes=2, join_timeout=2)
     started = time.monotonic()
     with pytest.raises(RendezvousTimeoutError) as err:
         lonely.next_rendezvous()
     elapsed = time.monotonic() - started
-    assert 1.5 < elapsed < 5, f"timed out after {elapsed:.1f}s, join_timeout was 2s"
+    assert 1.5 < elapsed < 20, f"timed out after {elapsed:.1f}s, join_timeout was 2s"
     assert cluster.run_id in str(err.value)
 
 
-@pytest.mark.timeout(20)
+@pytest.mark.timeout(40)
 def test_unreachable_endpoint_raises_connection_error_naming_it() -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     config = RendezvousConfig(
@@ -241,7 +240,7 @@ def test_unreachable_endpoint_raises_connection_error_naming_it() -> None:
     started = time.monotonic()
     with pytest.raises(EtcdUnavailableError) as err:
         EtcdV3RendezvousHandler(config).next_rendezvous()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30, "the retry deadline was 2s"
     assert isinstance(err.value, RendezvousConnectionError)
     assert endpoint in str(err.value)
 
@@ -281,13 +280,12 @@ def test_no_round_opens_before_every_member_of_the_closed_one_took_its_rank(clus
 def test_a_round_whose_rank_0_left_before_publishing_its_store_is_abandoned(cluster: Cluster, client: EtcdClient) -> None:
     # Round 1 closed with a (rank 0) and b, but a is gone (its lease expired) before it published
     # the round's store. b must not wait out its join timeout: it joins the next round instead.
-    b = cluster.handler("b", min_nodes=1, max_nodes=2, join_timeout=20)
+    # join_timeout is far beyond the test's own timeout: waiting it out fails the test.
+    b = cluster.handler("b", min_nodes=1, max_nodes=2, join_timeout=600)
     client.raw.put(b._state_key, RoundState(generation=1, status="closed", participants=("a", "b"),  # noqa: SLF001
                                             acked=("a",), nnodes=(1, 2)).to_json())
-    started = time.monotonic()
     info = b.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
-    assert time.monotonic() - started < 10
     state = read_state(client, cluster.run_id)
     assert state is not None and state.generation == 2 and state.participants == ("b",)
 
