@@ -8,8 +8,8 @@ import json
 import logging
 import os
 import threading
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 

@@ -15,8 +15,8 @@ import torch
 
 from ckpt import (
     CheckpointConfig,
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     CheckpointSaveError,
     CheckpointWriteError,
 )
