@@ -807,13 +807,22 @@ class Checkpointer:
         self._check_open()
         local = set(self.committed_steps())
         shared: dict[int, CommitMarker] = {}
+        unlisted: CheckpointError | None = None
         if self._shared is not None:
             try:
                 shared = self._shared.committed()
             except (SharedStorageError, CheckpointError) as exc:
+                unlisted = exc
                 logger.warning(
                     "shared tier not listed, restoring from the local tier only: %s", exc
                 )
+        if unlisted is not None and not local and self.config.init_from is not None:
+            # Falling back to init_from here could throw away this run's own progress.
+            raise SharedStorageError(
+                f"cannot tell whether run {self.identity.describe()} has checkpoints of its own: "
+                f"{unlisted}; init_from ({self.config.init_from}) is used only once the shared "
+                f"tier answers. Restart when it is reachable",
+            ) from unlisted
         candidates = sorted(local | set(shared), reverse=True)
         if step is not None:
             candidates = [s for s in candidates if s == step]
@@ -824,7 +833,7 @@ class Checkpointer:
                 candidate, candidate in local, shared.get(candidate), replicated
             )
             if restored is not None:
-                if (restored.tier == "local" and local_markers_legacy(self, candidate)) or (
+                if (restored.tier == "local" and self._legacy_local(candidate)) or (
                     restored.tier == "shared" and shared[candidate].legacy
                 ):
                     logger.warning(
@@ -986,6 +995,13 @@ class Checkpointer:
             raise CheckpointError(f"cannot read {path}: {strerror(exc)}", path=path) from exc
         return parse_commit(data, path=path, step=step)
 
+    def _legacy_local(self, step: int) -> bool:
+        try:
+            marker = self._read_commit(step)
+        except CheckpointError:
+            return False
+        return marker is not None and marker.legacy
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def close(self, timeout: timedelta = timedelta(minutes=2)) -> bool:
@@ -1061,10 +1077,3 @@ def _check_index(what: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
 
-
-def local_markers_legacy(checkpointer: Checkpointer, step: int) -> bool:
-    try:
-        marker = checkpointer._read_commit(step)
-    except CheckpointError:
-        return False
-    return marker is not None and marker.legacy
