@@ -252,6 +252,11 @@ class Checkpointer:
                 stop=self._stop,
             )
 
+            def fence(exc: CheckpointConflictError) -> None:
+                shared.fence = exc
+
+            self._owner.on_fence = fence
+
             def claim_shared() -> None:
                 assert self._owner is not None
                 if not self._owner.claimed:

@@ -103,6 +103,8 @@ class SharedOwner:
         self.claimed = False
         self.fence: CheckpointConflictError | None = None
         """Set when another live job was found writing the prefix; saves then stop."""
+        self.on_fence: Callable[[CheckpointConflictError], None] | None = None
+        """Called with the fence once it is set (the tier stops uploading)."""
 
     def _current(self) -> OwnerRecord | None:
         data = self._read()
@@ -161,6 +163,8 @@ class SharedOwner:
                         path=self.where,
                     )
                     logger.error("%s", self.fence)
+                    if self.on_fence is not None:
+                        self.on_fence(self.fence)
                     return
                 record = replace(record, beat=record.beat + 1)
                 self._write(record.to_bytes())
