@@ -260,7 +260,11 @@ class Checkpointer:
             def claim_shared() -> None:
                 assert self._owner is not None
                 if not self._owner.claimed:
-                    self._owner.claim()
+                    try:
+                        self._owner.claim()
+                    except CheckpointConflictError as exc:
+                        fence(exc)  # found later, from the replicator: saves stop
+                        raise
                 shared.claim_identity(identity)
 
             shared.pending_claim = claim_shared
