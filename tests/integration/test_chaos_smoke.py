@@ -117,5 +117,7 @@ def test_partition_node_in_network_namespaces(tmp_path: Path) -> None:
     assert fault["detect_s"] is not None and fault["detect_s"] >= 1.0  # noticed by the lease running out, not a reset
     assert doc["final_world_size"] == 1
     assert leftovers(tmp_path) == []
+    # Only this run's links (its tag): another job's namespaces may exist beside us.
+    tag = fault["details"]["namespace"].removeprefix("ecn").rsplit("-", 1)[0]
     links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True, timeout=30).stdout
-    assert "ecb" not in links and "ecv" not in links
+    assert f"ecb{tag}" not in links and f"ecv{tag}" not in links, links
