@@ -67,7 +67,6 @@ from ckpt.writer import BackgroundWriter, WrittenRank, commit_if_complete, persi
 
 logger = logging.getLogger(__name__)
 
-_FETCH_PREFIX = FETCH_PREFIX
 _FETCH_MAX_AGE_S = 3600.0
 
 
@@ -1060,7 +1059,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _young_fetch_dir(entry: Path) -> bool:
-    if not entry.name.startswith(_FETCH_PREFIX):
+    if not entry.name.startswith(FETCH_PREFIX):
         return False
     try:
         return time.time() - entry.stat().st_mtime < _FETCH_MAX_AGE_S
