@@ -21,7 +21,7 @@ demo: venv
 	$(PY) examples/demo.py
 
 lint: venv
-	$(VENV)/bin/ruff check elastic trainer ckpt tests examples bench
+	$(VENV)/bin/ruff check core elastic trainer ckpt tests examples bench
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass.
 test: venv lint

@@ -42,8 +42,9 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
-from elastic import events, peer_loss, progress
-from elastic.events import emit
+from core import events
+from core.events import emit
+from elastic import peer_loss, progress
 from elastic.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)

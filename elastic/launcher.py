@@ -38,7 +38,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from elastic import events, rendezvous
+from core import events
+from elastic import rendezvous
 from elastic.agent import AgentConfig, launch
 from elastic.credentials import mask_conf
 from elastic.errors import ElasticError

@@ -29,6 +29,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from core.events import emit
 from elastic import peer_loss
 from elastic import round as protocol
 from elastic.admission import Admission, load_join_token
@@ -40,7 +41,6 @@ from elastic.errors import (
     RunIdConflictError,
 )
 from elastic.etcd_client import EtcdClient, EtcdClientConfig, resolve_password
-from elastic.events import emit
 from elastic.liveness import Beacon, Monitor, listening_socket
 from elastic.membership import Membership, MembershipConfig, run_prefix
 from elastic.rdzv_settings import TORCH_KEYS, RendezvousSettings, parse_conf

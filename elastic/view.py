@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from core.events import emit
 from elastic import round as protocol
 from elastic.errors import EtcdRecordError
 from elastic.etcd_client import EtcdClient
-from elastic.events import emit
 from elastic.records import NodeRecord, RunKeys, StoreRecord, parse_run
 
 if TYPE_CHECKING:

@@ -1,0 +1,7 @@
+"""core: the leaf every other package may import (and which imports none of them).
+
+- `core.events`: structured events, the only machine-readable record (the chaos harness, tests and
+  metrics read events, never log text).
+- `core.deadline`: one deadline type for every bounded wait.
+- `core.procfs`: the one place that parses `/proc`.
+"""

@@ -1,0 +1,137 @@
+"""Structured events: the only protocol between components. Log lines are for people.
+
+Every event is one JSON object. It goes to three places:
+- the `elastic.events` logger (one line of JSON; for people and log pipelines);
+- when `ELASTIC_EVENTS_DIR` is set, one line appended to `<dir>/events-<pid>.jsonl` (the chaos
+  harness and tests set it per simulated node and read only these files, never stdout);
+- torch's event handler, see below.
+
+Every record carries `event`, `ts` (wall clock, seconds), `pid`, and from the torchrun worker
+environment where it is set: `rank`, `local_rank`, `world`, `restart` (TORCHELASTIC_RESTART_COUNT)
+and `node` (ELASTIC_NODE_ID). Field names below are the contract; add fields, never rename them.
+
+Agent events (elastic/): `join`, `leave`, `round_closed`, `restart`, `recovered`, `degraded`,
+`hang_detected`, `bad_record`; each carries the run id, the node id and timings in seconds.
+
+Worker events (trainer/, ckpt/):
+- `worker_started`  rank, world, local_rank, restart
+- `restored`        step, tier ("local" | "shared"), source_rank (whose files), path
+- `resumed`         step (the first step this incarnation will run is step + 1; 0 = fresh start)
+- `step`            step (completed, 1-based), loss (float, optional)
+- `ckpt_saved`      step, tier ("local" | "shared"), seconds (optional)
+- `ckpt_skipped`    step, reason
+- `ckpt_failed`     step, tier, error
+- `fault`           point, step, action (the library fault injector, just before it acts)
+- `final_digest`    step, digest
+
+The same events also go to torch's event handler (`torch.distributed.elastic.events.record`) as
+`elastic.<event>` from source AGENT, to the destination `--event-log-handler` names, next to
+torch's own worker events. The agent sets that destination (`route_to_torch`); until then (stock
+torchrun loading only the rendezvous handler) it is torch's `null` handler.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("elastic.events")
+
+_torch_destination = "null"
+
+
+def route_to_torch(destination: str) -> None:
+    """Also record every event to torch's event handler `destination` (`--event-log-handler`)."""
+    from torch.distributed.elastic.events.handlers import get_logging_handler
+
+    try:
+        get_logging_handler(destination)
+    except KeyError as exc:
+        raise ValueError(f"--event-log-handler {destination!r} is not a registered torch event handler "
+                         "(torch ships 'console' and 'null')") from exc
+    global _torch_destination
+    _torch_destination = destination
+
+
+EVENTS_DIR_ENV = "ELASTIC_EVENTS_DIR"
+
+# Worker identity from the torchrun environment, added to every record where it is set.
+_IDENTITY_ENV = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world": "WORLD_SIZE",
+                 "restart": "TORCHELASTIC_RESTART_COUNT", "node": "ELASTIC_NODE_ID"}
+
+_file_lock = threading.Lock()
+
+
+def emit(event: str, **fields: Any) -> dict[str, Any]:
+    """Record `event` with `fields` (JSON-serialisable; anything else is written as its str)."""
+    record: dict[str, Any] = {"event": event, "ts": round(time.time(), 3), "pid": os.getpid()}
+    for key, env in _IDENTITY_ENV.items():
+        value = os.environ.get(env)
+        if value is not None:
+            record[key] = int(value) if value.lstrip("-").isdigit() else value
+    record.update(fields)
+    line = json.dumps(record, sort_keys=True, default=str)
+    log.info("%s", line)
+    _append_to_file(line)
+    if _torch_destination != "null":
+        _record_in_torch(record)
+    return record
+
+
+def events_path(directory: str, pid: int | None = None) -> str:
+    """The file a process with `pid` appends its events to under `directory`."""
+    return os.path.join(directory, f"events-{os.getpid() if pid is None else pid}.jsonl")
+
+
+def read_events(directory: str) -> list[dict[str, Any]]:
+    """Every event under `directory`, all processes, ordered by time. A torn last line (a process
+    killed mid-write) is skipped."""
+    records: list[dict[str, Any]] = []
+    if not os.path.isdir(directory):
+        return records
+    for name in sorted(os.listdir(directory)):
+        if not (name.startswith("events-") and name.endswith(".jsonl")):
+            continue
+        with open(os.path.join(directory, name), encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                try:
+                    records.append(json.loads(raw))
+                except json.JSONDecodeError:
+                    continue
+    records.sort(key=lambda r: (r.get("ts", 0.0), r.get("pid", 0)))
+    return records
+
+
+def _append_to_file(line: str) -> None:
+    directory = os.environ.get(EVENTS_DIR_ENV)
+    if not directory:
+        return
+    data = (line + "\n").encode()
+    with _file_lock:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            # One write() per line with O_APPEND: lines from threads and forks never interleave.
+            fd = os.open(events_path(directory), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # an event file must never take down training
+            log.warning("cannot append to the event file under %s=%s: %s", EVENTS_DIR_ENV, directory, exc)
+
+
+def _record_in_torch(record: dict[str, Any]) -> None:
+    from torch.distributed.elastic import events as torch_events
+
+    # torch's metadata values are scalars: lists and dicts travel as JSON text.
+    metadata = {k: v if v is None or isinstance(v, str | int | float | bool) else json.dumps(v, default=str)
+                for k, v in record.items() if k not in ("event", "ts")}
+    torch_events.record(
+        torch_events.Event(name=f"elastic.{record['event']}", source=torch_events.EventSource.AGENT,
+                           timestamp=int(record["ts"] * 1000), metadata=metadata),
+        _torch_destination,
+    )

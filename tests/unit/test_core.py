@@ -1,0 +1,71 @@
+"""core: the event file sink (the harness's only protocol) and the deadline helper."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from core import events
+from core.deadline import Deadline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _emit_many(directory: str, n: int) -> None:
+    os.environ[events.EVENTS_DIR_ENV] = directory
+    for i in range(n):
+        events.emit("step", step=i, loss=float(i))
+
+
+def test_events_go_to_a_file_per_process_with_identity(tmp_path, monkeypatch):
+    monkeypatch.setenv(events.EVENTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("ELASTIC_NODE_ID", "node-b")
+    events.emit("restored", step=7, tier="local", source_rank=2, path="/x")
+    lines = (tmp_path / f"events-{os.getpid()}.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"event": "restored", "ts": json.loads(lines[0])["ts"], "pid": os.getpid(), "rank": 2,
+         "restart": 1, "node": "node-b", "step": 7, "tier": "local", "source_rank": 2, "path": "/x"}]
+
+
+def test_read_events_merges_processes_and_skips_a_torn_line(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_emit_many, args=(str(tmp_path), 50)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    with open(tmp_path / "events-999999.jsonl", "w") as f:
+        f.write('{"event": "step", "ts": 1.0, "step": 1}\n{"event": "st')  # killed mid-write
+    records = events.read_events(str(tmp_path))
+    assert len(records) == 101
+    by_pid: dict[int, list[int]] = {}
+    for r in records:
+        by_pid.setdefault(r["pid"], []).append(r["step"]) if "pid" in r else None
+    assert sorted(len(v) for v in by_pid.values()) == [50, 50]
+    assert all(v == list(range(50)) for v in by_pid.values())
+
+
+def test_no_directory_means_no_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(events.EVENTS_DIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert events.emit("step", step=1)["step"] == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_deadline_with_a_fake_clock():
+    now = [100.0]
+    d = Deadline.after(5, clock=lambda: now[0])
+    assert d.remaining() == 5 and not d.expired()
+    assert d.capped(1.0) == 1.0
+    now[0] = 104.5
+    assert d.remaining() == pytest.approx(0.5) and d.capped(1.0) == pytest.approx(0.5)
+    now[0] = 200.0
+    assert d.remaining() == 0.0 and d.expired()
+    forever = Deadline.after(None, clock=lambda: now[0])
+    assert forever.remaining() is None and not forever.expired() and forever.capped(2.0) == 2.0
