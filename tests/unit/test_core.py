@@ -69,3 +69,32 @@ def test_deadline_with_a_fake_clock():
     assert d.remaining() == 0.0 and d.expired()
     forever = Deadline.after(None, clock=lambda: now[0])
     assert forever.remaining() is None and not forever.expired() and forever.capped(2.0) == 2.0
+
+
+def test_faults_match_on_rank_restart_and_point(tmp_path, monkeypatch):
+    from core import faults
+
+    monkeypatch.setenv(events.EVENTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(faults.FAULTS_ENV, faults.encode([
+        faults.Fault(point="step", step=3, rank=1, action="raise"),
+        faults.Fault(point="save", step=5, action="raise", restart=None)]))
+    monkeypatch.setenv("RANK", "0")
+    faults.fire("step", 3)  # another rank's fault
+    monkeypatch.setenv("RANK", "1")
+    faults.fire("save", 3)  # another point
+    with pytest.raises(faults.InjectedFault):
+        faults.fire("step", 3)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    faults.fire("step", 3)  # restart 0 only, by default
+    with pytest.raises(faults.InjectedFault):
+        faults.fire("save", 5)  # restart=None: every restart
+    assert [(r["event"], r["point"], r["step"]) for r in events.read_events(str(tmp_path))] == [
+        ("fault", "step", 3), ("fault", "save", 5)]
+
+
+def test_bad_fault_config_names_the_variable(monkeypatch):
+    from core import faults
+
+    monkeypatch.setenv(faults.FAULTS_ENV, '[{"point": "lunch", "step": 1}]')
+    with pytest.raises(ValueError, match="ELASTIC_FAULTS: point 'lunch'"):
+        faults.fire("step", 1)

@@ -1,0 +1,24 @@
+"""The worker side of the agent-worker contract, in one bootstrap.
+
+`bootstrap()` is called once by every worker that `trainer` runs in (it is idempotent). Under a
+torch elastic agent (elastic-run or torchrun) it:
+- ends the worker when its agent dies (`elastic.orphan`), so no orphan holds ports or GPU memory;
+- turns a lost peer's collective error into one line (`elastic.peer_loss`).
+`beat(step)` and `finish()` report progress to the agent's hang detector (`elastic.progress`).
+"""
+
+from __future__ import annotations
+
+from elastic import orphan, peer_loss, progress
+
+beat = progress.beat
+finish = progress.finish
+
+
+def bootstrap() -> bool:
+    """Start the worker-side services; returns whether this process runs under an elastic agent."""
+    if not orphan.under_agent():
+        return False
+    orphan.exit_with_parent()  # a worker whose agent was SIGKILLed must not linger
+    peer_loss.install()  # a lost peer's traceback gives way to the agent's one line
+    return True
