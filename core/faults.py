@@ -60,7 +60,8 @@ class Fault:
                 and (self.restart is None or self.restart == restart))
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
+        # `restart` stays even when None: omitted, it would mean restart 0.
+        return {k: v for k, v in self.__dict__.items() if v is not None or k == "restart"}
 
 
 def encode(faults: list[Fault]) -> str:
