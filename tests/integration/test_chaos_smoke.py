@@ -100,7 +100,7 @@ def test_custom_script_after_double_dash(tmp_path: Path) -> None:
 def _netns_works() -> bool:
     if os.geteuid() != 0:
         return False
-    from elastic.chaos.inject import _probe_netns
+    from chaos.inject import _probe_netns
 
     return _probe_netns() is None
 

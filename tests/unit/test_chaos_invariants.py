@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.chaos import invariants as inv
-from elastic.chaos import timeline as tl
+from chaos import invariants as inv
+from chaos import timeline as tl
 from trainer.data import DataConfig
 
 pytestmark = pytest.mark.timeout(30)
@@ -274,7 +274,7 @@ def test_missing_sample_records_are_reported() -> None:
 
 
 def _job(log: Log):  # type: ignore[no-untyped-def]
-    from elastic.chaos.runner import JobResult
+    from chaos.runner import JobResult
 
     runs = tl.attempts(log.events)
     digests = [e.digest for e in log.events if isinstance(e, tl.Digest)]
@@ -283,8 +283,8 @@ def _job(log: Log):  # type: ignore[no-untyped-def]
 
 
 def test_reference_is_the_first_attempt_that_finished() -> None:
-    from elastic.chaos.config import ChaosConfig
-    from elastic.chaos.runner import ChaosError, _reference
+    from chaos.config import ChaosConfig
+    from chaos.runner import ChaosError, _reference
 
     config = ChaosConfig(report_dir=Path("/tmp"), steps=20)
     clean = Log().start().steps(1, 20).line("final_digest=aa")

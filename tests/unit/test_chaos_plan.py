@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from elastic.chaos import CATALOG, ChaosConfig, parse_faults, plan
-from elastic.chaos.cli import main
-from elastic.chaos.faults import FaultSpec, check_feasible
-from elastic.chaos.scenarios import SCENARIOS
+from chaos import CATALOG, ChaosConfig, parse_faults, plan
+from chaos.cli import main
+from chaos.faults import FaultSpec, check_feasible
+from chaos.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.timeout(30)
 

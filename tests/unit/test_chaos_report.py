@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from chaos import report as rpt
+from chaos.inject import Capabilities, flip_bytes, newest_committed, skip_reason
+from chaos.schedule import PlannedFault
 from ckpt import CheckpointConfig, Checkpointer, CheckpointError
-from elastic.chaos import report as rpt
-from elastic.chaos.inject import Capabilities, flip_bytes, newest_committed, skip_reason
-from elastic.chaos.schedule import PlannedFault
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,7 +85,7 @@ def test_newest_committed_of_an_empty_dir(tmp_path: Path) -> None:
 
 
 def test_shared_storage_outage_breaks_paths_then_heals(tmp_path: Path) -> None:
-    from elastic.chaos import inject
+    from chaos import inject
 
     shared = tmp_path / "shared"
     (shared / "run").mkdir(parents=True)
@@ -121,7 +121,7 @@ def test_skip_reasons() -> None:
 
 
 def test_read_samples_skips_a_torn_last_line(tmp_path: Path) -> None:
-    from elastic.chaos.timeline import SampleRecord, read_samples
+    from chaos.timeline import SampleRecord, read_samples
 
     (tmp_path / "samples-w2-r1-c0-p4242.jsonl").write_text(
         '{"step": 1, "epoch": 0, "rank": 1, "ids": [3, 4]}\n{"step": 2, "epoch": 0, "ra')
@@ -134,7 +134,7 @@ def test_disk_full_fills_tier_one_then_frees_it(tmp_path: Path) -> None:
     import errno
     import subprocess
 
-    from elastic.chaos import inject
+    from chaos import inject
 
     tier1 = tmp_path / "node0"
     tier1.mkdir()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.chaos.faults import parse_faults
+from chaos.faults import parse_faults
 
 
 @dataclass(frozen=True)

@@ -19,20 +19,20 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+from chaos import invariants as inv
+from chaos import report as rpt
+from chaos import timeline as tl
+from chaos.cluster import Cluster, EtcdMembers, ProcessLedger
+from chaos.config import ChaosConfig
+from chaos.faults import CATALOG
+from chaos.inject import Capabilities, Target, inject, newest_committed, probe, skip_reason
+from chaos.network import NetnsNetwork
+from chaos.schedule import PlannedFault, plan
 from ckpt.layout import parse_rank_dir_name
-from elastic.chaos import invariants as inv
-from elastic.chaos import report as rpt
-from elastic.chaos import timeline as tl
-from elastic.chaos.cluster import Cluster, EtcdMembers, ProcessLedger
-from elastic.chaos.config import ChaosConfig
-from elastic.chaos.faults import CATALOG
-from elastic.chaos.inject import Capabilities, Target, inject, newest_committed, probe, skip_reason
-from elastic.chaos.network import NetnsNetwork
-from elastic.chaos.schedule import PlannedFault, plan
 from elastic.proctree import descendants
 from trainer.data import DataConfig
 
-log = logging.getLogger("elastic.chaos")
+log = logging.getLogger("chaos")
 
 
 class ChaosError(Exception):

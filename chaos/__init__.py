@@ -1,9 +1,9 @@
 """elastic-chaos: run a training job on simulated nodes under a seeded fault plan and check that it
-survives exactly (see `elastic.chaos.cli` for the command line).
+survives exactly (see `chaos.cli` for the command line).
 
 Library use:
 
-    from elastic.chaos import ChaosConfig, parse_faults, run_chaos
+    from chaos import ChaosConfig, parse_faults, run_chaos
     report = run_chaos(ChaosConfig(report_dir=Path("out"), nodes=2, faults=parse_faults("kill-worker,kill-node@last")))
     assert report.passed, report.invariant_details
 
@@ -13,16 +13,16 @@ Public surface: `ChaosConfig`, `parse_faults`, `FaultSpec`, `CATALOG`, `SCENARIO
 
 from __future__ import annotations
 
-from elastic.chaos.config import ChaosConfig
-from elastic.chaos.faults import CATALOG, FaultSpec, parse_faults
-from elastic.chaos.report import Report
-from elastic.chaos.scenarios import SCENARIOS
-from elastic.chaos.schedule import PlannedFault, plan
+from chaos.config import ChaosConfig
+from chaos.faults import CATALOG, FaultSpec, parse_faults
+from chaos.report import Report
+from chaos.scenarios import SCENARIOS
+from chaos.schedule import PlannedFault, plan
 
 
 def run_chaos(config: ChaosConfig) -> Report:
     """Run the reference job and the chaos job, check the invariants, write the report; return it."""
-    from elastic.chaos.runner import run
+    from chaos.runner import run
 
     report, _ = run(config)
     return report

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chaos.cluster import Cluster, EtcdMembers, ProcessLedger, alive
+from chaos.config import ChaosConfig
+from chaos.faults import CATALOG
+from chaos.network import NetnsNetwork
+from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
-from elastic.chaos.cluster import Cluster, EtcdMembers, ProcessLedger, alive
-from elastic.chaos.config import ChaosConfig
-from elastic.chaos.faults import CATALOG
-from elastic.chaos.network import NetnsNetwork
-from elastic.chaos.schedule import PlannedFault
 
 SHARED_FLAGS = ("--shared-url", "--shared-dir", "--shared")
 """Flags by which a training script takes its shared-tier location, in order of preference."""

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from elastic.chaos.faults import CATALOG, FaultSpec
+from chaos.faults import CATALOG, FaultSpec
 
 LASTING = ("restart-etcd", "shared-storage-outage", "disk-full")
 """Faults that last `hold_s` seconds before they are healed."""

@@ -1,6 +1,6 @@
 """Start one simulated node's `elastic-run` agent at a common barrier.
 
-    python -m elastic.chaos._agent --ready FILE --barrier FILE -- <elastic-run arguments>
+    python -m chaos._agent --ready FILE --barrier FILE -- <elastic-run arguments>
 
 The slow part of an agent's start (importing torch) happens before the barrier; the harness opens
 the barrier once every node is ready, so the nodes register in etcd within milliseconds of one
@@ -19,7 +19,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="python -m elastic.chaos._agent")
+    parser = argparse.ArgumentParser(prog="python -m chaos._agent")
     parser.add_argument("--ready", type=Path, required=True, help="touched once the agent's imports are done")
     parser.add_argument("--barrier", type=Path, required=True, help="the agent starts once this file exists")
     parser.add_argument("--timeout", type=float, default=300.0)

@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.chaos.faults import FaultSpec, check_feasible, max_nodes
-from elastic.chaos.schedule import LASTING, MAX_HOLD_S, plan
+from chaos.faults import FaultSpec, check_feasible, max_nodes
+from chaos.schedule import LASTING, MAX_HOLD_S, plan
 
-REPO = Path(__file__).resolve().parent.parent.parent
+REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "train_tiny.py"
 """The default training script."""
 

@@ -22,11 +22,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elastic.chaos.cluster import become_subreaper
-from elastic.chaos.config import PLACEHOLDERS, ChaosConfig
-from elastic.chaos.faults import CATALOG, parse_faults
-from elastic.chaos.report import Report
-from elastic.chaos.scenarios import SCENARIOS
+from chaos.cluster import become_subreaper
+from chaos.config import PLACEHOLDERS, ChaosConfig
+from chaos.faults import CATALOG, parse_faults
+from chaos.report import Report
+from chaos.scenarios import SCENARIOS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="[elastic-chaos] %(asctime)s %(message)s")
     become_subreaper()
     signal.signal(signal.SIGTERM, _interrupt)  # clean up every process, as on Ctrl-C
-    from elastic.chaos.runner import run  # imports torch: keep `--help` and bad input fast
+    from chaos.runner import run  # imports torch: keep `--help` and bad input fast
 
     try:
         if runs == 1:
@@ -153,7 +153,7 @@ def _print_summary(report: Report, directory: Path) -> None:
 
 
 def _soak(config: ChaosConfig, runs: int) -> int:
-    from elastic.chaos.runner import run
+    from chaos.runner import run
 
     reports: list[Report] = []
     reference = None

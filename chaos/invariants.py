@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic.chaos.timeline import (
+from chaos.timeline import (
     Attempt,
     CheckpointSkipped,
     Event,

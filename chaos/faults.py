@@ -11,7 +11,7 @@ one at injection time), of an etcd fault a member index. Without a target the sc
 from the seed. Targets are roles, not node names: which node holds a rank depends on join order,
 so keying faults by rank keeps a seed reproducible.
 
-This module is pure: the injection itself is `elastic.chaos.inject`.
+This module is pure: the injection itself is `chaos.inject`.
 """
 
 from __future__ import annotations

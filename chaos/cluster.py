@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from elastic.chaos.config import ChaosConfig
-from elastic.chaos.network import NetnsNetwork, NodeNet
-from elastic.chaos.timeline import AgentEvent, Timeline, parse
+from chaos.config import ChaosConfig
+from chaos.network import NetnsNetwork, NodeNet
+from chaos.timeline import AgentEvent, Timeline, parse
 from elastic.etcd_server import EtcdServer, EtcdServerConfig, free_port
 from elastic.proctree import descendants, kill_tree
 
@@ -366,7 +366,7 @@ class Cluster:
         ledger.watch(lambda: [n.pid for n in self.nodes if n.running()])
 
     def start(self, nodes: int, *, tmpfs_mb: int | None = None, timeout_s: float = 120.0) -> None:
-        """Start `nodes` nodes and let them all into the rendezvous at once (see `elastic.chaos._agent`)."""
+        """Start `nodes` nodes and let them all into the rendezvous at once (see `chaos._agent`)."""
         for _ in range(nodes):
             self.add_node(tmpfs_mb=tmpfs_mb)
         deadline = time.monotonic() + timeout_s
@@ -390,7 +390,7 @@ class Cluster:
             script_argv += [self.samples_flag, str(self.samples_dir)]
         net = self.network.add_node() if self.network is not None else None
         argv = [
-            sys.executable, "-m", "elastic.chaos._agent", "--ready", str(self.work_dir / f".ready-{name}"),
+            sys.executable, "-m", "chaos._agent", "--ready", str(self.work_dir / f".ready-{name}"),
             "--barrier", str(self.barrier), "--",
             "--nnodes", f"1:{cfg.max_nodes}", "--nproc-per-node", str(cfg.nproc_per_node),
             "--max-restarts", "100", "--monitor-interval", "0.1",
