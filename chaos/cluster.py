@@ -2,7 +2,7 @@
 
 A simulated node is one `elastic-run` agent in a session of its own, with its own node id and its
 own local-tier directory; torch starts its workers in sessions of their own too, so a node is
-addressed as the agent's process tree, by pid (`elastic.proctree`). Every process the cluster
+addressed as the agent's process tree, by pid (`core.procfs`). Every process the cluster
 starts, and every descendant it ever sees, is recorded with its start time, so that the end of the
 run can prove that none is left (pids are reused; the start time tells them apart).
 """
@@ -24,46 +24,10 @@ from typing import Literal
 from chaos.config import ChaosConfig
 from chaos.network import NetnsNetwork, NodeNet
 from chaos.timeline import AgentEvent, Timeline, parse
+from core.procfs import alive, cmdline, descendants, environ, kill_tree, stat
 from elastic.etcd_server import EtcdServer, EtcdServerConfig, free_port
-from elastic.proctree import descendants, kill_tree
 
 # -- processes -----------------------------------------------------------------------------------
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, start time in clock ticks) of a process, or None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[19])
-
-
-def alive(pid: int, start: int | None = None) -> bool:
-    """Whether `pid` runs (a zombie does not), and, with `start`, is still the same process."""
-    st = _stat(pid)
-    return st is not None and st[0] != "Z" and (start is None or st[2] == start)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            out[key.decode(errors="replace")] = value.decode(errors="replace")
-    return out
 
 
 class ProcessLedger:
@@ -84,10 +48,10 @@ class ProcessLedger:
             self._roots.append(roots)
 
     def record(self, pid: int, what: str = "") -> None:
-        st = _stat(pid)
+        st = stat(pid)
         if st is not None:
             with self._lock:
-                self._seen.setdefault((pid, st[2]), what or _cmdline(pid)[:160])
+                self._seen.setdefault((pid, st.start), what or cmdline(pid)[:160])
 
     def record_tree(self, pid: int) -> list[int]:
         pids = [pid, *descendants(pid)]
@@ -153,8 +117,8 @@ def _reap_orphans(candidates: set[int]) -> None:
         return
     me = os.getpid()
     for pid in candidates:
-        st = _stat(pid)
-        if st is not None and st[0] == "Z" and st[1] == me:
+        st = stat(pid)
+        if st is not None and st.state == "Z" and st.ppid == me:
             try:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
@@ -300,10 +264,10 @@ class SimNode:
         """The agent's worker processes (children that carry torch's RANK), by their environment."""
         out = []
         for pid in descendants(self.pid):
-            st = _stat(pid)
-            if st is None or st[1] != self.pid or st[0] == "Z":
+            st = stat(pid)
+            if st is None or st.ppid != self.pid or st.state == "Z":
                 continue
-            env = _environ(pid)
+            env = environ(pid)
             if "RANK" in env and "LOCAL_RANK" in env:
                 out.append(Worker(pid, int(env["RANK"]), int(env["LOCAL_RANK"]), int(env.get("GROUP_RANK", -1))))
         return sorted(out, key=lambda w: w.rank)

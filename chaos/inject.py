@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.cluster import Cluster, EtcdMembers, ProcessLedger, alive
+from chaos.cluster import Cluster, EtcdMembers, ProcessLedger
 from chaos.config import ChaosConfig
 from chaos.faults import CATALOG
 from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
+from core.procfs import alive
 
 SHARED_FLAGS = ("--shared-url", "--shared-dir", "--shared")
 """Flags by which a training script takes its shared-tier location, in order of preference."""
@@ -165,7 +166,7 @@ def _hang_worker(fault: PlannedFault, to: Target) -> Injection:
 
 def _kill_node(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
-    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
         return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
     tree = to.ledger.record_tree(node.pid)
@@ -194,7 +195,7 @@ def _restart_etcd(fault: PlannedFault, to: Target) -> Injection:
 
 def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
-    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
         return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
     step, step_dir = newest_committed(node.local_dir)
@@ -261,7 +262,7 @@ def _shared_storage_outage(fault: PlannedFault, to: Target) -> Injection:
 
 def _disk_full(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
-    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
         return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
     filler = node.local_dir / ".elastic-chaos-fill"
@@ -291,7 +292,7 @@ def _add_node(fault: PlannedFault, to: Target) -> Injection:
 
 def _partition_node(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
-    node = to.cluster.node_by_group_rank(fault.target)  # type: ignore[arg-type]
+    node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
         return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
     if to.network is None or node.net is None:

@@ -335,7 +335,7 @@ def all_injected(ev: Evidence) -> Check:
 
 def _ranges(values: list[int]) -> str:
     out, start, prev = [], values[0], values[0]
-    for v in values[1:] + [None]:  # type: ignore[list-item]
+    for v in values[1:] + [None]:
         if v is not None and v == prev + 1:
             prev = v
             continue

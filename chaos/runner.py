@@ -29,7 +29,7 @@ from chaos.inject import Capabilities, Target, inject, newest_committed, probe, 
 from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault, plan
 from ckpt.layout import parse_rank_dir_name
-from elastic.proctree import descendants
+from core.procfs import descendants
 from trainer.data import DataConfig
 
 log = logging.getLogger("chaos")
@@ -409,7 +409,7 @@ def _plot(job: JobResult, records: list[rpt.FaultRecord]) -> rpt.Plot:
         isinstance(e, tl.WorkerStart) for e in job.events) else []
     faults = [(r.injected_t, r.kind) for r in records if r.injected_t is not None]
     recoveries = [r.injected_t + r.resume_s for r in records if r.injected_t is not None and r.resume_s is not None]
-    return rpt.Plot(steps, worlds, faults, recoveries, end_t=job.duration_s)  # type: ignore[arg-type]
+    return rpt.Plot(steps, worlds, faults, recoveries, end_t=job.duration_s)
 
 
 def _config_json(config: ChaosConfig) -> dict[str, object]:

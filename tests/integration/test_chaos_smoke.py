@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.proctree import kill_tree
+from core import procfs
+from core.procfs import kill_tree
 
 pytestmark = pytest.mark.integration
 
@@ -45,16 +46,12 @@ def chaos(args: list[str], tmp_path: Path, timeout: float) -> tuple[int, str, di
 def leftovers(marker: Path) -> list[str]:
     """Processes anywhere on the machine whose command line names our work dir: agents and workers."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for pid in procfs.pids():
+        if pid == os.getpid():
             continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if str(marker) in cmd and state != "Z":
-            found.append(f"{entry.name} {cmd[:200]}")
+        cmd = procfs.cmdline(pid)
+        if str(marker) in cmd and procfs.alive(pid):
+            found.append(f"{pid} {cmd[:200]}")
     return found
 
 
