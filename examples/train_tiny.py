@@ -8,28 +8,26 @@ final digest equals that of a run that was never interrupted. Restarted with ano
 --nproc-per-node on the same --ckpt-dir, it continues from the same global data position with the
 same global batch (see trainer/data.py for how the batch is split).
 
-Fault injection (for tests and the chaos harness): --crash-at-step kills rank --crash-rank before
-that step, --crash-in-save kills it inside the save of that step, after its files are written and
-before the commit; both only in restart --crash-restart.
+The lines it prints are for people. Tests and the chaos harness read the library's structured
+events instead (ELASTIC_EVENTS_DIR, see core/events.py), inject faults through ELASTIC_FAULTS
+(core/faults.py) and turn the sample log on with ELASTIC_SAMPLE_LOG_DIR (trainer/samples.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, training_digest, wrap_ddp
+from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, wrap_ddp
+from trainer.samples import SAMPLE_LOG_ENV
 
 
 def say(line: str) -> None:
@@ -55,15 +53,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--augment", type=float, default=0.0,
                    help="std of Gaussian noise added to the inputs, drawn from the torch RNG (0: none)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
-    p.add_argument("--log-samples", default=None, metavar="DIR",
-                   help="append the sample ids each rank consumes at each step to DIR/*.jsonl")
+    # Deprecated: the chaos harness still passes it; it only sets the environment variable.
+    p.add_argument("--log-samples", default=None, metavar="DIR", help=f"deprecated: set {SAMPLE_LOG_ENV}=DIR instead")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows the demo down)")
-    p.add_argument("--crash-at-step", type=int, default=None, help="fault injection: SIGKILL this worker at this step")
-    p.add_argument("--crash-in-save", type=int, default=None, metavar="STEP",
-                   help="fault injection: SIGKILL this worker in the save of STEP, after its files, before the commit")
-    p.add_argument("--crash-rank", type=int, default=0, help="the rank that --crash-at-step/--crash-in-save kills")
-    p.add_argument("--crash-restart", type=int, default=0, help="only crash in this restart attempt")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.log_samples:
+        os.environ[SAMPLE_LOG_ENV] = args.log_samples
+    return args
 
 
 class Samples(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -80,12 +76,6 @@ class Samples(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         return i, self.x[i], self.y[i]
-
-
-def crash(args: argparse.Namespace, rank: int, restart: int, step: int, option: str, where: str) -> None:
-    if getattr(args, option) == step and rank == args.crash_rank and restart == args.crash_restart:
-        say(f"fault: rank {rank} kills itself (SIGKILL) {where} {step}")
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -106,8 +96,7 @@ def main() -> None:
                              rank=rank, world_size=world)
     run = Resumable(ResumeConfig(ckpt_dir=args.ckpt_dir, save_every=args.ckpt_every,
                                  shared_url=args.shared_url, run_name=args.run_name),
-                    model=ddp, optimizer=optimizer, sampler=sampler,
-                    on_rank_saved=lambda s: crash(args, rank, restart, s, "crash_in_save", "in the save of step"))
+                    model=ddp, optimizer=optimizer, sampler=sampler)
     step = run.restore()
     if run.restored is not None:
         r = run.restored
@@ -116,15 +105,10 @@ def main() -> None:
     if rank == 0 and run.resumed_from is not None:
         say(f"resumed from step {step}")
     batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # starts at the restored position
-    log = None
-    if args.log_samples:
-        Path(args.log_samples).mkdir(parents=True, exist_ok=True)
-        log = open(Path(args.log_samples) / f"samples-w{world}-r{rank}-c{restart}-p{os.getpid()}.jsonl", "a")
 
     while step < args.steps:
-        crash(args, rank, restart, step, "crash_at_step", "at step")
         optimizer.zero_grad(set_to_none=True)
-        total, ids = torch.zeros(()), []
+        total = torch.zeros(())
         for i in range(sampler.accum_steps):
             idx, x, y = next(batches)
             if args.augment:
@@ -134,25 +118,20 @@ def main() -> None:
                 loss = nn.functional.mse_loss(ddp(x), y) * sampler.loss_weight(len(idx))
                 loss.backward()
             total += loss.detach()
-            ids += idx.tolist()
         optimizer.step()
         step += 1
         # The mean loss over the global batch, for the log (each rank's total is weighted by W / G).
         dist.all_reduce(total)
+        mean = total.item() / world
         if rank == 0:
-            say(f"step={step} loss={total.item() / world:.6f}")
-        if log:
-            log.write(json.dumps({"step": step, "epoch": sampler.epoch, "rank": rank, "ids": ids}) + "\n")
-            log.flush()
-        run.step_done(step)
+            say(f"step={step} loss={mean:.6f}")
+        run.step_done(step, loss=mean)
         if args.step_sleep:
             time.sleep(args.step_sleep)
 
     del batches  # stops the DataLoader workers before the process group goes
-    if log:
-        log.close()
     run.close()
-    digest = training_digest(ddp, optimizer)
+    digest = run.final_digest()
     if rank == 0:
         say(f"final_digest={digest}")
     del ddp  # before the process group: see trainer.wrap_ddp ("Teardown")

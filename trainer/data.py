@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.errors import StateMismatchError
+from trainer.samples import SampleLog
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +107,8 @@ class ElasticSampler:
         self._micro = [(start + a, start + b) for a, b in _split(stop - start, accum)]
         self.epoch = 0
         self.position = 0
+        self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size)
+        """The sample log (trainer/samples.py), when ELASTIC_SAMPLE_LOG_DIR turns it on."""
 
     @property
     def local_batch(self) -> int:
@@ -141,10 +144,18 @@ class ElasticSampler:
     def micro_batches(self) -> list[list[int]]:
         """This rank's sample ids for the current step, cut into `accum_steps` micro-batches."""
         batch = self._global_batch(self.epoch, self.position)
-        return [batch[a:b].tolist() for a, b in self._micro]
+        micro = [batch[a:b].tolist() for a, b in self._micro]
+        if self.sample_log is not None:
+            self.sample_log.restart()
+            for ids in micro:
+                self.sample_log.handed_out(ids)
+        return micro
 
-    def advance(self) -> None:
-        """Mark the current step's global batch consumed."""
+    def advance(self, step: int | None = None) -> None:
+        """Mark the current step's global batch consumed; `step` (the steps completed) goes to the sample log."""
+        if self.sample_log is not None and step is not None:
+            self.sample_log.record(step=step, epoch=self.epoch, micro_batches=self.accum_steps,
+                                   fallback=self.indices())
         self.epoch, self.position = self._next(self.epoch, self.position)
 
     def batch_sampler(self) -> StepBatchSampler:
@@ -218,6 +229,8 @@ class StepBatchSampler:
     def __iter__(self) -> Iterator[list[int]]:
         s = self.sampler
         epoch, position = s.epoch, s.position  # a snapshot: iter() is called when the loader's iterator is made
+        if s.sample_log is not None:
+            s.sample_log.restart()
         return self._from(epoch, position)
 
     def _from(self, epoch: int, position: int) -> Iterator[list[int]]:
@@ -225,5 +238,8 @@ class StepBatchSampler:
         while True:
             batch = s._global_batch(epoch, position)
             for a, b in s._micro:
-                yield batch[a:b].tolist()
+                ids = batch[a:b].tolist()
+                if s.sample_log is not None:
+                    s.sample_log.handed_out(ids)
+                yield ids
             epoch, position = s._next(epoch, position)

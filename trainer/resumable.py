@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,10 +45,13 @@ from ckpt import (
     Restored,
     SharedConfig,
 )
-from elastic import orphan, peer_loss, progress
+from core import faults
+from core.events import emit
+from elastic import worker
 from trainer import rng
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable
+from trainer.digest import training_digest
 from trainer.errors import InvalidStateError, StateMismatchError
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
@@ -116,9 +120,7 @@ class Resumable:
     ) -> None:
         self.config = config
         self.topology = topology or Topology.from_env()
-        if orphan.under_agent():
-            orphan.exit_with_parent()  # a worker whose agent was SIGKILLed must not linger
-            peer_loss.install()  # a lost peer's traceback gives way to the agent's one line
+        worker.bootstrap()  # parent watch and peer-loss hook under an elastic agent
         if self.topology.world_size >= 3 and not layout_is_stable(model):
             log.info("this DDP rebuilds its gradient buckets after its first iteration, so with %d ranks the first "
                      "step after a resume rounds differently from an uninterrupted run (resume stays correct, "
@@ -145,12 +147,21 @@ class Resumable:
             rank=self.topology.rank,
             world_size=self.topology.world_size,
             # fault injection: once this rank's files are fsynced, before publish and commit
-            on_written=on_rank_saved,
+            on_written=self._rank_saved,
         )
         self.step = 0
         self.resumed_from: int | None = None
         self.restored: Restored | None = None
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
+        t = self.topology
+        emit("worker_started", rank=t.rank, world=t.world_size, local_rank=t.local_rank,
+             restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+    def _rank_saved(self, step: int) -> None:
+        # On the writer thread, once this rank's files of `step` are written, before the commit.
+        faults.fire("save", step)
+        if self.on_rank_saved is not None:
+            self.on_rank_saved(step)
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -168,10 +179,12 @@ class Resumable:
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self.checkpointer.prepare(self.state())  # staging buffer allocated before the loop
+            self._started(0)
             return 0
         state = restored.state
         self._apply(state, own_rank=restored.own)
         self.restored = restored
+        emit("restored", step=restored.step, tier=restored.tier, source_rank=restored.rank, path=restored.path)
         self.checkpointer.prepare(self.state())
         self.step = self.resumed_from = step
         saved_world = state.get("world_size")
@@ -181,7 +194,12 @@ class Resumable:
                      saved_world, self.topology.world_size, self.topology.rank, s.local_batch,
                      s.config.global_batch, s.accum_steps)
         log.info("resumed from step %d (%s)", step, self.config.ckpt_dir)
+        self._started(step)
         return step
+
+    def _started(self, step: int) -> None:
+        emit("resumed", step=step)
+        faults.fire("step", step)  # the fault point before the first step this incarnation runs
 
     def _agree_on_checkpoint(self) -> tuple[int, Restored | None]:
         # Every rank must resume from the same step. Each proposes its newest readable checkpoint
@@ -232,6 +250,7 @@ class Resumable:
         except InvalidStateError as exc:
             log.warning("skipping checkpoint step %d: the %s copy %s holds a malformed state (damaged or not "
                         "written by elastic-train): %s; trying an older step", found.step, found.tier, found.path, exc)
+            emit("ckpt_skipped", step=found.step, reason=f"malformed state in the {found.tier} copy {found.path}: {exc}")
             return _UNREADABLE, exc
         except StateMismatchError as exc:
             return _MISMATCH, exc
@@ -272,19 +291,25 @@ class Resumable:
 
     # -- save ------------------------------------------------------------------------------------
 
-    def step_done(self, step: int) -> bool:
+    def step_done(self, step: int, *, loss: float | torch.Tensor | None = None) -> bool:
         """Call after each completed optimizer step with the number of completed steps.
 
         Advances the data position; saves when `step` is a multiple of `save_every`. Returns True if it saved.
+        `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
         self.step = step
-        progress.beat(step)  # lets elastic-run's agent tell a hung worker from a slow one
+        worker.beat(step)  # lets elastic-run's agent tell a hung worker from a slow one
         if self.sampler is not None:
-            self.sampler.advance()
-        if step % self.config.save_every == 0:
+            self.sampler.advance(step)
+        fields: dict[str, Any] = {"step": step}
+        if loss is not None:
+            fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
+        emit("step", **fields)
+        saved = step % self.config.save_every == 0
+        if saved:
             self.save(step)
-            return True
-        return False
+        faults.fire("step", step)  # before the loop runs step `step + 1`
+        return saved
 
     def state(self) -> dict[str, Any]:
         """The tree a checkpoint holds (this rank's part)."""
@@ -314,17 +339,27 @@ class Resumable:
             raise
         except CheckpointError as exc:
             log.error("checkpoint of step %d failed on rank %d: %s", step, self.topology.rank, exc)
+            emit("ckpt_failed", step=step, tier="local", error=str(exc))
 
     def close(self) -> None:
         """Flush the save in flight and pending uploads (bounded), then stop the checkpointer's threads.
 
         Raises CheckpointSaveError when the last `max_failed_saves` saves failed (no later save
         would have noticed)."""
-        progress.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
+        worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
         if not self.checkpointer.close(timedelta(minutes=5)):
             log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
                         self.checkpointer.last_error)
         self.checkpointer.check()
+        if self.sampler is not None and self.sampler.sample_log is not None:
+            self.sampler.sample_log.close()
+
+    def final_digest(self) -> str:
+        """The digest of the model's and optimizer's state (trainer.training_digest), also emitted as
+        the `final_digest` event: call it once training is over, on every rank."""
+        digest = training_digest(self.model, self.optimizer)
+        emit("final_digest", step=self.step, digest=digest)
+        return digest
 
 
 # all_min votes on a checkpoint; the smallest wins.

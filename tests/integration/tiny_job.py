@@ -1,0 +1,58 @@
+"""One elastic-run of examples/train_tiny.py, observed through the library's events (never its stdout).
+
+Each job gets its own event directory (ELASTIC_EVENTS_DIR); faults go in through ELASTIC_FAULTS and
+the sample log is turned on with ELASTIC_SAMPLE_LOG_DIR, as the chaos harness does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from core.events import EVENTS_DIR_ENV, read_events
+from core.faults import FAULTS_ENV, Fault, encode
+from tests.conftest import TINY, Procs
+from trainer.samples import SAMPLE_LOG_ENV
+
+
+class TinyJob:
+    def __init__(self, procs: Procs, work: Path, *args: str, nproc: int = 2, faults: Sequence[Fault] = (),
+                 samples: Path | None = None, launcher: Sequence[str] = ()) -> None:
+        self.events_dir = work / "events"
+        env = {EVENTS_DIR_ENV: str(self.events_dir)}
+        if faults:
+            env[FAULTS_ENV] = encode(list(faults))
+        if samples is not None:
+            env[SAMPLE_LOG_ENV] = str(samples)
+        self.nproc = nproc
+        self.proc = procs.elastic_run("--nproc-per-node", str(nproc), *launcher, str(TINY), *args, env=env)
+        self.out = ""
+
+    def finish(self, timeout: float = 120) -> str:
+        """Wait for the job; it must exit 0. Returns its output (for failure messages only)."""
+        self.out, _ = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, self.out[-3000:]
+        return self.out
+
+    def events(self, kind: str | None = None, **match: Any) -> list[dict[str, Any]]:
+        """The job's events (of `kind`, with the `match` fields), ordered by time."""
+        return [e for e in read_events(str(self.events_dir))
+                if (kind is None or e["event"] == kind) and all(e.get(k) == v for k, v in match.items())]
+
+    def digest(self) -> str:
+        """The final digest: every rank of the last incarnation reports one, all the same."""
+        found = self.events("final_digest")
+        assert len(found) == self.nproc, (found, self.out[-2000:])
+        assert len({e["digest"] for e in found}) == 1, found
+        return str(found[0]["digest"])
+
+    def resumed_from(self, *, restart: int) -> int:
+        """The step rank 0 of incarnation `restart` resumed from (0: a fresh start)."""
+        found = self.events("resumed", rank=0, restart=restart)
+        assert len(found) == 1, (found, self.out[-3000:])
+        return int(found[0]["step"])
+
+    def losses(self) -> dict[int, float]:
+        """Step -> rank 0's loss; a replayed step keeps its last value."""
+        return {e["step"]: e["loss"] for e in self.events("step", rank=0)}
