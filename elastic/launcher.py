@@ -182,7 +182,7 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
                 "Leave out --rdzv-backend and --standalone for torchrun's static rendezvous at "
                 "--master-addr:--master-port"
             )
-        notes = ()
+        notes: tuple[str, ...] = ()
         if max_nodes > 1:
             notes = (f"no --rdzv-endpoint: a private etcd for this node only, so no other node can join "
                      f"(--nnodes {args.nnodes}); pass --rdzv-endpoint <etcd host:port> for several nodes",)

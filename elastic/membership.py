@@ -15,23 +15,18 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from elastic.admission import Admission
 from elastic.errors import NodeIdConflictError
-from elastic.etcd_client import EtcdClient
+from elastic.keys import DEFAULT_PREFIX, run_prefix
+from elastic.run_store import RunStore
 
 log = logging.getLogger(__name__)
 
 
-def run_prefix(prefix: str, run_id: str) -> str:
-    """The etcd key prefix of one run. Different run ids never share keys."""
-    return f"/{prefix.strip('/')}/{run_id}/"
-
-
 @dataclass(frozen=True, kw_only=True)
 class MembershipConfig:
-    prefix: str = "elastic-train"
+    prefix: str = DEFAULT_PREFIX
     """Top-level etcd key prefix shared by all runs."""
     run_id: str
     """The job's run id (`--rdzv-id`)."""
@@ -52,13 +47,14 @@ class MembershipConfig:
 class Membership:
     """Registers this node under a lease and reports the run's live nodes."""
 
-    def __init__(self, client: EtcdClient, config: MembershipConfig, admission: Admission | None = None) -> None:
-        self._client = client
+    def __init__(self, store: RunStore, config: MembershipConfig, admission: Admission | None = None) -> None:
+        if store.keys.prefix != run_prefix(config.prefix, config.run_id):
+            raise ValueError(f"membership of run {config.run_id!r} given the store of {store.keys.prefix}")
+        self._store = store
         self.config = config
         self._admission = admission
-        self.nodes_prefix = run_prefix(config.prefix, config.run_id) + "nodes/"
-        self.key = self.nodes_prefix + config.node_id
-        self._lease: Any = None  # etcd3.Lease
+        self.key = store.keys.node(config.node_id)
+        self._lease: int | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -66,6 +62,12 @@ class Membership:
     @property
     def node_id(self) -> str:
         return self.config.node_id
+
+    @property
+    def lease_id(self) -> int | None:
+        """The lease this node's record lives under; None while not registered. What rank 0 publishes
+        the round's store address under, so the address dies with its node."""
+        return self._lease
 
     def join(self, info: dict[str, object] | None = None) -> None:
         """Register under a fresh lease and start the keep-alive thread. Idempotent."""
@@ -78,23 +80,14 @@ class Membership:
             self._thread.start()
 
     def _register(self, info: dict[str, object]) -> None:
-        raw = self._client.raw
         ttl = max(1, math.ceil(self.config.lease_ttl.total_seconds()))
-        lease = self._client.call(lambda: raw.lease(ttl), what=f"grant a {ttl}s lease")
+        lease = self._store.grant_lease(ttl)
         doc: dict[str, object] = {"node_id": self.node_id, "joined_at": time.time(), **info}
         if self._admission is not None:
-            doc = self._admission.sign_node(doc, lease.id)
-        value = json.dumps(doc)
-        ok, _ = self._client.call(
-            lambda: raw.transaction(
-                compare=[raw.transactions.version(self.key) == 0],
-                success=[raw.transactions.put(self.key, value, lease=lease)],
-                failure=[],
-            ),
-            what=f"register {self.key}",
-        )
+            doc = self._admission.sign_node(doc, lease)
+        ok, _ = self._store.create(self.key, json.dumps(doc), lease=lease)
         if not ok:
-            self._client.call(lease.revoke, what="revoke an unused lease")
+            self._store.revoke_lease(lease)
             raise NodeIdConflictError(
                 f"node id {self.node_id!r} is already registered by a live agent at {self.key}. "
                 "Give each agent a unique node id (--rdzv-conf node_id=...), or wait "
@@ -102,7 +95,7 @@ class Membership:
             )
         self._lease = lease
         self._info = info
-        log.info("membership: joined as %s (lease %x, ttl %ss)", self.key, lease.id, ttl)
+        log.info("membership: joined as %s (lease %x, ttl %ss)", self.key, lease, ttl)
 
     def _keep_alive(self) -> None:
         # Refresh at a third of the TTL so two lost refreshes in a row still keep the lease.
@@ -112,8 +105,7 @@ class Membership:
             if lease is None:
                 continue
             try:
-                responses = list(self._client.raw.refresh_lease(lease.id))
-                if responses and responses[0].TTL <= 0:
+                if not self._store.refresh_lease(lease):
                     log.warning("membership: lease of %s expired; registering again", self.key)
                     self._register(self._info)
             except NodeIdConflictError:
@@ -124,10 +116,10 @@ class Membership:
 
     def live_nodes(self) -> list[str]:
         """Node ids with a live lease, in registration order (by creation revision)."""
-        raw = self._client.raw
-        items = self._client.call(lambda: list(raw.get_prefix(self.nodes_prefix)), what=f"list {self.nodes_prefix}")
-        items.sort(key=lambda kv: kv[1].create_revision)
-        return [kv[1].key.decode()[len(self.nodes_prefix):] for kv in items]
+        keys = self._store.keys
+        items = [kv for kv in self._store.read().kvs if keys.node_id(kv.key.decode())]
+        items.sort(key=lambda kv: kv.create_revision)
+        return [str(keys.node_id(kv.key.decode())) for kv in items]
 
     def leave(self) -> None:
         """Stop the keep-alive and revoke the lease, so peers see this node leave at once."""
@@ -138,6 +130,7 @@ class Membership:
         lease, self._lease = self._lease, None
         if lease is not None:
             try:
-                self._client.call(lease.revoke, what=f"revoke the lease of {self.key}", deadline=timedelta(seconds=3))
+                self._store.revoke_lease(lease, deadline=timedelta(seconds=3))
             except Exception as exc:  # noqa: BLE001 - the lease expires on its own within the TTL
-                log.warning("membership: could not revoke the lease of %s (%s); it expires within the TTL", self.key, exc)
+                log.warning("membership: could not revoke the lease of %s (%s); it expires within the TTL",
+                            self.key, exc)

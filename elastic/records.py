@@ -1,8 +1,4 @@
-"""The etcd keys of one run and the typed records their values parse into, in one place.
-
-    <run prefix>rdzv/state           the round state (`round.RoundState`), written by compare-and-set
-    <run prefix>rdzv/store/<gen>     {"addr", "port"} of round <gen>'s TCPStore, under rank 0's lease
-    <run prefix>nodes/<node id>      a live agent's membership record, under its lease
+"""The typed records the values under a run's etcd keys (`elastic/keys.py`) parse into, in one place.
 
 Anyone who can write to the etcd can put junk there. Every value is parsed here, and a malformed
 one becomes an `EtcdRecordError` naming the key and saying what to do; it is never taken for an
@@ -19,32 +15,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from elastic.errors import EtcdRecordError
+from elastic.keys import RunKeys
 from elastic.round import RoundState
-
-
-@dataclass(frozen=True)
-class RunKeys:
-    """Key names under one run's prefix (`membership.run_prefix(prefix, run_id)`)."""
-
-    prefix: str
-
-    @property
-    def state(self) -> str:
-        return self.prefix + "rdzv/state"
-
-    @property
-    def stores(self) -> str:
-        return self.prefix + "rdzv/store/"
-
-    @property
-    def nodes(self) -> str:
-        return self.prefix + "nodes/"
-
-    def store(self, generation: int) -> str:
-        return f"{self.stores}{generation}"
-
-    def node(self, node_id: str) -> str:
-        return self.nodes + node_id
 
 
 @dataclass(frozen=True)
@@ -89,12 +61,16 @@ class RunRecords:
 
 
 class KeyValue(Protocol):
-    """What etcd3's KV metadata gives (a range response's `kvs` items)."""
+    """What etcd3's KV metadata gives (a range response's `kvs` items); read-only."""
 
-    key: bytes
-    value: bytes
-    lease: int
-    mod_revision: int
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def value(self) -> bytes: ...
+    @property
+    def lease(self) -> int: ...
+    @property
+    def mod_revision(self) -> int: ...
 
 
 def parse_run(keys: RunKeys, kvs: Iterable[KeyValue]) -> RunRecords:

@@ -13,14 +13,10 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 
-import grpc
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
@@ -29,10 +25,11 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
 )
 
+from core.deadline import Clock, Deadline
 from core.events import emit
 from elastic import peer_loss
 from elastic import round as protocol
-from elastic.admission import Admission, load_join_token
+from elastic.admission import Admission
 from elastic.errors import (
     ElasticRendezvousClosedError,
     ElasticRendezvousTimeoutError,
@@ -40,11 +37,13 @@ from elastic.errors import (
     EtcdUnavailableError,
     RunIdConflictError,
 )
-from elastic.etcd_client import EtcdClient, EtcdClientConfig, resolve_password
+from elastic.etcd_store import EtcdRunStore
+from elastic.keys import RunKeys
 from elastic.liveness import Beacon, Monitor, listening_socket
-from elastic.membership import Membership, MembershipConfig, run_prefix
-from elastic.rdzv_settings import TORCH_KEYS, RendezvousSettings, parse_conf
-from elastic.records import RunKeys
+from elastic.membership import Membership, MembershipConfig
+from elastic.rdzv_config import RendezvousConfig
+from elastic.rdzv_settings import parse_conf
+from elastic.run_store import RunStore
 from elastic.view import RunView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -60,96 +59,32 @@ def validate_conf(conf: Mapping[str, object]) -> None:
     parse_conf(conf)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RendezvousConfig:
-    run_id: str
-    """The job's run id (`--rdzv-id`); runs with different ids never mix."""
-    node_id: str
-    """This agent's id (`--rdzv-conf node_id=`); default `<hostname>-<pid>-<random>`."""
-    min_nodes: int
-    """Fewest nodes a round may close with (`--nnodes MIN:MAX`)."""
-    max_nodes: int
-    """Most nodes in a round; more wait as spares."""
-    local_addr: str
-    """Address other nodes reach this node's TCPStore at (`--local-addr`)."""
-    etcd: EtcdClientConfig
-    """How to reach etcd (`--rdzv-endpoint` plus TLS/auth from `--rdzv-conf`)."""
-    prefix: str = "elastic-train"
-    """etcd key prefix shared by all runs (`--rdzv-conf prefix=`)."""
-    lease_ttl: timedelta = timedelta(seconds=3)
-    """Membership lease TTL (`--rdzv-conf lease_ttl=`)."""
-    join_timeout: timedelta = timedelta(seconds=600)
-    """Deadline for one rendezvous round (`--rdzv-conf join_timeout=`)."""
-    last_call_timeout: timedelta = timedelta(seconds=30)
-    """How long a round with >= min nodes waits for a live node that does not join (`last_call_timeout=`)."""
-    bind_addr: str | None = None
-    """Host this node's listening sockets (beacon, rank 0's TCPStore) bind to: `--local-addr` when given; None: all."""
-    join_token: bytes | None = field(default=None, repr=False)
-    """The run's join token (`$ELASTIC_JOIN_TOKEN` or `join_token_file=`); None: no admission (elastic/admission.py)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.min_nodes <= self.max_nodes:
-            raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes}: need 0 < min <= max")
-        for name in ("lease_ttl", "join_timeout", "last_call_timeout"):
-            if getattr(self, name) <= timedelta(0):
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    @staticmethod
-    def from_parameters(params: RendezvousParameters) -> RendezvousConfig:
-        # The same parser as elastic-run's up-front check, so stock torchrun rejects the same mistakes.
-        try:
-            settings = parse_conf({k: v for k, v in params.config.items() if k not in TORCH_KEYS})
-        except ValueError as exc:
-            raise ValueError(f"--rdzv-conf: {exc}") from exc
-        return RendezvousConfig.from_settings(params, settings)
-
-    @staticmethod
-    def from_settings(params: RendezvousParameters, settings: RendezvousSettings) -> RendezvousConfig:
-        default_node = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        return RendezvousConfig(
-            run_id=params.run_id,
-            node_id=settings.node_id or default_node,
-            min_nodes=params.min_nodes,
-            max_nodes=params.max_nodes,
-            local_addr=params.local_addr or socket.getfqdn(),
-            etcd=EtcdClientConfig(
-                endpoints=params.endpoint,
-                ca_cert=settings.ca_cert,
-                cert=settings.cert,
-                key=settings.key,
-                user=settings.user,
-                password=resolve_password(settings.user, settings.password, settings.password_file),
-                retry_deadline=settings.etcd_timeout,
-            ),
-            prefix=settings.prefix,
-            lease_ttl=settings.lease_ttl,
-            join_timeout=settings.join_timeout,
-            last_call_timeout=settings.last_call_timeout,
-            bind_addr=params.local_addr or None,
-            join_token=load_join_token(settings.join_token_file),
-        )
-
-
 class EtcdV3RendezvousHandler(RendezvousHandler):
-    """torch `RendezvousHandler` on etcd v3: leases, compare-and-set on mod_revision, watches."""
+    """torch `RendezvousHandler` over a `RunStore` (etcd v3 unless another store is given).
 
-    def __init__(self, config: RendezvousConfig, client: EtcdClient | None = None) -> None:
+    Besides torch's API it answers what elastic-run's agent asks (`agent.RoundAware`): `node_id`,
+    `round_members`, `generation`, `degraded` and `lease_ttl`. `clock` times the join and last-call
+    deadlines (tests pass a fake one).
+    """
+
+    def __init__(self, config: RendezvousConfig, store: RunStore | None = None, *,
+                 clock: Clock = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
         # Under stock torchrun too, a worker that dies of a lost peer waits to be stopped (see
         # elastic/peer_loss.py), so torch's agent sees a membership change, not a failure that
         # consumes a restart. elastic-run's agent sets a value of its own from its monitor interval.
         os.environ.setdefault(peer_loss.ENV_GRACE, f"{config.lease_ttl.total_seconds() + 4:g}")
-        self._client = client or EtcdClient(config.etcd)
-        self._prefix = run_prefix(config.prefix, config.run_id)
-        self.keys = RunKeys(self._prefix)
-        self._state_key = self.keys.state
+        self.keys = RunKeys.of(config.run_id, config.prefix)
+        self._store = store or EtcdRunStore.connect(config.etcd, self.keys)
         self.admission = Admission(config.run_id, self.keys, config.join_token)
-        self.view = RunView(self._client, self._prefix, admission=self.admission)
+        self.view = RunView(self._store, admission=self.admission)
         self._beacon: Beacon | None = None
         self._monitor: Monitor | None = None
         self.membership = Membership(
-            self._client,
-            MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id, lease_ttl=config.lease_ttl),
+            self._store,
+            MembershipConfig(prefix=config.prefix, run_id=config.run_id, node_id=config.node_id,
+                             lease_ttl=config.lease_ttl),
             admission=self.admission,
         )
         self._completed_generation = 0
@@ -170,9 +105,32 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def get_run_id(self) -> str:
         return self.config.run_id
 
+    # -- what elastic-run's agent reads (agent.RoundAware) ----------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    @property
+    def round_members(self) -> tuple[str, ...]:
+        """Node ids of the round this node last took a rank in, in rank order (empty: none yet)."""
+        return self._round
+
+    @property
+    def generation(self) -> int:
+        """The round this node last took a rank in and ran (0: none)."""
+        return self._completed_generation
+
+    @property
+    def lease_ttl(self) -> timedelta:
+        """How soon after a node dies its peers learn of it (its membership lease TTL)."""
+        return self.config.lease_ttl
+
+    # -- RendezvousHandler, continued ------------------------------------------------------------
+
     def next_rendezvous(self) -> RendezvousInfo:
-        started = time.monotonic()
-        deadline = started + self.config.join_timeout.total_seconds()
+        started = self._clock()
+        deadline = Deadline.after(self.config.join_timeout, clock=self._clock)
         self._start_membership()
         while True:
             done = self._join_round(deadline)
@@ -186,10 +144,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._round = done.participants
         emit("round_closed", run_id=self.config.run_id, node=self.config.node_id, generation=done.generation,
              rank=done.rank, world_size=done.world_size, participants=list(done.participants),
-             rendezvous_s=round(time.monotonic() - started, 3))
+             rendezvous_s=round(self._clock() - started, 3))
         log.info(
             "rendezvous: node %s is rank %d of %d in round %d of run %s (%.2fs)",
-            self.config.node_id, done.rank, done.world_size, done.generation, self.config.run_id, time.monotonic() - started,
+            self.config.node_id, done.rank, done.world_size, done.generation, self.config.run_id,
+            self._clock() - started,
         )
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
 
@@ -241,13 +200,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         finally:
             self._stop_membership()
             self._store_server = None
-            self._client.close()
+            self._store.close()
 
     # -- membership, liveness and the watch ------------------------------------------------------
 
     def _start_membership(self) -> None:
         if self._beacon is None:
-            self.admission.enforce(self._client)  # before registering: a refused agent leaves no trace
+            self.admission.enforce(self._store)  # before registering: a refused agent leaves no trace
             self._beacon = Beacon(self.config.bind_addr, advertise=self.config.local_addr)
             self._monitor = Monitor(self._peer_lost)
             self.view.on_change = self._track_peers
@@ -276,12 +235,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         record = self.view.snapshot().nodes.get(node)
         lease_id = record.lease_id if record else 0
         if lease_id:
-            try:
-                self._client.call(lambda: self._client.raw.revoke_lease(lease_id), what=f"revoke the lease of {node}",
-                                  deadline=timedelta(seconds=3))
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: it already expired or left
-                    raise
+            self._store.revoke_lease(lease_id, deadline=timedelta(seconds=3))  # gone already is no error
         emit("leave", run_id=self.config.run_id, node=node, reported_by=self.config.node_id, reason="agent process gone")
 
     # -- protocol loop -------------------------------------------------------------------------
@@ -296,16 +250,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             last_call_expired=last_call_expired,
         )
 
-    def _join_round(self, deadline: float) -> protocol.Done:
-        last_call_at: float | None = None
+    def _join_round(self, deadline: Deadline) -> protocol.Done:
+        last_call: Deadline | None = None
         last_call_generation = -1
         last_reason = ""
         while True:
             snap = self.view.read()
             state = snap.checked_state()  # a malformed state fails the rendezvous, naming the key
-            now = time.monotonic()
-            expired = last_call_at is not None and now >= last_call_at
-            decision = protocol.decide(state, self._knowledge(snap, expired))
+            decision = protocol.decide(state, self._knowledge(snap, last_call is not None and last_call.expired()))
             if isinstance(decision, protocol.Done):
                 return decision
             if isinstance(decision, protocol.Closed):
@@ -318,7 +270,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     "--nnodes; a different job needs its own --rdzv-id."
                 )
             if isinstance(decision, protocol.Write):
-                if self._compare_and_set(decision.state, snap.state_revision):
+                if self._swap_state(decision.state, snap.state_revision):
                     log.info("rendezvous: %s", decision.why)
                     took = protocol.taken(decision.state, self.config.node_id)
                     if took is not None:
@@ -326,47 +278,40 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 continue
             last_reason = decision.reason
             generation = state.generation if state else 0
-            if decision.last_call_armed and (last_call_at is None or generation != last_call_generation):
-                last_call_at = now + self.config.last_call_timeout.total_seconds()
+            if decision.last_call_armed and (last_call is None or generation != last_call_generation):
+                last_call = Deadline.after(self.config.last_call_timeout, clock=self._clock)
                 last_call_generation = generation
             elif not decision.last_call_armed:
-                last_call_at = None
-            if now >= deadline:
+                last_call = None
+            if deadline.expired():
                 raise ElasticRendezvousTimeoutError(
                     f"rendezvous of run {self.config.run_id!r} did not complete within "
-                    f"{self.config.join_timeout.total_seconds():.0f}s: {last_reason}. Live nodes: {sorted(snap.live)}. "
-                    "Are the other agents running with the same --rdzv-endpoint and --rdzv-id?"
+                    f"{self.config.join_timeout.total_seconds():.0f}s: {last_reason}. Live nodes: "
+                    f"{sorted(snap.live)}. Are the other agents running with the same --rdzv-endpoint and --rdzv-id?"
                 )
-            wake = min(deadline, last_call_at) if last_call_at is not None else deadline
-            self.view.wait_changed(snap, max(0.0, wake - now))
+            self.view.wait_changed(snap, deadline if last_call is None else _earlier(deadline, last_call))
 
-    def _compare_and_set(self, state: protocol.RoundState, expected_revision: int) -> bool:
-        raw = self._client.raw
-        txn = raw.transactions
-        guard = txn.version(self._state_key) == 0 if expected_revision == 0 else txn.mod(self._state_key) == expected_revision
+    def _swap_state(self, state: protocol.RoundState, token: int) -> bool:
+        """Compare-and-set the round state on `token` (with the join-token MAC, in a run with a token)."""
         doc = state.to_json()
-        ok, _ = self._client.call(
-            lambda: raw.transaction(compare=[guard, *self.admission.compares(txn)],
-                                    success=[txn.put(self._state_key, doc), *self.admission.state_puts(txn, doc)], failure=[]),
-            what=f"update {self._state_key}",
-        )
-        return bool(ok)
+        return self._store.swap_state(doc, token, absent=self.admission.state_absent(),
+                                      puts=self.admission.state_puts(doc))
 
     # -- the round's store ---------------------------------------------------------------------
 
-    def _round_store(self, done: protocol.Done, deadline: float) -> tuple[dist.Store, str, int]:
+    def _round_store(self, done: protocol.Done, deadline: Deadline) -> tuple[dist.Store, str, int]:
         key = self.keys.store(done.generation)
-        timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        timeout = timedelta(seconds=max(1.0, deadline.remaining() or 0.0))
         if done.rank == 0:
             # A fresh TCPStore per round: keys of an earlier round can never leak into this one.
             server = self._store_server_socket(timeout)
             self._store_server = server
             addr, port = self.config.local_addr, int(server.port)
-            raw = self._client.raw
-            lease = self.membership._lease  # noqa: SLF001 - the address dies with rank 0's lease
+            lease = self.membership.lease_id
+            assert lease is not None, "a node takes a rank only while registered"
             record = json.dumps(self.admission.sign_store(done.generation, addr, port))
-            self._client.call(lambda: raw.put(key, record, lease=lease), what=f"publish {key}")
-            self._prune_stores(done.generation)
+            self._store.publish_store(done.generation, record, lease)  # the address dies with rank 0's lease
+            self._store.prune_stores(done.generation)
             return server, addr, port
         self._store_server = None
         while True:
@@ -377,11 +322,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 return dist.TCPStore(addr, port, is_master=False, timeout=timeout), addr, port
             if done.participants[0] not in snap.live:
                 raise _RoundAbandoned(f"its rank 0 ({done.participants[0]}) left before publishing the round's store")
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 raise ElasticRendezvousTimeoutError(
-                    f"rank 0 of round {done.generation} ({done.participants[0]}) did not publish its store at {key} in time"
+                    f"rank 0 of round {done.generation} ({done.participants[0]}) did not publish its store at {key} "
+                    "in time"
                 )
-            self.view.wait_changed(snap, deadline - time.monotonic())
+            self.view.wait_changed(snap, deadline)
 
     def _store_server_socket(self, timeout: timedelta) -> dist.TCPStore:
         # torch's TCPStore server listens on all interfaces, whatever host it is given. Handed a
@@ -398,12 +344,6 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         except Exception:
             os.close(fd)
             raise
-
-    def _prune_stores(self, generation: int) -> None:
-        raw = self._client.raw
-        stale = [raw.transactions.delete(self.keys.store(g)) for g in range(max(1, generation - 8), generation)]
-        if stale:
-            self._client.call(lambda: raw.transaction(compare=[], success=stale, failure=[]), what="prune old store keys")
 
     def _close_run(self, *, force: bool) -> None:
         """Mark the run shut down. Unless `force`, only if this node may (`protocol.may_close`)."""
@@ -423,10 +363,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                          self.config.node_id, self.config.run_id)
                 return
             base = state or protocol.RoundState(generation=0, status="closed", participants=())
-            if self._compare_and_set(dataclasses.replace(base, shutdown=True), snap.state_revision):
+            if self._swap_state(dataclasses.replace(base, shutdown=True), snap.state_revision):
                 log.info("rendezvous: run %s closed", self.config.run_id)
                 return
         log.warning("rendezvous: could not close run %s: its state kept changing", self.config.run_id)
+
+
+def _earlier(a: Deadline, b: Deadline) -> Deadline:
+    return a if b.at is None or (a.at is not None and a.at <= b.at) else b
 
 
 class _RoundAbandoned(Exception):

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from core.deadline import Deadline
 from core.events import emit
 from elastic import round as protocol
 from elastic.errors import EtcdRecordError
-from elastic.etcd_client import EtcdClient
-from elastic.records import NodeRecord, RunKeys, StoreRecord, parse_run
+from elastic.records import NodeRecord, StoreRecord, parse_run
+from elastic.run_store import RunStore
 
 if TYPE_CHECKING:
     from elastic.admission import Admission
@@ -60,12 +61,12 @@ class RunView:
 
     RESYNC = timedelta(seconds=2)
 
-    def __init__(self, client: EtcdClient, run_prefix: str, admission: Admission | None = None) -> None:
-        self._client = client
+    def __init__(self, store: RunStore, admission: Admission | None = None) -> None:
+        self._store = store
         self._admission = admission
         """Checks the join-token proofs of what is read (elastic/admission.py); None: take records as they are."""
-        self.prefix = run_prefix
-        self.keys = RunKeys(run_prefix)
+        self.keys = store.keys
+        self.prefix = store.keys.prefix
         self._warned: set[tuple[str, int]] = set()
         self._cond = threading.Condition()
         self._snapshot: Snapshot | None = None
@@ -81,14 +82,13 @@ class RunView:
 
     def read(self, deadline: timedelta | None = None) -> Snapshot:
         """A fresh, linearizable read of the run's keys (also publishes it to waiters)."""
-        raw = self._client.raw
-        response = self._client.call(lambda: raw.get_prefix_response(self.prefix), what=f"read {self.prefix}", deadline=deadline)
+        response = self._store.read(deadline=deadline)
         records = parse_run(self.keys, response.kvs)
         if self._admission is not None:
             records = self._admission.admit(records, response.kvs)  # strangers' records become skipped ones
         for bad in (*records.skipped, *filter(None, [records.state_error])):
             self._warn_once(bad)
-        revision = int(response.header.revision)
+        revision = response.revision
         snap = Snapshot(records.state, records.state_revision, frozenset(records.nodes), records.nodes, records.stores,
                         revision, records.state_error)
         self._publish(snap)
@@ -108,15 +108,13 @@ class RunView:
             snap = self._snapshot
         return snap if snap is not None else self.read()
 
-    def wait_changed(self, seen: Snapshot, timeout: float) -> bool:
-        """Block until the published snapshot's content differs from `seen`, or `timeout` seconds pass."""
-        end = time.monotonic() + max(0.0, timeout)
+    def wait_changed(self, seen: Snapshot, until: Deadline) -> bool:
+        """Block until the published snapshot's content differs from `seen`, or `until` passes."""
         with self._cond:
             while _content(self._snapshot) == _content(seen):
-                left = end - time.monotonic()
-                if left <= 0:
+                if until.expired():
                     return False
-                self._cond.wait(left)
+                self._cond.wait(until.remaining())
             return True
 
     def _publish(self, snap: Snapshot) -> None:
@@ -163,9 +161,7 @@ class RunView:
                     watch_id = None
                     self._watch_broken = False
                 if watch_id is None:
-                    watch_id = self._client.raw.add_watch_prefix_callback(
-                        self.prefix, self._on_event, start_revision=snap.revision + 1
-                    )
+                    watch_id = self._store.watch(self._on_event, start_revision=snap.revision + 1)
             except Exception as exc:  # noqa: BLE001 - thread boundary: stay degraded, retry
                 if self.degraded_since is None:
                     self.degraded_since = time.monotonic()
@@ -178,16 +174,16 @@ class RunView:
             self._dirty.clear()
         self._cancel(watch_id)
 
-    def _on_event(self, response: object) -> None:
-        if isinstance(response, Exception):
-            log.debug("view: watch broke: %s", response)
+    def _on_event(self, error: Exception | None) -> None:
+        if error is not None:
+            log.debug("view: watch broke: %s", error)
             self._watch_broken = True
         self._dirty.set()
 
     def _cancel(self, watch_id: object) -> None:
         if watch_id is not None:
             try:
-                self._client.raw.cancel_watch(watch_id)
+                self._store.cancel_watch(watch_id)
             except Exception:  # noqa: BLE001 - a broken watch needs no cancelling
                 log.debug("view: cancel_watch failed", exc_info=True)
 

@@ -15,6 +15,8 @@ import pytest
 from elastic.errors import NodeIdConflictError
 from elastic.etcd_client import EtcdClient
 from elastic.etcd_server import EtcdServer
+from elastic.etcd_store import EtcdRunStore
+from elastic.keys import RunKeys
 from elastic.membership import Membership, MembershipConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
@@ -30,7 +32,8 @@ def member(client: EtcdClient, run_id: str) -> Iterator[Callable[..., Membership
     def make(node_id: str, ttl: float = 3) -> Membership:
         own = EtcdClient(client.config)
         clients.append(own)
-        m = Membership(own, MembershipConfig(run_id=run_id, node_id=node_id, lease_ttl=timedelta(seconds=ttl)))
+        m = Membership(EtcdRunStore(own, RunKeys.of(run_id)),
+                       MembershipConfig(run_id=run_id, node_id=node_id, lease_ttl=timedelta(seconds=ttl)))
         made.append(m)
         return m
 
@@ -86,10 +89,12 @@ def test_leave_removes_the_key_at_once(client: EtcdClient, member) -> None:
 _CHILD = """
 import sys, time
 from datetime import timedelta
-from elastic.etcd_client import EtcdClient, EtcdClientConfig
+from elastic.etcd_client import EtcdClientConfig
+from elastic.etcd_store import EtcdRunStore
+from elastic.keys import RunKeys
 from elastic.membership import Membership, MembershipConfig
 endpoint, run_id = sys.argv[1:3]
-m = Membership(EtcdClient(EtcdClientConfig(endpoints=endpoint)),
+m = Membership(EtcdRunStore.connect(EtcdClientConfig(endpoints=endpoint), RunKeys.of(run_id)),
                MembershipConfig(run_id=run_id, node_id="doomed", lease_ttl=timedelta(seconds=1)))
 m.join()
 print("joined", flush=True)

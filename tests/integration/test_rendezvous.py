@@ -21,6 +21,8 @@ from torch.distributed.elastic.rendezvous.api import (
 from elastic.errors import EtcdUnavailableError
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer, free_port
+from elastic.etcd_store import EtcdRunStore
+from elastic.keys import RunKeys
 from elastic.membership import Membership, MembershipConfig
 from elastic.rendezvous import EtcdV3RendezvousHandler, RendezvousConfig
 from elastic.round import RoundState
@@ -263,7 +265,7 @@ def test_no_round_opens_before_every_member_of_the_closed_one_took_its_rank(clus
     a, b, c = (cluster.handler(n, min_nodes=1, max_nodes=3) for n in "abc")
     a._start_membership()  # noqa: SLF001 - live, as an agent in the middle of its rendezvous
     b._start_membership()  # noqa: SLF001
-    key = a._state_key  # noqa: SLF001
+    key = a.keys.state
     client.raw.put(key, RoundState(generation=1, status="closed", participants=("b", "a"), acked=("a",),
                                    nnodes=(1, 3)).to_json())
     fc = cluster.start(c)
@@ -282,7 +284,7 @@ def test_a_round_whose_rank_0_left_before_publishing_its_store_is_abandoned(clus
     # the round's store. b must not wait out its join timeout: it joins the next round instead.
     # join_timeout is far beyond the test's own timeout: waiting it out fails the test.
     b = cluster.handler("b", min_nodes=1, max_nodes=2, join_timeout=600)
-    client.raw.put(b._state_key, RoundState(generation=1, status="closed", participants=("a", "b"),  # noqa: SLF001
+    client.raw.put(b.keys.state, RoundState(generation=1, status="closed", participants=("a", "b"),
                                             acked=("a",), nnodes=(1, 2)).to_json())
     info = b.next_rendezvous()
     assert (info.rank, info.world_size) == (0, 1)
@@ -308,7 +310,8 @@ def test_waiting_node_does_not_poll_etcd_after_a_key_is_deleted(
     fa = cluster.start(waiting)
     assert wait_until(lambda: read_state(client, cluster.run_id) is not None, 5)
     # A node registers and leaves again: the newest event under the run prefix is a delete.
-    passer = Membership(client, MembershipConfig(run_id=cluster.run_id, node_id="passer"))
+    passer = Membership(EtcdRunStore(client, RunKeys.of(cluster.run_id)),
+                        MembershipConfig(run_id=cluster.run_id, node_id="passer"))
     passer.join()
     assert wait_until(lambda: "passer" in waiting.view.snapshot().live, 5)
     passer.leave()

@@ -16,9 +16,9 @@ from elastic.admission import TOKEN_ENV, Admission, load_join_token
 from elastic.credentials import protect, read_secret_file, redact
 from elastic.errors import AdmissionError
 from elastic.etcd_client import PASSWORD_ENV, EtcdClientConfig, resolve_password
-from elastic.membership import run_prefix
+from elastic.keys import RunKeys, run_prefix
 from elastic.rdzv_settings import parse_conf
-from elastic.records import RunKeys, parse_run
+from elastic.records import parse_run
 from elastic.rendezvous import RendezvousConfig
 from elastic.round import RoundState
 from tests.unit.test_records import KV  # one key-value as a range read returns it
@@ -36,19 +36,12 @@ def node_kv(admission: Admission, node_id: str, lease: int, **changes: object) -
 
 
 def state_kvs(admission: Admission, state: RoundState) -> list[KV]:
-    """The state document and its MAC, as `_compare_and_set` writes them in one transaction."""
+    """The state document and its MAC, as the handler writes them in one transaction (`RunStore.swap_state`)."""
     doc = state.to_json()
     kvs = [KV(KEYS.state.encode(), doc.encode())]
-    for op in admission.state_puts(_Txn(), doc):
-        kvs.append(KV(op[0].encode(), op[1].encode()))
+    for key, value in admission.state_puts(doc).items():
+        kvs.append(KV(key.encode(), value.encode()))
     return kvs
-
-
-class _Txn:
-    """Collects the puts `Admission.state_puts` asks for (the txn builder of python-etcd3 has the same call)."""
-
-    def put(self, key: str, value: str) -> tuple[str, str]:
-        return key, value
 
 
 def admitted(admission: Admission, kvs: list[KV]):  # noqa: ANN201 - RunRecords

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 from elastic.errors import EtcdRecordError
-from elastic.records import NodeRecord, RunKeys, StoreRecord, parse_run
+from elastic.keys import RunKeys
+from elastic.records import NodeRecord, StoreRecord, parse_run
 from elastic.round import RoundState
 
 pytestmark = pytest.mark.timeout(10)
