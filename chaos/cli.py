@@ -20,13 +20,16 @@ import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chaos.cluster import become_subreaper
 from chaos.config import PLACEHOLDERS, ChaosConfig
 from chaos.faults import CATALOG, parse_faults
+from chaos.ledger import become_subreaper
 from chaos.report import Report
 from chaos.scenarios import SCENARIOS
+
+if TYPE_CHECKING:
+    from chaos.judge import Reference  # imports torch: not at start-up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--global-batch", type=int, help="samples per step (default: fits every reachable world size)")
     run.add_argument("--runs", type=int, help="repeat with seeds seed, seed+1, ... (soak; default 1, soak 50)")
     run.add_argument("--timeout", type=float, metavar="SECONDS", help="deadline of one job (default 600)")
-    run.add_argument("--work-dir", type=Path, help="keep local tiers, shared tier and etcd data here (default: temporary)")
+    run.add_argument("--work-dir", type=Path,
+                     help="keep local tiers, shared tier and etcd data here (default: temporary)")
+    run.add_argument("--reference", type=Path, metavar="DIR",
+                     help="reuse the fault-free reference run that an earlier run of the same job recorded in its "
+                          "--report DIR (reference.json) instead of running it again")
     run.add_argument("--verbose", "-v", action="store_true", help="log each fault as it fires")
     sub.add_parser("faults", help="list the fault catalog")
     parser.set_defaults(run_parser=run)
@@ -112,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind.name:24} {kind.summary}")
         return 0
     config, runs = config_from_args(args.run_parser, args, script)
+    reference = None
+    if args.reference is not None:
+        from chaos.judge import load_reference
+
+        try:
+            reference = load_reference(args.reference, config)
+        except ValueError as exc:
+            args.run_parser.error(str(exc))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[elastic-chaos] %(asctime)s %(message)s")
     become_subreaper()
@@ -120,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if runs == 1:
-            report, _ = run(config)
+            report, _ = run(config, reference=reference)
             _print_summary(report, config.report_dir)
             return 0 if report.passed else 1
-        return _soak(config, runs)
+        return _soak(config, runs, reference)
     except KeyboardInterrupt:
         print("elastic-chaos: interrupted; every process it started has been ended", file=sys.stderr)
         return 130
@@ -152,11 +167,10 @@ def _print_summary(report: Report, directory: Path) -> None:
                   f"{f.steps_lost} steps lost")
 
 
-def _soak(config: ChaosConfig, runs: int) -> int:
+def _soak(config: ChaosConfig, runs: int, reference: Reference | None = None) -> int:
     from chaos.runner import run
 
     reports: list[Report] = []
-    reference = None
     for i in range(runs):
         one = replace(config, seed=config.seed + i, report_dir=config.report_dir / f"run_{config.seed + i:04d}")
         report, reference = run(one, reference=reference)

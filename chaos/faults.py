@@ -126,7 +126,8 @@ def check_feasible(specs: tuple[FaultSpec, ...], *, nodes: int, nproc_per_node: 
         if kind.target == "node" and isinstance(spec.target, int) and spec.target >= live:
             problems.append(f"{where}: group rank {spec.target} does not exist with {live} nodes")
         if kind.target == "worker" and isinstance(spec.target, int) and spec.target >= live * nproc_per_node:
-            problems.append(f"{where}: global rank {spec.target} does not exist with world size {live * nproc_per_node}")
+            problems.append(f"{where}: global rank {spec.target} does not exist with world size "
+                            f"{live * nproc_per_node}")
         if spec.kind == "kill-etcd-member":
             if etcd_members < 3:
                 problems.append(f"{where} needs --etcd-members 3: killing the only member of a 1-member etcd "

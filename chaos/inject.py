@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos.cluster import Cluster, EtcdMembers, ProcessLedger
+from chaos.cluster import Cluster
 from chaos.config import ChaosConfig
+from chaos.etcd_members import EtcdMembers
 from chaos.faults import CATALOG
+from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
@@ -40,8 +42,6 @@ class Capabilities:
     """None if a size-limited tmpfs can be mounted, else why not."""
     shared_flag: str | None
     """The script's shared-tier flag (default script), or `{shared_dir}` when a custom script uses it."""
-    samples_flag: str | None = None
-    """`--log-samples` when the default script can log the sample ids each rank consumes at each step."""
 
 
 def probe(config: ChaosConfig, kinds: set[str]) -> Capabilities:
@@ -58,8 +58,7 @@ def probe(config: ChaosConfig, kinds: set[str]) -> Capabilities:
         shared_flag = next((f for f in SHARED_FLAGS if _has_flag(help_text, f)), None)
     else:
         shared_flag = "{shared_dir}" if any("{shared_dir}" in a for a in config.script_args or ()) else None
-    samples_flag = "--log-samples" if _has_flag(help_text, "--log-samples") else None
-    return Capabilities(root=root, netns=netns, tmpfs=tmpfs, shared_flag=shared_flag, samples_flag=samples_flag)
+    return Capabilities(root=root, netns=netns, tmpfs=tmpfs, shared_flag=shared_flag)
 
 
 def _probe_netns() -> str | None:
@@ -149,6 +148,10 @@ def inject(fault: PlannedFault, to: Target) -> Injection:
     return _INJECTORS[fault.kind](fault, to)
 
 
+def _no_node(fault: PlannedFault) -> Injection:
+    return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+
+
 def _kill_worker(fault: PlannedFault, to: Target, sig: int = signal.SIGKILL) -> Injection:
     assert isinstance(fault.target, int)
     found = to.cluster.worker_by_rank(fault.target)
@@ -168,7 +171,7 @@ def _kill_node(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
     node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
-        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+        return _no_node(fault)
     tree = to.ledger.record_tree(node.pid)
     node.kill()
     deadline = time.monotonic() + 5
@@ -197,10 +200,11 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
     node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
-        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+        return _no_node(fault)
     step, step_dir = newest_committed(node.local_dir)
     if step_dir is None:
-        return Injection(node.name, f"group rank {fault.target}", skipped=f"{node.local_dir} holds no committed checkpoint yet")
+        return Injection(node.name, f"group rank {fault.target}",
+                         skipped=f"{node.local_dir} holds no committed checkpoint yet")
     flipped = {str(f): flip_bytes(f) for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
     if not flipped:
         return Injection(node.name, f"group rank {fault.target}", skipped=f"{step_dir} holds no safetensors file")
@@ -264,7 +268,7 @@ def _disk_full(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
     node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
-        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+        return _no_node(fault)
     filler = node.local_dir / ".elastic-chaos-fill"
     written = 0
     chunk = b"\0" * (1 << 20)
@@ -282,7 +286,8 @@ def _disk_full(fault: PlannedFault, to: Target) -> Injection:
         to.sleep(fault.hold_s)
     finally:
         filler.unlink(missing_ok=True)
-    return Injection(node.name, f"group rank {fault.target}: tier 1 full", {"filled_bytes": written, "full_s": fault.hold_s})
+    return Injection(node.name, f"group rank {fault.target}: tier 1 full",
+                     {"filled_bytes": written, "full_s": fault.hold_s})
 
 
 def _add_node(fault: PlannedFault, to: Target) -> Injection:
@@ -294,9 +299,10 @@ def _partition_node(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
     node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
-        return Injection(None, f"group rank {fault.target}", skipped="no node held that group rank when the fault fired")
+        return _no_node(fault)
     if to.network is None or node.net is None:
-        return Injection(node.name, f"group rank {fault.target}", skipped="the node was not started in a network namespace")
+        return Injection(node.name, f"group rank {fault.target}",
+                         skipped="the node was not started in a network namespace")
     to.network.cut(node.net)
     node.partitioned = True
     return Injection(node.name, f"group rank {fault.target} ({node.net.address} cut off)",

@@ -16,7 +16,7 @@
     no_orphan_processes              nothing the harness started, or any of its descendants, is alive
     all_faults_injected              every fault not skipped fired, and each corruption was read by a restore
 
-A check that cannot be made (e.g. the script prints no digest) is `None` with the reason: it never
+A check that cannot be made (e.g. the script emits no `final_digest` event) is `None` with the reason: it never
 counts as passed.
 """
 
@@ -24,16 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from chaos.timeline import (
-    Attempt,
-    CheckpointSkipped,
-    Event,
-    Lineage,
-    Resumed,
-    Step,
-    WorkerStart,
-    attempts,
-)
+from chaos.lineage import Attempt, Lineage, attempts
+from chaos.timeline import CheckpointSkipped, Event, Resumed, Step, WorkerStart
 from trainer.data import DataConfig, ElasticSampler
 
 
@@ -80,7 +72,7 @@ class Evidence:
     final_digest: str | None
     reference_digest: str | None
     reference_world: int | None
-    reference_losses: dict[int, str | None] = field(default_factory=dict)
+    reference_losses: dict[int, float | None] = field(default_factory=dict)
     startup_lost: int = 0
     """Steps thrown away before the first fault (the first round formed before every node joined)."""
     consumed: dict[int, list[int]] | None = None
@@ -112,12 +104,13 @@ def run_completed(ev: Evidence) -> Check:
 
 def digest_matches(ev: Evidence) -> Check:
     if ev.reference_digest is None or ev.final_digest is None:
-        return Check(None, "the script printed no final_digest= line (in the reference or the chaos run)")
+        return Check(None, "the script emitted no final_digest event (in the reference or the chaos run)")
     worlds = {c.world for c in ev.lineage.steps.values()}
     if None in worlds or ev.reference_world is None:
-        return Check(None, "the world size of some committed steps is unknown (no `worker rank=` lines)")
+        return Check(None, "the world size of some committed steps is unknown (no `worker_started` events)")
     if worlds != {ev.reference_world}:
-        return Check(None, f"not comparable: committed steps ran at world sizes {sorted(w for w in worlds if w is not None)}, the reference at "
+        ran = sorted(w for w in worlds if w is not None)
+        return Check(None, f"not comparable: committed steps ran at world sizes {ran}, the reference at "
                            f"{ev.reference_world}; a different world size changes the floating-point sums")
     same = ev.final_digest == ev.reference_digest
     return Check(same, f"final {ev.final_digest[:16]}... {'==' if same else '!='} reference "
@@ -127,7 +120,7 @@ def digest_matches(ev: Evidence) -> Check:
 def data_exactly_once(ev: Evidence) -> Check:
     lin = ev.lineage
     if not lin.steps:
-        return Check(None, "the script printed no step= lines")
+        return Check(None, "the script emitted no step events")
     problems = list(lin.problems)
     missing = sorted(set(range(1, ev.steps + 1)) - set(lin.steps))
     extra = sorted(set(lin.steps) - set(range(1, ev.steps + 1)))
@@ -274,7 +267,7 @@ def _continues_as_before(runs: list[Attempt], resumed: Resumed, *, before: float
     if after is None:
         return None
     earlier = {s.step: s.loss for a in runs if a.start_t < before and a.world == after.world for s in a.steps}
-    pairs: list[tuple[int, str, str]] = []
+    pairs: list[tuple[int, float, float]] = []
     for s in after.steps[:compare]:
         old = earlier.get(s.step)
         if s.loss is not None and old is not None:
@@ -284,12 +277,8 @@ def _continues_as_before(runs: list[Attempt], resumed: Resumed, *, before: float
     return f"losses of steps {[n for n, _, _ in pairs]} equal those before the fault"
 
 
-def _close(a: str, b: str) -> bool:
-    """Printed losses equal up to float summation order; damaged weights or moments are far off."""
-    try:
-        x, y = float(a), float(b)
-    except ValueError:
-        return a == b
+def _close(x: float, y: float) -> bool:
+    """Losses equal up to float summation order; damaged weights or moments are far off."""
     return abs(x - y) <= 1e-4 * max(1.0, abs(y))
 
 
@@ -301,8 +290,12 @@ def steps_lost_within(ev: Evidence) -> Check:
         extra = f" ({f.in_flight} run while a save was being written)" if f.in_flight else ""
         return f"{f.kind} {f.steps_lost}{extra}"
 
-    over = [f"{f.kind}: {f.steps_lost} steps lost > {allowed(f)}"
-            + (f" ({f.lost_bound * ev.ckpt_every} + {f.in_flight} run while a save was being written)" if f.in_flight else "")
+    def why(f: FaultOutcome) -> str:
+        if not f.in_flight:
+            return ""
+        return f" ({f.lost_bound * ev.ckpt_every} + {f.in_flight} run while a save was being written)"
+
+    over = [f"{f.kind}: {f.steps_lost} steps lost > {allowed(f)}{why(f)}"
             for f in ev.faults if f.injected and f.steps_lost > allowed(f)]
     costs = ", ".join(cost(f) for f in ev.faults if f.injected)
     if over:

@@ -83,7 +83,8 @@ def write(report: Report, directory: Path) -> list[Path]:
         plot_timeline(report.plot, png, title=_title(report))
         written.append(png)
     except ImportError:
-        report.notes.append("timeline.png not written: matplotlib is not installed (pip install 'elastic-train[chaos]')")
+        report.notes.append("timeline.png not written: matplotlib is not installed "
+                            "(pip install 'elastic-train[chaos]')")
     path = directory / "report.json"
     path.write_text(json.dumps(report.to_json(), indent=2, sort_keys=False, default=str) + "\n")
     written.append(path)

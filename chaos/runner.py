@@ -15,58 +15,34 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
-from chaos import invariants as inv
+from chaos import lineage as ln
 from chaos import report as rpt
-from chaos import timeline as tl
-from chaos.cluster import Cluster, EtcdMembers, ProcessLedger
+from chaos.cluster import Cluster
 from chaos.config import ChaosConfig
+from chaos.etcd_members import EtcdMembers
 from chaos.faults import CATALOG
 from chaos.inject import Capabilities, Target, inject, newest_committed, probe, skip_reason
+from chaos.judge import (
+    ChaosError,
+    JobResult,
+    Reference,
+    cost_faults,
+    error_report,
+    judge,
+    reference_of,
+    save_reference,
+)
+from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork
-from chaos.schedule import PlannedFault, plan
-from ckpt.layout import parse_rank_dir_name
+from chaos.samples import consumed_by_step, read_samples
+from chaos.schedule import PlannedFault, describe_target, plan
+from chaos.timeline import Digest
 from core.procfs import descendants
-from trainer.data import DataConfig
 
 log = logging.getLogger("chaos")
-
-
-class ChaosError(Exception):
-    """The run could not be judged (e.g. the fault-free reference run failed)."""
-
-
-@dataclass
-class JobResult:
-    """What one job (the reference or the chaos run) did."""
-
-    events: list[tl.Event]
-    attempts: list[tl.Attempt]
-    lineage: tl.Lineage
-    completed: bool
-    completion_detail: str
-    final_digest: str | None
-    final_world: int | None
-    duration_s: float
-    t0: float
-    orphans: list[str]
-    consumed: tuple[dict[int, list[int]], list[str]] | None = None
-    """Sample ids per committed step, from the workers' logs (with --log-samples), and gaps in them."""
-
-
-@dataclass
-class Reference:
-    digest: str | None
-    world: int | None
-    losses: dict[int, str | None]
-    seconds_per_step: float | None
-    """For scripts that print no steps: faults fire at times estimated from this..."""
-    startup_s: float = 0.0
-    """... counted from this long after the job started (its first worker line, if any)."""
-    notes: list[str] = field(default_factory=list)
 
 
 def run(config: ChaosConfig, *, reference: Reference | None = None) -> tuple[rpt.Report, Reference | None]:
@@ -101,17 +77,18 @@ def run(config: ChaosConfig, *, reference: Reference | None = None) -> tuple[rpt
             if not ref_job.completed:
                 raise ChaosError(f"the fault-free reference run failed ({ref_job.completion_detail}); "
                                  f"see {logs}/reference-*.log")
-            reference = _reference(ref_job, config)
+            reference = reference_of(ref_job, config)
+        save_reference(reference, config.report_dir)  # for `--reference` of a later run of the same job
         chaos_job, records = _job(config, "chaos", fault_plan, skips, work, logs, etcd, ledger, caps, tmpfs_mb,
                                   reference, network)
         etcd.stop()
         ledger.kill_survivors()
-        report = _judge(config, fault_plan, chaos_job, records, reference, time.monotonic() - started)
+        report = judge(config, chaos_job, records, reference, time.monotonic() - started)
     except ChaosError as exc:
-        report = _error_report(config, fault_plan, str(exc), time.monotonic() - started)
+        report = error_report(config, fault_plan, str(exc), time.monotonic() - started)
     except Exception as exc:  # noqa: BLE001 - a harness bug must still end in a (failed) report
         log.exception("elastic-chaos: internal error")
-        report = _error_report(config, fault_plan, f"internal error in elastic-chaos ({type(exc).__name__}: {exc}); "
+        report = error_report(config, fault_plan, f"internal error in elastic-chaos ({type(exc).__name__}: {exc}); "
                                f"please report it with the logs in {logs}", time.monotonic() - started)
     finally:
         if etcd is not None:
@@ -126,43 +103,12 @@ def run(config: ChaosConfig, *, reference: Reference | None = None) -> tuple[rpt
     return report, reference
 
 
-def _reference(job: JobResult, config: ChaosConfig) -> Reference:
-    """The reference is the first attempt that finished, and it must have run without a restart."""
-    worker_starts = [e for e in job.events if isinstance(e, tl.WorkerStart)]
-    begin = worker_starts[0].t if worker_starts else job.t0
-    digests = [e for e in job.events if isinstance(e, tl.Digest)]
-    if not job.lineage.steps:
-        per_step = (job.t0 + job.duration_s - begin) / config.steps
-        return Reference(job.final_digest, job.final_world, {}, per_step, begin - job.t0)
-    done_t = digests[0].t if digests else float("inf")
-    prefix = [e for e in job.events if e.t <= done_t]
-    runs = tl.attempts(prefix)
-    lin = tl.lineage(runs, config.ckpt_every)
-    made_by = {c.attempt for c in lin.steps.values()}
-    if len(made_by) > 1:
-        raise ChaosError(f"the fault-free reference run restarted mid-run ({_why_restarted(prefix)}), so it cannot "
-                         "serve as the reference; see the reference-*.log files")
-    notes = []
-    if any(a.start_t > done_t and a.steps for a in job.attempts):
-        notes.append(f"the fault-free reference job was restarted after it had finished ({_why_restarted(job.events)}); "
-                     "its digest is the one of the attempt that finished first")
-    world = runs[made_by.pop()].world
-    losses = {s: c.loss for s, c in lin.steps.items()}
-    return Reference(digests[0].digest if digests else None, world, losses, None, begin - job.t0, notes)
-
-
-def _why_restarted(events: list[tl.Event]) -> str:
-    reasons = sorted({e.name for e in events if isinstance(e, tl.AgentEvent) and e.name in ("hang_detected", "leave")}
-                     | {"worker group failed" for e in events if isinstance(e, tl.AgentFailure)})
-    return ", ".join(reasons) or "no reason in the agents' events"
-
-
 def _job(config: ChaosConfig, name: str, fault_plan: tuple[PlannedFault, ...], skips: dict[int, str | None],
          work: Path, logs: Path, etcd: EtcdMembers, ledger: ProcessLedger, caps: Capabilities, tmpfs_mb: int | None,
          reference: Reference | None, network: NetnsNetwork | None) -> tuple[JobResult, list[rpt.FaultRecord]]:
     shared_flag = caps.shared_flag if config.is_default_script else None
     cluster = Cluster(config, name=name, work_dir=work / f"{name}-{config.seed}", log_dir=logs, etcd=etcd,
-                      ledger=ledger, shared_flag=shared_flag, samples_flag=caps.samples_flag, network=network)
+                      ledger=ledger, shared_flag=shared_flag, network=network)
     t0 = cluster.t0
     deadline = t0 + config.timeout_s
     records: list[rpt.FaultRecord] = []
@@ -173,12 +119,7 @@ def _job(config: ChaosConfig, name: str, fault_plan: tuple[PlannedFault, ...], s
                              Target(cluster, etcd, ledger, tmpfs_mb, network=network))
         finished = cluster.wait(cluster.finished, deadline, poll_s=0.1)
         ended = time.monotonic()
-        if finished:
-            time.sleep(1.0)  # let the agents' last children go before counting orphans
-        # etcd serves both jobs; a partitioned node cannot learn that the job ended: neither is an orphan.
-        exempt = {p for pid in etcd.pids() for p in (pid, *descendants(pid))}
-        exempt |= {p for n in cluster.nodes if n.partitioned for p in (n.pid, *descendants(n.pid))}
-        orphans = [s for s in ledger.survivors() if int(s.split()[0]) not in exempt] if finished else []
+        orphans = _orphans(cluster, etcd, ledger) if finished else []
     finally:
         cluster.stop()
     codes = {n.name: n.proc.returncode for n in cluster.nodes if not n.killed and not n.partitioned}
@@ -188,21 +129,34 @@ def _job(config: ChaosConfig, name: str, fault_plan: tuple[PlannedFault, ...], s
         completed, detail = False, "agents exited with " + ", ".join(f"{k}: {v}" for k, v in codes.items())
     else:
         completed, detail = True, f"{len(codes)} agents exited 0 after {ended - t0:.1f} s"
-    events = cluster.timeline.events()
-    runs = tl.attempts(events)
-    lin = tl.lineage(runs, config.ckpt_every)
-    digests = [e.digest for e in events if isinstance(e, tl.Digest)]
+    events = cluster.timeline.load()  # every node's event files, read whole now that the job is over
+    runs = ln.attempts(events)
+    lin = ln.lineage(runs, config.ckpt_every)
+    digests = [e.digest for e in events if isinstance(e, Digest)]
     world = next((a.world for a in reversed(runs) if a.world is not None), None)
     if world is None:
-        series = tl.world_series(events, config.nproc_per_node)
+        series = ln.world_series(events, config.nproc_per_node)
         world = series[-1][1] if series else None
     consumed = None
-    if cluster.samples_flag and config.is_default_script:
-        consumed = tl.consumed_by_step(events, runs, lin, tl.read_samples(cluster.samples_dir))
+    if config.is_default_script:  # a custom script's data settings are unknown to the harness
+        consumed = consumed_by_step(events, runs, lin, read_samples(cluster.samples_dir))
     job = JobResult(events, runs, lin, completed, detail, digests[-1] if digests else None, world, ended - t0, t0,
                     orphans, consumed)
-    _cost_faults(records, job, t0)
+    cost_faults(records, job, t0)
     return job, records
+
+
+def _orphans(cluster: Cluster, etcd: EtcdMembers, ledger: ProcessLedger, grace_s: float = 1.0) -> list[str]:
+    """What the job left alive once its agents exited, after `grace_s` for the agents' last children to go."""
+    # etcd serves both jobs; a partitioned node cannot learn that the job ended: neither is an orphan.
+    exempt = {p for pid in etcd.pids() for p in (pid, *descendants(pid))}
+    exempt |= {p for n in cluster.nodes if n.partitioned for p in (n.pid, *descendants(n.pid))}
+
+    def left() -> list[str]:
+        return [s for s in ledger.survivors() if int(s.split()[0]) not in exempt]
+
+    cluster.wait(lambda: not left(), time.monotonic() + grace_s)
+    return left()
 
 
 def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault, ...], skips: dict[int, str | None],
@@ -214,7 +168,7 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
     by_time = reference is not None and reference.seconds_per_step is not None
 
     def formed() -> bool:
-        runs = tl.attempts(timeline.events())
+        runs = ln.attempts(timeline.events())
         return bool(runs) and runs[-1].steps != [] and runs[-1].world in (full_world, None)
 
     if by_time:
@@ -228,7 +182,7 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
     last_recovery = armed_at
     healthy = True
     for pf in fault_plan:
-        record = rpt.FaultRecord(pf.index, pf.kind, None, _describe_target(pf), pf.at_step, None)
+        record = rpt.FaultRecord(pf.index, pf.kind, None, describe_target(pf), pf.at_step, None)
         records.append(record)
         if skips.get(pf.index):
             record.skipped = skips[pf.index]
@@ -253,7 +207,8 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
         committed = _committed_everywhere(cluster)
         t_inj = time.monotonic()
         injection = inject(pf, target)
-        record.node, record.target, record.details = injection.node, injection.target or record.target, injection.details
+        record.node, record.details = injection.node, injection.details
+        record.target = injection.target or record.target
         if injection.skipped:
             record.skipped = injection.skipped
             continue
@@ -289,7 +244,7 @@ def _step_reached(cluster: Cluster, step: int, since: float) -> bool:
 
 def _restarted(cluster: Cluster, since: float) -> bool:
     """A worker group started after `since` has made a step."""
-    return cluster.finished() or any(a.start_t >= since and a.steps for a in tl.attempts(cluster.timeline.events()))
+    return cluster.finished() or any(a.start_t >= since and a.steps for a in ln.attempts(cluster.timeline.events()))
 
 
 def _progressed(cluster: Cluster, since: float) -> bool:
@@ -305,124 +260,3 @@ def _committed_everywhere(cluster: Cluster) -> int | None:
     return min(s or 0 for s in steps)
 
 
-def _in_flight(record: rpt.FaultRecord, ckpt_every: int) -> int:
-    """Steps run after a checkpoint step whose save had not committed everywhere at the fault."""
-    committed = record.details.get("committed_everywhere")
-    if committed is None or record.at_step is None:
-        return 0
-    return max(0, record.at_step - committed - ckpt_every)
-
-
-def _describe_target(pf: PlannedFault) -> str:
-    kind = CATALOG[pf.kind].target
-    if kind == "worker":
-        return f"global rank {pf.target}"
-    if kind == "node":
-        return f"group rank {pf.target}"
-    if kind == "etcd":
-        return f"etcd member m{pf.target}"
-    return ""
-
-
-def _cost_faults(records: list[rpt.FaultRecord], job: JobResult, t0: float) -> None:
-    fired = [r for r in records if r.injected_t is not None]
-    for i, r in enumerate(fired):
-        assert r.injected_t is not None
-        start = t0 + r.injected_t
-        end = t0 + fired[i + 1].injected_t if i + 1 < len(fired) else float("inf")  # type: ignore[operator]
-        cost = tl.fault_cost(job.events, job.attempts, job.lineage, start, end)
-        r.detect_s, r.resume_s, r.steps_lost, r.restarts = cost.detect_s, cost.resume_s, cost.steps_lost, cost.restarts
-        step = r.details.get("corrupted_step")
-        if step is not None:
-            r.details["exercised"] = any(isinstance(e, tl.CheckpointSkipped) and e.step == step and e.node == r.node
-                                         and e.t > start for e in job.events)
-
-
-def _judge(config: ChaosConfig, fault_plan: tuple[PlannedFault, ...], job: JobResult,
-           records: list[rpt.FaultRecord], reference: Reference, duration_s: float) -> rpt.Report:
-    first_fault = min((job.t0 + r.injected_t for r in records if r.injected_t is not None), default=float("inf"))
-    outcomes = [
-        inv.FaultOutcome(
-            kind=r.kind, injected=r.injected_t is not None, skipped=r.skipped, steps_lost=r.steps_lost,
-            lost_bound=CATALOG[r.kind].lost_bound,
-            injected_t=None if r.injected_t is None else job.t0 + r.injected_t,
-            corrupted_step=r.details.get("corrupted_step"), corrupted_node=r.node,
-            exercised=r.details.get("exercised"), not_fired=r.details.get("not_fired"),
-            corrupted_ranks=_ranks_of(r.details.get("files", {})),
-            in_flight=_in_flight(r, config.ckpt_every),
-        )
-        for r in records
-    ]
-    data = None
-    if config.is_default_script:
-        data = DataConfig(dataset_size=config.effective_dataset_size, global_batch=config.effective_global_batch,
-                          seed=config.train_seed)
-    orphans = list(job.orphans)
-    for r in records:
-        orphans += [f"{pid} (left alive by kill-node of {r.node})" for pid in r.details.get("left_alive", [])]
-    evidence = inv.Evidence(
-        steps=config.steps, ckpt_every=config.ckpt_every, data=data, completed=job.completed,
-        completion_detail=job.completion_detail, lineage=job.lineage, events=job.events, faults=outcomes,
-        orphans=orphans, final_digest=job.final_digest, reference_digest=reference.digest,
-        reference_world=reference.world, reference_losses=reference.losses,
-        startup_lost=sum(n for t, n in job.lineage.lost if t < first_fault),
-        consumed=job.consumed[0] if job.consumed else None,
-        consumed_problems=job.consumed[1] if job.consumed else [],
-    )
-    checks = inv.check_all(evidence)
-    notes = list(reference.notes)
-    finished = [e.t for e in job.events if isinstance(e, tl.Digest)]
-    if finished and any(a.start_t > finished[0] and a.steps for a in job.attempts):
-        notes.append(f"the job was restarted after it had printed its final digest ({_why_restarted(job.events)}): "
-                     "the framework re-ran it from its last checkpoint; the final digest is the last one printed")
-    if not config.is_default_script:
-        notes.append("custom script: the data check replays no sampler (the harness does not know its data settings); "
-                     "it checks the committed steps and the per-step losses against the reference")
-    skipped = [r for r in records if r.skipped]
-    if skipped:
-        notes.append(f"{len(skipped)} fault(s) skipped, see the faults table; a skipped fault is not a passed one")
-    if evidence.startup_lost:
-        notes.append(f"the first round closed before every node had joined; {evidence.startup_lost} steps were re-run "
-                     "at start-up (not charged to any fault)")
-    return rpt.Report(
-        passed=all(c.ok for c in checks.values() if c.ok is not None),
-        invariants={k: bool(c.ok) for k, c in checks.items() if c.ok is not None},
-        not_checked={k: c.detail for k, c in checks.items() if c.ok is None},
-        invariant_details={k: c.detail for k, c in checks.items()},
-        faults=records, reference_digest=reference.digest, final_digest=job.final_digest,
-        reference_world_size=reference.world, final_world_size=job.final_world, scenario=config.scenario,
-        seed=config.seed, config=_config_json(config), duration_s=round(duration_s, 2), notes=notes,
-        plot=_plot(job, records),
-    )
-
-
-def _ranks_of(files: dict[str, object]) -> tuple[int, ...]:
-    """Rank numbers of the damaged files (`.../rank_00001/state.safetensors` -> 1)."""
-    ranks = {parse_rank_dir_name(Path(f).parent.name) for f in files}
-    return tuple(sorted(r for r in ranks if r is not None))
-
-
-def _plot(job: JobResult, records: list[rpt.FaultRecord]) -> rpt.Plot:
-    t0 = job.t0
-    steps = [(round(s.t - t0, 3), s.step, i + 1) for i, a in enumerate(job.attempts) for s in a.steps]
-    worlds = [(round(t - t0, 3), w) for t, w in tl.world_series(job.events, 1)] if any(
-        isinstance(e, tl.WorkerStart) for e in job.events) else []
-    faults = [(r.injected_t, r.kind) for r in records if r.injected_t is not None]
-    recoveries = [r.injected_t + r.resume_s for r in records if r.injected_t is not None and r.resume_s is not None]
-    return rpt.Plot(steps, worlds, faults, recoveries, end_t=job.duration_s)
-
-
-def _config_json(config: ChaosConfig) -> dict[str, object]:
-    doc = asdict(config)
-    doc["faults"] = [str(f) for f in config.faults]
-    doc["global_batch"] = config.effective_global_batch
-    doc["dataset_size"] = config.effective_dataset_size
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in doc.items()}
-
-
-def _error_report(config: ChaosConfig, fault_plan: tuple[PlannedFault, ...], error: str, duration_s: float) -> rpt.Report:
-    records = [rpt.FaultRecord(pf.index, pf.kind, None, _describe_target(pf), pf.at_step, None) for pf in fault_plan]
-    return rpt.Report(passed=False, invariants={}, not_checked={}, invariant_details={}, faults=records,
-                      reference_digest=None, final_digest=None, reference_world_size=None, final_world_size=None,
-                      scenario=config.scenario, seed=config.seed, config=_config_json(config),
-                      duration_s=round(duration_s, 2), error=error)

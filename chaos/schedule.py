@@ -85,3 +85,15 @@ def plan(
         if kind.adds_node:
             live += 1
     return tuple(out)
+
+
+def describe_target(pf: PlannedFault) -> str:
+    """Whom a planned fault hits, in words (before it fires and the target is known by name)."""
+    kind = CATALOG[pf.kind].target
+    if kind == "worker":
+        return f"global rank {pf.target}"
+    if kind == "node":
+        return f"group rank {pf.target}"
+    if kind == "etcd":
+        return f"etcd member m{pf.target}"
+    return ""

@@ -1,39 +1,38 @@
-"""What happened, in order: every node's output parsed into timestamped events, and what follows
-from them (the attempts of the worker group, the committed line of steps, the cost of each fault).
+"""What happened, in order: every simulated node's structured events, read from its event files.
 
-The harness reads the same lines a user sees. A training script reports to it by printing, on
-rank 0 (the contract of `examples/train_tiny.py`):
+The harness reads events, never log text. It gives every node's agent `ELASTIC_EVENTS_DIR=<dir>`
+and `ELASTIC_NODE_ID=<node>` (the workers inherit both), so every process of the node appends its
+`core.events.emit` records to `<dir>/events-<pid>.jsonl`. The contract of the records is the
+docstring of `core/events.py`; the harness uses these:
 
-    worker rank=R world=W pid=P restart=C     every worker, once at start
-    step=<n> loss=<x>                         after every optimizer step
-    resumed from step K                       after restoring checkpoint K
-    final_digest=<hex>                        at the end
+    worker_started   every rank, once at start (rank, world, restart, pid)
+    resumed          rank 0: the step restored (0: a fresh start)
+    step             rank 0: after every optimizer step (step, loss)
+    final_digest     rank 0: at the end (digest)
+    ckpt_skipped     any rank: a copy of a step was unusable at restore, another was tried
+    ckpt_failed      any rank: a save failed
+    agent events     join, leave, round_closed, restart, recovered, degraded, hang_detected, ...
 
-plus the trainer's warnings (`skipping checkpoint step N: ...`) and the agents' JSON event lines
-(logger `elastic.events`). A script that prints none of these still runs; the checks that need
-them say so in the report instead of passing.
+A node's events are the files of its directory, whichever process wrote them: the node is the
+directory, not a field. A script that emits none of these still runs; the checks that need them say
+so in the report instead of passing.
 
-Times are `time.monotonic()` seconds.
+Times are `time.monotonic()` seconds, like the harness's own clock: a record's wall-clock `ts` is
+moved onto it by the offset between the two clocks taken when the timeline is made.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import os
 import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_PREFIX = r"^(?:\[[^\]]*\]:?\s*)?"  # torchrun's --tee / --log-line-prefix-template, e.g. "[default0]:"
-_STEP = re.compile(_PREFIX + r"step=(\d+)(?:\s+loss=(\S+))?")
-_WORKER = re.compile(r"worker rank=(\d+) world=(\d+) pid=(\d+) restart=(\d+)")
-_RESUMED = re.compile(_PREFIX + r"resumed from step (\d+)")
-_DIGEST = re.compile(_PREFIX + r"final_digest=([0-9a-fA-F]+)\s*$")
-_SKIPPED = re.compile(r"skipping checkpoint step (\d+): (.*)$")
-_SAVE_FAILED = re.compile(r"checkpoint of step (\d+) failed")
-_EVENT = re.compile(r"elastic\.events: (\{.*\})\s*$")
-_FAILURE = re.compile(r"Worker group (?:FAILED|UNHEALTHY)|will restart worker group|Detected \d+ new nodes")
+from core.events import read_events
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class Event:
 @dataclass(frozen=True)
 class Step(Event):
     step: int
-    loss: str | None
+    loss: float | None
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,7 @@ class CheckpointSkipped(Event):
 @dataclass(frozen=True)
 class CheckpointFailed(Event):
     step: int
+    error: str
 
 
 @dataclass(frozen=True)
@@ -84,236 +84,126 @@ class AgentEvent(Event):
 
 
 @dataclass(frozen=True)
-class AgentFailure(Event):
-    text: str
+class FailureSeen(Event):
+    """The moment an agent saw its worker group fail, or learnt of a membership change.
+
+    The agent reports it in its `recovered` event, as the seconds from then to the new workers
+    running (`recovery_s`); this event is placed that long before the `recovered` one."""
 
 
-def parse(t: float, node: str, text: str) -> Event | None:
-    """The event one output line stands for, or None."""
-    if m := _STEP.match(text):
-        return Step(t, node, int(m[1]), m[2])
-    if m := _WORKER.search(text):
-        return WorkerStart(t, node, int(m[1]), int(m[2]), int(m[3]), int(m[4]))
-    if m := _RESUMED.match(text):
-        return Resumed(t, node, int(m[1]))
-    if m := _DIGEST.match(text):
-        return Digest(t, node, m[1].lower())
-    if m := _SKIPPED.search(text):
-        return CheckpointSkipped(t, node, int(m[1]), m[2])
-    if m := _SAVE_FAILED.search(text):
-        return CheckpointFailed(t, node, int(m[1]))
-    if m := _EVENT.search(text):
+_RANK0_ONLY = {"step", "resumed", "final_digest"}
+"""Worker events the harness takes from rank 0 alone: every rank may emit them, rank 0 speaks for the group."""
+
+_AGENT = {"join", "leave", "round_closed", "restart", "recovered", "degraded", "hang_detected", "bad_record"}
+
+
+def from_record(record: Mapping[str, Any], node: str, offset: float = 0.0) -> list[Event]:
+    """The timeline events one event record stands for (none, one, or two for `recovered`).
+
+    `offset` is wall clock minus monotonic clock: the record's `ts` minus it is the event's `t`."""
+    try:
+        name = str(record["event"])
+        t = float(record["ts"]) - offset
+        if name in _RANK0_ONLY and record.get("rank", 0) != 0:
+            return []
+        if name == "step":
+            loss = record.get("loss")
+            return [Step(t, node, int(record["step"]), None if loss is None else float(loss))]
+        if name == "worker_started":
+            return [WorkerStart(t, node, int(record["rank"]), int(record["world"]), int(record["pid"]),
+                                int(record.get("restart", 0)))]
+        if name == "resumed":
+            return [Resumed(t, node, int(record["step"]))]
+        if name == "final_digest":
+            return [Digest(t, node, str(record["digest"]).lower())]
+        if name == "ckpt_skipped":
+            return [CheckpointSkipped(t, node, int(record["step"]), str(record.get("reason", "")))]
+        if name == "ckpt_failed":
+            return [CheckpointFailed(t, node, int(record["step"]), str(record.get("error", "")))]
+        if name in _AGENT:
+            out: list[Event] = [AgentEvent(t, node, name, dict(record))]
+            if name == "recovered" and record.get("recovery_s") is not None:
+                out.append(FailureSeen(t - float(record["recovery_s"]), node))
+            return out
+    except (KeyError, TypeError, ValueError):
+        pass  # a record without the contract's fields stands for nothing (written by another version?)
+    return []
+
+
+class _Tail:
+    """The complete lines appended to the event files of one directory since the last read."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._offsets: dict[str, int] = {}
+
+    def new_records(self) -> list[dict[str, Any]]:
         try:
-            doc = json.loads(m[1])
-        except ValueError:
-            return None
-        if isinstance(doc, dict) and "event" in doc:
-            return AgentEvent(t, node, str(doc["event"]), doc)
-        return None
-    if _FAILURE.search(text):
-        return AgentFailure(t, node, text.strip())
-    return None
+            names = sorted(n for n in os.listdir(self.directory) if n.startswith("events-") and n.endswith(".jsonl"))
+        except OSError:
+            return []  # no process of the node has emitted yet
+        out = []
+        for name in names:
+            path = self.directory / name
+            start = self._offsets.get(name, 0)
+            try:
+                if path.stat().st_size <= start:
+                    continue
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    chunk = f.read()
+            except OSError:
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written is read next time
+            self._offsets[name] = start + len(complete)
+            for raw in complete.splitlines():
+                try:
+                    doc = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(doc, dict):
+                    out.append(doc)
+        return out
 
 
 class Timeline:
-    """Events of one job, appended by the node reader threads."""
+    """The events of one job, from the event directories of its nodes.
 
-    def __init__(self) -> None:
+    While the job runs, every query first reads what the nodes appended since the last one (the
+    harness polls it to time its faults). `load()` then reads every directory whole, through
+    `core.events.read_events`, for the judgement."""
+
+    def __init__(self, *, offset: float | None = None) -> None:
+        self.offset = time.time() - time.monotonic() if offset is None else offset
         self._lock = threading.Lock()
+        self._tails: dict[str, _Tail] = {}
         self._events: list[Event] = []
 
-    def add(self, event: Event) -> None:
+    def watch(self, node: str, directory: Path) -> None:
+        """Read `node`'s events from `directory` from now on."""
         with self._lock:
-            self._events.append(event)
+            self._tails[node] = _Tail(directory)
+
+    def _refresh(self) -> None:
+        # Called with the lock held: one reader at a time, so no line is read twice.
+        for node, tail in self._tails.items():
+            for record in tail.new_records():
+                self._events.extend(from_record(record, node, self.offset))
+
+    def load(self) -> list[Event]:
+        """Every event of every watched node, read whole from its files, in time order."""
+        with self._lock:
+            self._events = [e for node, tail in self._tails.items() for r in read_events(str(tail.directory))
+                            for e in from_record(r, node, self.offset)]
+            return sorted(self._events, key=lambda e: e.t)
 
     def events(self) -> list[Event]:
         with self._lock:
+            self._refresh()
             return sorted(self._events, key=lambda e: e.t)
 
     def latest_step(self, since: float = float("-inf")) -> Step | None:
         with self._lock:
+            self._refresh()
             steps = [e for e in self._events if isinstance(e, Step) and e.t >= since]
         return max(steps, key=lambda e: e.t) if steps else None
-
-
-# -- analysis ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Attempt:
-    """One start of the worker group: from its workers' start to its last step."""
-
-    start_t: float
-    world: int | None
-    resumed_from: int = 0
-    steps: list[Step] = field(default_factory=list)
-
-
-def attempts(events: list[Event]) -> list[Attempt]:
-    """Split the job into attempts. A new attempt begins at a rank-0 `worker` line, or, for scripts
-    that print none, when the step count goes back."""
-    out: list[Attempt] = []
-    for e in events:
-        if isinstance(e, WorkerStart) and e.rank == 0:
-            out.append(Attempt(e.t, e.world))
-        elif isinstance(e, Resumed):
-            if not out or out[-1].steps:
-                out.append(Attempt(e.t, out[-1].world if out else None))
-            out[-1].resumed_from = e.step
-        elif isinstance(e, Step):
-            if not out:
-                out.append(Attempt(e.t, None))
-            elif out[-1].steps and e.step <= out[-1].steps[-1].step:
-                out.append(Attempt(e.t, out[-1].world, resumed_from=e.step - 1))
-            out[-1].steps.append(e)
-    return out
-
-
-@dataclass(frozen=True)
-class CommittedStep:
-    step: int
-    t: float
-    loss: str | None
-    world: int | None
-    attempt: int = 0
-    """Index of the attempt that computed it."""
-
-
-@dataclass
-class Lineage:
-    """The steps the final state is made of: each attempt's steps, cut back at every resume."""
-
-    steps: dict[int, CommittedStep]
-    problems: list[str]
-    """Resumes from a step never reached or not a checkpoint, steps skipped or repeated."""
-    lost: list[tuple[float, int]]
-    """(attempt start time, steps thrown away by that restart) for every attempt after the first."""
-
-
-def lineage(runs: list[Attempt], ckpt_every: int) -> Lineage:
-    committed: dict[int, CommittedStep] = {}
-    problems: list[str] = []
-    lost: list[tuple[float, int]] = []
-    reached = 0
-    for i, attempt in enumerate(runs):
-        start = attempt.resumed_from
-        if i > 0:
-            lost.append((attempt.start_t, max(0, reached - start)))
-        if start > reached:
-            problems.append(f"attempt {i + 1} resumed from step {start}, but the job had only reached step {reached}")
-        elif start and start % ckpt_every:
-            problems.append(f"attempt {i + 1} resumed from step {start}, which is not a checkpoint step "
-                            f"(every {ckpt_every})")
-        committed = {s: c for s, c in committed.items() if s <= start}
-        prev = start
-        for e in attempt.steps:
-            if e.step != prev + 1:
-                what = "repeated" if e.step <= prev else "skipped"
-                problems.append(f"attempt {i + 1}: step {e.step} follows step {prev} (steps {what})")
-            committed[e.step] = CommittedStep(e.step, e.t, e.loss, attempt.world, i)
-            prev = e.step
-        reached = prev if attempt.steps else start
-    return Lineage(committed, problems, lost)
-
-
-def world_series(events: list[Event], nproc_per_node: int) -> list[tuple[float, int]]:
-    """(time, world size) at every change: from rank-0 worker lines, else the agents' round events."""
-    series = [(e.t, e.world) for e in events if isinstance(e, WorkerStart) and e.rank == 0]
-    if not series:
-        seen: set[int] = set()
-        for e in events:
-            if isinstance(e, AgentEvent) and e.name == "round_closed" and e.fields.get("generation") not in seen:
-                seen.add(e.fields.get("generation"))  # type: ignore[arg-type]
-                series.append((e.t, int(e.fields.get("world_size", 0)) * nproc_per_node))
-    return series
-
-
-@dataclass(frozen=True)
-class FaultCost:
-    detect_s: float | None
-    """Fault to the first sign that the system noticed it (an agent's failure line or event)."""
-    resume_s: float | None
-    """Fault to the first training step of the attempt that recovered from it."""
-    steps_lost: int
-    """Steps computed before the fault and thrown away by the restarts it caused."""
-    restarts: int
-    """Restarts of the worker group in the fault's window."""
-
-
-_DETECTIONS = {"hang_detected", "leave", "restart", "round_closed", "degraded"}
-
-
-def fault_cost(events: list[Event], runs: list[Attempt], lin: Lineage, start: float, end: float) -> FaultCost:
-    """What the fault injected at `start` cost, judged from the events before `end` (the next fault)."""
-    detect = next((e.t for e in events if start <= e.t < end and (
-        isinstance(e, AgentFailure) or (isinstance(e, AgentEvent) and e.name in _DETECTIONS
-                                        and not (e.name == "leave" and e.fields.get("reason") == "shutdown")
-                                        and not (e.name == "degraded" and not e.fields.get("degraded"))))), None)
-    restarted = [a for a in runs if start <= a.start_t < end]
-    resume = next((a.steps[0].t for a in restarted if a.steps), None)
-    lost = sum(n for t, n in lin.lost if start <= t < end)
-    return FaultCost(
-        detect_s=None if detect is None else round(detect - start, 3),
-        resume_s=None if resume is None else round(resume - start, 3),
-        steps_lost=lost,
-        restarts=len(restarted),
-    )
-
-
-# -- consumed samples (train_tiny --log-samples) -------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SampleRecord:
-    """One rank's sample ids at one step, as the script logged them."""
-
-    pid: int
-    step: int
-    rank: int
-    ids: tuple[int, ...]
-
-
-_SAMPLES_FILE = re.compile(r"-p(\d+)\.jsonl$")
-
-
-def read_samples(directory: Path) -> list[SampleRecord]:
-    """Every `{"step", "rank", "ids"}` line of `directory/*-p<pid>.jsonl` (a torn last line is skipped)."""
-    out = []
-    for path in sorted(directory.glob("*.jsonl")):
-        m = _SAMPLES_FILE.search(path.name)
-        if m is None:
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                doc = json.loads(line)
-                out.append(SampleRecord(int(m[1]), int(doc["step"]), int(doc["rank"]), tuple(int(i) for i in doc["ids"])))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return out
-
-
-def consumed_by_step(events: list[Event], runs: list[Attempt], lin: Lineage,
-                     records: list[SampleRecord]) -> tuple[dict[int, list[int]], list[str]]:
-    """For every committed step, the sample ids the attempt that committed it consumed, in rank order.
-
-    A worker belongs to the attempt whose start is nearest to its `worker rank=` line."""
-    starts = [a.start_t for a in runs]
-    attempt_of: dict[int, int] = {}
-    for e in events:
-        if isinstance(e, WorkerStart) and starts:
-            attempt_of[e.pid] = min(range(len(starts)), key=lambda i: abs(starts[i] - e.t))
-    by_key: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
-    for r in records:
-        if r.pid in attempt_of:
-            by_key.setdefault((attempt_of[r.pid], r.step), {})[r.rank] = r.ids
-    consumed: dict[int, list[int]] = {}
-    problems: list[str] = []
-    for step, c in sorted(lin.steps.items()):
-        ranks = by_key.get((c.attempt, step))
-        if not ranks:
-            problems.append(f"no sample record for committed step {step}")
-            continue
-        if c.world is not None and sorted(ranks) != list(range(c.world)):
-            problems.append(f"step {step}: sample records of ranks {sorted(ranks)}, expected 0..{c.world - 1}")
-        consumed[step] = [i for rank in sorted(ranks) for i in ranks[rank]]
-    return consumed, problems

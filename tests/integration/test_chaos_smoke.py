@@ -1,5 +1,8 @@
 """`elastic-chaos run` end to end, as a real subprocess: the smoke scenario passes, its faults really
-happened (counted), nothing it started is left running; a custom script after `--` works too."""
+happened (counted), nothing it started is left running; a custom script after `--` works too.
+
+The smoke run is a module fixture: the partition test runs the same job (2 nodes, 40 steps) and
+reuses its fault-free reference run (`--reference`) instead of running one of its own."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,10 +59,25 @@ def leftovers(marker: Path) -> list[str]:
     return found
 
 
-@pytest.mark.timeout(330)
-def test_smoke_scenario_passes_and_its_faults_happened(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Run:
+    rc: int
+    out: str
+    doc: dict
+    tmp_path: Path
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> Run:
     # Typically ~40 s; the harness's own deadlines (120 s per job) end a stuck run with a report first.
+    tmp_path = tmp_path_factory.mktemp("smoke")
     rc, out, doc = chaos(["--scenario", "smoke"], tmp_path, timeout=300)
+    return Run(rc, out, doc, tmp_path)
+
+
+@pytest.mark.timeout(330)
+def test_smoke_scenario_passes_and_its_faults_happened(smoke: Run) -> None:
+    rc, out, doc, tmp_path = smoke.rc, smoke.out, smoke.doc, smoke.tmp_path
     assert rc == 0, out[-4000:]
     assert doc["passed"] is True, json.dumps(doc, indent=1)[:4000]
     assert all(doc["invariants"].values()) and doc["invariants"]["no_orphan_processes"] is True
@@ -102,11 +121,14 @@ def _netns_works() -> bool:
     return _probe_netns() is None
 
 
-@pytest.mark.timeout(280)
+@pytest.mark.timeout(610)  # may include the smoke fixture's run
 @pytest.mark.skipif(not _netns_works(), reason="partition-node needs root and a working `ip netns`")
-def test_partition_node_in_network_namespaces(tmp_path: Path) -> None:
-    rc, out, doc = chaos(["--nodes", "2", "--steps", "24", "--faults", "partition-node@last", "--seed", "1",
-                          "--timeout", "100"], tmp_path, timeout=260)
+def test_partition_node_in_network_namespaces(smoke: Run, tmp_path: Path) -> None:
+    # The smoke scenario's job (2 nodes x 1 worker, 40 steps, checkpoint every 5): its reference serves.
+    recorded = smoke.tmp_path / "report"
+    reuse = ["--reference", str(recorded)] if (recorded / "reference.json").is_file() else []
+    rc, out, doc = chaos(["--nodes", "2", "--steps", "40", "--faults", "partition-node@last", "--seed", "1",
+                          "--timeout", "100", *reuse], tmp_path, timeout=260)
     assert rc == 0, out[-4000:]
     assert doc["passed"] is True, json.dumps(doc, indent=1)[:4000]
     (fault,) = doc["faults"]

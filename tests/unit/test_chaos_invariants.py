@@ -1,13 +1,16 @@
-"""elastic-chaos judging, on synthetic logs: parsing output lines, attempts and the committed line of
-steps, fault costs, and each invariant kept and broken."""
+"""elastic-chaos judging, on synthetic event records: records to timeline events, reading the event
+files, attempts and the committed line of steps, fault costs, and each invariant kept and broken."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from chaos import invariants as inv
+from chaos import lineage as ln
+from chaos import samples as smp
 from chaos import timeline as tl
 from trainer.data import DataConfig
 
@@ -17,60 +20,123 @@ DATA = DataConfig(dataset_size=20 * 12 + 7, global_batch=12, seed=0)
 
 
 class Log:
-    """Builds a node's output the way train_tiny and the agents print it, one line per tick."""
+    """Builds a job's event records the way the trainer and the agents emit them (every rank emits
+    its worker events; the harness keeps rank 0's), one record per tick, and the timeline events
+    they stand for."""
 
     def __init__(self) -> None:
         self.t = 0.0
+        self.world = 2
+        self.records: list[tuple[str, dict[str, object]]] = []
         self.events: list[tl.Event] = []
 
-    def line(self, text: str, node: str = "node0", dt: float = 0.1) -> Log:
+    def emit(self, event: str, node: str = "node0", dt: float = 0.1, **fields: object) -> Log:
         self.t += dt
-        event = tl.parse(self.t, node, text)
-        if event is not None:
-            self.events.append(event)
+        record = {"event": event, "ts": self.t, "pid": 1, **fields}
+        self.records.append((node, record))
+        self.events.extend(tl.from_record(record, node))
         return self
+
+    def _ranks(self, event: str, **fields: object) -> Log:
+        for rank in range(self.world):
+            self.emit(event, "node0" if rank == 0 else "node1", rank=rank, world=self.world, pid=100 + rank, **fields)
+        return self
+
+    def worker(self, rank: int, world: int, *, pid: int, restart: int = 0, node: str | None = None) -> Log:
+        return self.emit("worker_started", node or ("node0" if rank == 0 else "node1"), rank=rank, world=world,
+                         local_rank=0, restart=restart, pid=pid)
 
     def start(self, world: int = 2, resumed: int | None = None, node: str = "node0") -> Log:
+        self.world = world
         for rank in range(world):
-            self.line(f"worker rank={rank} world={world} pid={100 + rank} restart=0", node if rank == 0 else "node1")
+            self.worker(rank, world, pid=100 + rank, node=node if rank == 0 else "node1")
         if resumed is not None:
-            self.line(f"resumed from step {resumed}", node)
+            self.resumed(resumed)
         return self
 
-    def steps(self, first: int, last: int, node: str = "node0", loss: str = "1.0") -> Log:
+    def resumed(self, step: int) -> Log:
+        return self._ranks("resumed", step=step)
+
+    def steps(self, first: int, last: int, loss: float = 1.0) -> Log:
         for s in range(first, last + 1):
-            self.line(f"step={s} loss={loss}", node)
+            self._ranks("step", step=s, loss=loss)
         return self
 
+    def digest(self, digest: str) -> Log:
+        return self._ranks("final_digest", step=0, digest=digest)
 
-def evidence(log: Log, *, steps: int = 20, faults: list[inv.FaultOutcome] | None = None, orphans: list[str] | None = None,
-             final: str = "ab", reference: str = "ab", ref_world: int = 2, ref_loss: str = "1.0") -> inv.Evidence:
-    runs = tl.attempts(log.events)
+    def skipped(self, step: int, reason: str, node: str) -> Log:
+        return self.emit("ckpt_skipped", node, rank=1, step=step, reason=reason)
+
+
+def evidence(log: Log, *, steps: int = 20, faults: list[inv.FaultOutcome] | None = None,
+             orphans: list[str] | None = None,
+             final: str = "ab", reference: str = "ab", ref_world: int = 2, ref_loss: float = 1.0) -> inv.Evidence:
+    runs = ln.attempts(log.events)
     return inv.Evidence(
         steps=steps, ckpt_every=5, data=DATA, completed=True, completion_detail="2 agents exited 0",
-        lineage=tl.lineage(runs, 5), events=log.events, faults=faults or [], orphans=orphans or [],
+        lineage=ln.lineage(runs, 5), events=log.events, faults=faults or [], orphans=orphans or [],
         final_digest=final, reference_digest=reference, reference_world=ref_world,
         reference_losses={s: ref_loss for s in range(1, steps + 1)},
     )
 
 
-def test_parse_recognises_the_lines_that_matter() -> None:
-    assert tl.parse(1.0, "n", "step=12 loss=0.250000") == tl.Step(1.0, "n", 12, "0.250000")
-    assert tl.parse(1.0, "n", "[default0]:step=3 loss=1.5") == tl.Step(1.0, "n", 3, "1.5")
-    assert tl.parse(1.0, "n", "worker rank=1 world=2 pid=77 restart=3") == tl.WorkerStart(1.0, "n", 1, 2, 77, 3)
-    assert tl.parse(1.0, "n", "resumed from step 10") == tl.Resumed(1.0, "n", 10)
-    assert tl.parse(1.0, "n", "final_digest=ABCdef01") == tl.Digest(1.0, "n", "abcdef01")
-    skipped = tl.parse(1.0, "n", "skipping checkpoint step 15: checksum of /x/state.safetensors differs")
-    assert skipped == tl.CheckpointSkipped(1.0, "n", 15, "checksum of /x/state.safetensors differs")
-    event = tl.parse(1.0, "n", '[elastic-run] 2026 INFO elastic.events: {"event": "hang_detected", "pid": 5}')
-    assert isinstance(event, tl.AgentEvent) and event.name == "hang_detected" and event.fields["pid"] == 5
-    assert isinstance(tl.parse(1.0, "n", "I1129 api.py:962] [default] Detected 1 new nodes from group_rank=1; will "
-                                         "restart worker group"), tl.AgentFailure)
-    assert tl.parse(1.0, "n", "unrelated noise step") is None
+def test_records_become_timeline_events() -> None:
+    def one(**record: object) -> list[tl.Event]:
+        return tl.from_record({"ts": 1.0, "pid": 77, **record}, "n")
+
+    assert one(event="step", rank=0, step=12, loss=0.25) == [tl.Step(1.0, "n", 12, 0.25)]
+    assert one(event="step", rank=1, step=3, loss=1.5) == []  # rank 0 speaks for the group
+    assert one(event="worker_started", rank=1, world=2, restart=3) == [tl.WorkerStart(1.0, "n", 1, 2, 77, 3)]
+    assert one(event="resumed", rank=0, step=10) == [tl.Resumed(1.0, "n", 10)]
+    assert one(event="final_digest", rank=0, step=20, digest="ABCdef01") == [tl.Digest(1.0, "n", "abcdef01")]
+    skipped = one(event="ckpt_skipped", rank=1, step=15, reason="checksum of /x/state.safetensors differs")
+    assert skipped == [tl.CheckpointSkipped(1.0, "n", 15, "checksum of /x/state.safetensors differs")]
+    (event,) = one(event="hang_detected", local_rank=0, global_rank=1)
+    assert isinstance(event, tl.AgentEvent) and event.name == "hang_detected" and event.fields["pid"] == 77
+    # The agent saw the failure `recovery_s` before it reports the new workers running.
+    recovered, seen = one(event="recovered", recovery_s=0.75, world_size=1)
+    assert isinstance(recovered, tl.AgentEvent) and seen == tl.FailureSeen(0.25, "n")
+    assert one(event="unrelated noise", step=1) == []
+    assert one(event="step", rank=0) == []  # no step field: not a step
+    assert tl.from_record({"event": "step", "ts": 101.5, "rank": 0, "step": 1}, "n", offset=100.0)[0].t == 1.5
+
+
+def test_timeline_reads_the_event_files_of_every_node(tmp_path: Path) -> None:
+    log = Log().start().steps(1, 3)
+    log.emit("recovered", "node1", recovery_s=0.05, world_size=2)
+    timeline = tl.Timeline(offset=0.0)
+    files: dict[str, object] = {}
+    for node in ("node0", "node1"):
+        (tmp_path / node).mkdir()
+        timeline.watch(node, tmp_path / node)
+        files[node] = open(tmp_path / node / "events-1.jsonl", "w")  # noqa: SIM115 - closed below
+    half = len(log.records) // 2
+    for node, record in log.records[:half]:
+        files[node].write(json.dumps(record) + "\n")  # type: ignore[attr-defined]
+    files["node0"].write('{"event": "step", "ts": 9.0, "ra')  # type: ignore[attr-defined]  # a line being written
+    for f in files.values():
+        f.flush()  # type: ignore[attr-defined]
+    early = timeline.events()
+    assert early == sorted((e for _, r in log.records[:half] for e in tl.from_record(r, _)), key=lambda e: e.t)
+    files["node0"].write('nk": 0, "step": 99}\n')  # type: ignore[attr-defined]  # ... completed later
+    for node, record in log.records[half:]:
+        files[node].write(json.dumps(record) + "\n")  # type: ignore[attr-defined]
+    for f in files.values():
+        f.close()  # type: ignore[attr-defined]
+    latest = timeline.latest_step()
+    assert latest is not None and latest.step == 99 and latest.t == 9.0
+    expected = sorted([*log.events, tl.Step(9.0, "node0", 99, None)], key=lambda e: e.t)
+    assert timeline.events() == expected
+    assert timeline.load() == expected  # read whole, through core.events.read_events
+    assert any(isinstance(e, tl.FailureSeen) and e.node == "node1" for e in expected)
+    with open(tmp_path / "node1" / "events-2.jsonl", "w") as f:
+        f.write('{"event": "step", "ts": 10.0, "rank": 0, "step": 100}\n{"event": "step", "ts": 11')  # torn
+    assert timeline.load()[-1] == tl.Step(10.0, "node1", 100, None)
 
 
 def test_a_clean_run_keeps_every_invariant() -> None:
-    log = Log().start().steps(1, 20).line("final_digest=ab")
+    log = Log().start().steps(1, 20).digest("ab")
     checks = inv.check_all(evidence(log))
     assert {k: c.ok for k, c in checks.items()} == {k: True for k in checks}, checks
     assert "20 step losses equal" in checks["data_exactly_once_per_epoch"].detail
@@ -78,18 +144,18 @@ def test_a_clean_run_keeps_every_invariant() -> None:
 
 def test_restart_cuts_the_lineage_back_and_counts_lost_steps() -> None:
     log = Log().start().steps(1, 13).start(resumed=10).steps(11, 20)
-    runs = tl.attempts(log.events)
+    runs = ln.attempts(log.events)
     assert [(a.world, a.resumed_from, len(a.steps)) for a in runs] == [(2, 0, 13), (2, 10, 10)]
-    lin = tl.lineage(runs, 5)
+    lin = ln.lineage(runs, 5)
     assert sorted(lin.steps) == list(range(1, 21)) and lin.problems == []
     assert [n for _, n in lin.lost] == [3]
-    cost = tl.fault_cost(log.events, runs, lin, start=runs[0].steps[-1].t + 0.01, end=float("inf"))
+    cost = ln.fault_cost(log.events, runs, lin, start=runs[0].steps[-1].t + 0.01, end=float("inf"))
     assert cost.steps_lost == 3 and cost.restarts == 1 and cost.resume_s is not None and cost.resume_s > 0
 
 
 def test_a_restart_without_a_resume_line_starts_from_zero() -> None:
     log = Log().start().steps(1, 13).start(world=1).steps(1, 20)
-    lin = tl.lineage(tl.attempts(log.events), 5)
+    lin = ln.lineage(ln.attempts(log.events), 5)
     assert [n for _, n in lin.lost] == [13]
     ev = evidence(log, faults=[inv.FaultOutcome(kind="kill-node", injected=True, skipped=None, steps_lost=13,
                                                 lost_bound=1)])
@@ -125,7 +191,7 @@ def test_skipped_and_repeated_steps_break_exactly_once() -> None:
 
 
 def test_a_different_loss_means_a_different_batch_or_state() -> None:
-    log = Log().start().steps(1, 13).start(resumed=10).steps(11, 20, loss="2.0")
+    log = Log().start().steps(1, 13).start(resumed=10).steps(11, 20, loss=2.0)
     check = inv.data_exactly_once(evidence(log))
     assert check.ok is False and "step 11: loss 2.0 != reference 1.0" in check.detail
 
@@ -148,7 +214,7 @@ def test_digest_is_compared_only_at_the_reference_world_size() -> None:
 def test_resuming_from_a_corrupted_step_is_caught() -> None:
     log = Log().start().steps(1, 17)
     corrupted_at = log.t
-    log.line("skipping checkpoint step 15: checksum mismatch", node="node1").start(resumed=10).steps(11, 20)
+    log.skipped(15, "checksum mismatch", node="node1").start(resumed=10).steps(11, 20)
     fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=7, lost_bound=2,
                              injected_t=corrupted_at, corrupted_step=15, corrupted_node="node1", exercised=True,
                              corrupted_ranks=(1,))
@@ -158,7 +224,7 @@ def test_resuming_from_a_corrupted_step_is_caught() -> None:
     # Resumed from the corrupted step, and the state is not the one from before: corrupt data.
     bad = Log().start().steps(1, 17)
     t = bad.t
-    bad.start(resumed=15).steps(16, 20, loss="9.9")
+    bad.start(resumed=15).steps(16, 20, loss=9.9)
     fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=2, lost_bound=2,
                              injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=False,
                              corrupted_ranks=(1,))
@@ -175,8 +241,8 @@ def test_resuming_a_corrupted_step_from_an_intact_copy_is_fine() -> None:
     log = Log().start().steps(1, 17)
     t = log.t
     log.start(resumed=None)
-    log.line("skipping checkpoint step 15: local copy of rank 1 is unusable", node="node1")
-    log.line("resumed from step 15").steps(16, 20)
+    log.skipped(15, "local copy of rank 1 is unusable", node="node1")
+    log.resumed(15).steps(16, 20)
     fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=2, lost_bound=2,
                              injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=True,
                              corrupted_ranks=(1,))
@@ -219,11 +285,11 @@ def test_an_unfinished_run_fails() -> None:
     assert inv.run_completed(evidence(Log().start().steps(1, 12))).ok is False
 
 
-def _records(log: Log, data: DataConfig, *, tamper: dict[int, list[int]] | None = None) -> list[tl.SampleRecord]:
+def _records(log: Log, data: DataConfig, *, tamper: dict[int, list[int]] | None = None) -> list[smp.SampleRecord]:
     """What train_tiny --log-samples writes: per worker pid, per step, each rank's slice of the global batch."""
     from trainer.data import ElasticSampler
 
-    runs = tl.attempts(log.events)
+    runs = ln.attempts(log.events)
     pids = {i: [e.pid for e in log.events if isinstance(e, tl.WorkerStart)
                 and min(range(len(runs)), key=lambda j: abs(runs[j].start_t - e.t)) == i] for i in range(len(runs))}
     out = []
@@ -235,18 +301,18 @@ def _records(log: Log, data: DataConfig, *, tamper: dict[int, list[int]] | None 
             ids = (tamper or {}).get(step.step, sampler.global_indices())
             half = len(ids) // 2
             for rank, pid in enumerate(pids[i]):
-                out.append(tl.SampleRecord(pid, step.step, rank, tuple(ids[rank * half:(rank + 1) * half])))
+                out.append(smp.SampleRecord(pid, step.step, rank, tuple(ids[rank * half:(rank + 1) * half])))
             sampler.advance()
     return out
 
 
 def test_logged_samples_prove_exactly_once() -> None:
     log = Log().start().steps(1, 13)
-    log.line("worker rank=0 world=2 pid=200 restart=1").line("worker rank=1 world=2 pid=201 restart=1", "node1")
-    log.line("resumed from step 10").steps(11, 20)
-    runs = tl.attempts(log.events)
-    lin = tl.lineage(runs, 5)
-    consumed, problems = tl.consumed_by_step(log.events, runs, lin, _records(log, DATA))
+    log.worker(0, 2, pid=200, restart=1).worker(1, 2, pid=201, restart=1)
+    log.resumed(10).steps(11, 20)
+    runs = ln.attempts(log.events)
+    lin = ln.lineage(runs, 5)
+    consumed, problems = smp.consumed_by_step(log.events, runs, lin, _records(log, DATA))
     assert problems == [] and sorted(consumed) == list(range(1, 21))
     ev = inv.Evidence(**{**evidence(log).__dict__, "consumed": consumed})
     check = inv.data_exactly_once(ev)
@@ -259,7 +325,7 @@ def test_logged_samples_prove_exactly_once() -> None:
     for _ in range(9):
         sampler.advance()
     tampered = _records(log, DATA, tamper={11: sampler.global_indices()})
-    consumed, problems = tl.consumed_by_step(log.events, runs, lin, tampered)
+    consumed, problems = smp.consumed_by_step(log.events, runs, lin, tampered)
     ev = inv.Evidence(**{**evidence(log).__dict__, "consumed": consumed})
     check = inv.data_exactly_once(ev)
     assert check.ok is False and "step 11: samples" in check.detail and "consumed twice in epoch 0" in check.detail
@@ -267,37 +333,37 @@ def test_logged_samples_prove_exactly_once() -> None:
 
 def test_missing_sample_records_are_reported() -> None:
     log = Log().start().steps(1, 20)
-    runs = tl.attempts(log.events)
+    runs = ln.attempts(log.events)
     records = [r for r in _records(log, DATA) if r.step != 7]
-    consumed, problems = tl.consumed_by_step(log.events, runs, tl.lineage(runs, 5), records)
+    consumed, problems = smp.consumed_by_step(log.events, runs, ln.lineage(runs, 5), records)
     assert problems == ["no sample record for committed step 7"] and 7 not in consumed
 
 
 def _job(log: Log):  # type: ignore[no-untyped-def]
-    from chaos.runner import JobResult
+    from chaos.judge import JobResult
 
-    runs = tl.attempts(log.events)
+    runs = ln.attempts(log.events)
     digests = [e.digest for e in log.events if isinstance(e, tl.Digest)]
-    return JobResult(log.events, runs, tl.lineage(runs, 5), True, "ok", digests[-1] if digests else None,
+    return JobResult(log.events, runs, ln.lineage(runs, 5), True, "ok", digests[-1] if digests else None,
                      runs[-1].world, log.t, 0.0, [])
 
 
 def test_reference_is_the_first_attempt_that_finished() -> None:
     from chaos.config import ChaosConfig
-    from chaos.runner import ChaosError, _reference
+    from chaos.judge import ChaosError, reference_of
 
     config = ChaosConfig(report_dir=Path("/tmp"), steps=20)
-    clean = Log().start().steps(1, 20).line("final_digest=aa")
-    ref = _reference(_job(clean), config)
+    clean = Log().start().steps(1, 20).digest("aa")
+    ref = reference_of(_job(clean), config)
     assert (ref.digest, ref.world, ref.notes) == ("aa", 2, []) and len(ref.losses) == 20
 
     # restarted after it had finished (e.g. hang detection during worker shutdown): the first digest counts
-    after = Log().start().steps(1, 20).line("final_digest=aa")
-    after.line('x elastic.events: {"event": "hang_detected", "pid": 1}').start(resumed=15).steps(16, 20)
-    after.line("final_digest=bb")
-    ref = _reference(_job(after), config)
+    after = Log().start().steps(1, 20).digest("aa")
+    after.emit("hang_detected", local_rank=0, global_rank=0).start(resumed=15).steps(16, 20)
+    after.digest("bb")
+    ref = reference_of(_job(after), config)
     assert ref.digest == "aa" and "restarted after it had finished (hang_detected)" in ref.notes[0]
 
-    midway = Log().start().steps(1, 12).start(resumed=10).steps(11, 20).line("final_digest=cc")
+    midway = Log().start().steps(1, 12).start(resumed=10).steps(11, 20).digest("cc")
     with pytest.raises(ChaosError, match="restarted mid-run"):
-        _reference(_job(midway), config)
+        reference_of(_job(midway), config)

@@ -146,3 +146,23 @@ def test_cli_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["faults"]) == 0
     out = capsys.readouterr().out
     assert all(kind in out for kind in CATALOG)
+
+
+def test_a_recorded_reference_serves_only_the_same_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from chaos.judge import Reference, job_key, load_reference, save_reference
+
+    config = ChaosConfig(report_dir=tmp_path / "r", steps=20, faults=parse_faults("kill-worker"))
+    ref = Reference("ab", 2, {1: 0.5, 2: None}, None, 1.5, ["a note"], job=job_key(config))
+    save_reference(ref, tmp_path / "earlier")
+    assert load_reference(tmp_path / "earlier", config) == ref
+    # Other faults, another seed of the plan: the same fault-free job.
+    other_faults = ChaosConfig(report_dir=tmp_path / "r", steps=20, seed=5, faults=parse_faults("kill-node"))
+    assert load_reference(tmp_path / "earlier", other_faults) == ref
+    with pytest.raises(ValueError, match="another job \\(different ckpt_every, steps\\)"):
+        load_reference(tmp_path / "earlier", ChaosConfig(report_dir=tmp_path / "r", steps=24, ckpt_every=4))
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--report", str(tmp_path / "r2"), "--reference", str(tmp_path / "none")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--reference {tmp_path / 'none'}: cannot read" in err and "reference.json" in err
+    assert not (tmp_path / "r2").exists()

@@ -121,7 +121,7 @@ def test_skip_reasons() -> None:
 
 
 def test_read_samples_skips_a_torn_last_line(tmp_path: Path) -> None:
-    from chaos.timeline import SampleRecord, read_samples
+    from chaos.samples import SampleRecord, read_samples
 
     (tmp_path / "samples-w2-r1-c0-p4242.jsonl").write_text(
         '{"step": 1, "epoch": 0, "rank": 1, "ids": [3, 4]}\n{"step": 2, "epoch": 0, "ra')

@@ -1,0 +1,76 @@
+"""The sample ids each rank consumed at each step, for the exactly-once check.
+
+The harness sets `ELASTIC_SAMPLE_LOG_DIR=<dir>` for every node; the trainer's sampler hook then
+appends one JSON line per step, `{"step", "epoch", "rank", "ids"}`, to
+`<dir>/samples-w{world}-r{rank}-c{restart}-p{pid}.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from chaos.lineage import Attempt, Lineage
+from chaos.timeline import Event, WorkerStart
+from trainer.samples import SAMPLE_LOG_ENV
+
+__all__ = ["SAMPLE_LOG_ENV", "SampleRecord", "consumed_by_step", "read_samples"]
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One rank's sample ids at one step, as the worker logged them."""
+
+    pid: int
+    step: int
+    rank: int
+    ids: tuple[int, ...]
+
+
+_SAMPLES_FILE = re.compile(r"-p(\d+)\.jsonl$")
+
+
+def read_samples(directory: Path) -> list[SampleRecord]:
+    """Every `{"step", "rank", "ids"}` line of `directory/*-p<pid>.jsonl` (a torn last line is skipped)."""
+    out = []
+    for path in sorted(directory.glob("*.jsonl")):
+        m = _SAMPLES_FILE.search(path.name)
+        if m is None:
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                doc = json.loads(line)
+                out.append(SampleRecord(int(m[1]), int(doc["step"]), int(doc["rank"]),
+                                        tuple(int(i) for i in doc["ids"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def consumed_by_step(events: list[Event], runs: list[Attempt], lin: Lineage,
+                     records: list[SampleRecord]) -> tuple[dict[int, list[int]], list[str]]:
+    """For every committed step, the sample ids the attempt that committed it consumed, in rank order.
+
+    A worker belongs to the attempt whose start is nearest to its `worker_started` event."""
+    starts = [a.start_t for a in runs]
+    attempt_of: dict[int, int] = {}
+    for e in events:
+        if isinstance(e, WorkerStart) and starts:
+            attempt_of[e.pid] = min(range(len(starts)), key=lambda i: abs(starts[i] - e.t))
+    by_key: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
+    for r in records:
+        if r.pid in attempt_of:
+            by_key.setdefault((attempt_of[r.pid], r.step), {})[r.rank] = r.ids
+    consumed: dict[int, list[int]] = {}
+    problems: list[str] = []
+    for step, c in sorted(lin.steps.items()):
+        ranks = by_key.get((c.attempt, step))
+        if not ranks:
+            problems.append(f"no sample record for committed step {step}")
+            continue
+        if c.world is not None and sorted(ranks) != list(range(c.world)):
+            problems.append(f"step {step}: sample records of ranks {sorted(ranks)}, expected 0..{c.world - 1}")
+        consumed[step] = [i for rank in sorted(ranks) for i in ranks[rank]]
+    return consumed, problems
