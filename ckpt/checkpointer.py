@@ -1,6 +1,4 @@
-"""The Checkpointer: snapshot -> tier 1 (local dir) -> tier 2 (shared store), and restore.
-
-Asynchronous use (the training loop blocks only for the copy out of the accelerator):
+"""The Checkpointer: the one object a training loop holds, a facade over the tiers.
 
     ckpt = Checkpointer(config, rank=rank, world_size=world, local_world_size=local_world,
                         generation=token)
@@ -13,8 +11,17 @@ Asynchronous use (the training loop blocks only for the copy out of the accelera
             ckpt.save_async(step, state)            # returns once the copy is consistent
     ckpt.close()                                    # flushes tier 1 and tier 2 (bounded)
 
-Synchronous use (issue A's API, unchanged): `save(step, state)` on every rank, then
-`commit(step)` on one process per local_dir once all ranks saved; `load(step)`.
+The parts (each in its own module):
+- saving: `LocalWriter` (ckpt/writer.py) stages the state into a host buffer, writes and commits
+  it in tier 1 on a background thread, and hands it to the `Replicator` (ckpt/replicator.py),
+  which uploads it to tier 2 and (rank 0) commits it there;
+- the tiers: `LocalTier` (ckpt/local.py) and `SharedTier` (ckpt/shared.py), one interface
+  (ckpt/tiers.py);
+- restoring: `Restorer` (ckpt/restore.py), the restore policy over both tiers and init_from;
+- retention: ckpt/retention.py; run identity and ownership: ckpt/identity.py, ckpt/owner.py.
+
+`save(step, state)` is `save_async(step, state).wait_persisted()`: a step is committed in tier 1
+once every rank of this directory saved it; there is no separate commit call.
 
 Threads: one tier-1 writer and (with a shared tier) one replicator per Checkpointer, plus a
 small hashing pool; all started lazily and joined by close().
@@ -22,122 +29,41 @@ small hashing pool; all started lazily and joined by close().
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ckpt.commit import CommitMarker, parse_commit
 from ckpt.config import CheckpointConfig
-from ckpt.durable import discard_tree, remove_quietly, strerror, write_atomic
 from ckpt.errors import (
-    CheckpointConflictError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
-    CheckpointVersionError,
-    CheckpointWriteError,
     SharedStorageError,
 )
-from ckpt.fs_errors import describe
-from ckpt.identity import DirectoryLock, RunIdentity, claim_directory, foreign, job_id
-from ckpt.init_source import open_source, restore_from_source
-from ckpt.layout import MANIFEST_FILE, STATE_FILE, TMP_PREFIX, Layout
-from ckpt.manifest import TensorEntry
+from ckpt.identity import DirectoryLock, RunIdentity, claim_directory, job_id
+from ckpt.local import LocalTier
 from ckpt.metrics import MetricsLog, SaveMetrics
-from ckpt.owner import SharedOwner
-from ckpt.replicator import Replicator, UploadJob
-from ckpt.restore import FETCH_PREFIX, Restored, load_from_tier, load_rank_dir, ranks_to_try
-from ckpt.retention import abandoned_steps, awaiting_replication, select_deletions
-from ckpt.safe_io import read_regular
-from ckpt.safetensors_io import dtype_name
+from ckpt.owner import SharedOwner, claim_shared_prefix
+from ckpt.replicator import Replicator
+from ckpt.restore import Restored, Restorer
+from ckpt.retention import apply_local_retention
 from ckpt.save_policy import SaveFailures
 from ckpt.shared import SharedTier
-from ckpt.snapshot import Snapshot, StagingArea, StagingLayout
-from ckpt.tree import flatten
-from ckpt.writer import BackgroundWriter, WrittenRank, commit_if_complete, persist_rank
+from ckpt.writer import LocalWriter, PendingSave
+from core.deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
-_FETCH_MAX_AGE_S = 3600.0
-
-
-class PendingSave:
-    """The handle of one save_async(): wait for its stages, read its metrics."""
-
-    def __init__(self, step: int, metrics: SaveMetrics, snapshot: Snapshot | None) -> None:
-        self.step = step
-        self._metrics = metrics
-        self._snapshot = snapshot
-        self._staged = threading.Event()
-        self._persisted = threading.Event()
-        self.error: CheckpointError | None = None
-        """Why tier 1 failed (None while it runs or after it succeeded)."""
-        self.upload: UploadJob | None = None
-        if snapshot is None:  # skipped
-            self._staged.set()
-            self._persisted.set()
-
-    @property
-    def metrics(self) -> SaveMetrics:
-        """The live metrics of this save (filled in by the background threads)."""
-        return self._metrics
-
-    @property
-    def skipped(self) -> bool:
-        return self._metrics.status == "skipped"
-
-    def wait_staged(self, timeout: timedelta = timedelta(minutes=1)) -> None:
-        """Block until the snapshot is consistent (the state may be mutated afterwards)."""
-        started = time.monotonic()
-        deadline = started + timeout.total_seconds()
-        if self._snapshot is not None and not self._staged.is_set():
-            if not self._snapshot.wait(timeout.total_seconds()):
-                raise CheckpointTimeoutError(
-                    f"the copy of step {self.step} was not consistent within {timeout}; do not "
-                    f"mutate the state yet (is the device hung?)"
-                )
-            if not self._staged.wait(max(0.0, deadline - time.monotonic())):
-                raise CheckpointTimeoutError(f"step {self.step} was not staged within {timeout}")
-        self._metrics.wait_staged_s += time.monotonic() - started
-
-    def wait_persisted(self, timeout: timedelta = timedelta(minutes=10)) -> SaveMetrics:
-        """Block until tier 1 finished; raise its CheckpointWriteError if it failed."""
-        if not self._persisted.wait(timeout.total_seconds()):
-            raise CheckpointTimeoutError(
-                f"step {self.step} was not written to tier 1 within {timeout}; the write goes on"
-            )
-        if self.error is not None:
-            raise self.error
-        return self._metrics
-
-    def wait_uploaded(self, timeout: timedelta = timedelta(minutes=10)) -> SaveMetrics:
-        """Block until tier 2 finished (rank 0: committed); raise SharedStorageError if given up."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        self.wait_persisted(timeout)
-        if self.upload is None:
-            return self._metrics
-        if not self.upload.done.wait(max(0.0, deadline - time.monotonic())):
-            raise CheckpointTimeoutError(
-                f"step {self.step} was not replicated within {timeout}"
-                + (f"; last error: {self._metrics.error}" if self._metrics.error else "")
-                + "; the upload goes on in the background"
-            )
-        if self._metrics.status == "abandoned":
-            raise SharedStorageError(f"step {self.step}: {self._metrics.error}")
-        return self._metrics
+__all__ = ["Checkpointer", "PendingSave"]
 
 
 class Checkpointer:
-    """Saves, commits, lists and loads checkpoints of one rank.
+    """Saves, lists, loads and restores the checkpoints of one rank.
 
     `local_world_size`: how many ranks share `config.local_dir` (default: $LOCAL_WORLD_SIZE,
     else `world_size`); the last of them to publish a step commits it there.
@@ -174,37 +100,27 @@ class Checkpointer:
             local_world_size = int(env) if env and env.isdigit() else world_size
         _check_index("local_world_size", local_world_size, minimum=1)
         if local_world_size > world_size:
-            raise ValueError(
-                f"local_world_size {local_world_size} must not exceed world_size {world_size}"
-            )
-        if not isinstance(generation, str):
-            raise ValueError(f"generation must be a str, got {generation!r}")
+            raise ValueError(f"local_world_size {local_world_size} must not exceed world_size {world_size}")
+        _check_generation(generation)
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self.local_world_size = local_world_size
-        self.generation = generation
-        self.on_written = on_written
-        self._layout = Layout(Path(config.local_dir))
         self._metrics = MetricsLog()
-        self._staging = StagingArea()
-        self._writer = BackgroundWriter(f"ckpt-writer-r{rank}")
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._retention_lock = threading.Lock()
         self._stop = threading.Event()
-        self._last: PendingSave | None = None
         self._closed = False
+        read_timeout = config.read_timeout.total_seconds()
+        self._local = LocalTier(Path(config.local_dir), read_timeout=read_timeout)
         self._shared: SharedTier | None = None
         self._replicator: Replicator | None = None
         self._owner: SharedOwner | None = None
-        self._failures = SaveFailures(config.max_failed_saves, Path(config.local_dir))
-        self._saved: set[int] = set()  # steps this Checkpointer saved (ckpt/retention.py)
-        self._unreadable: set[int] = set()  # local steps that failed verification at restore
-        self._foreign: dict[int, str] = {}  # local steps committed by another run
-        self._read_timeout = config.read_timeout.total_seconds()
         if config.shared is not None:
-            self._shared = SharedTier(config.shared, stop=self._stop, read_timeout=self._read_timeout)
+            self._shared = SharedTier(
+                config.shared, stop=self._stop, read_timeout=read_timeout, scratch=self._local.root
+            )
             self._replicator = Replicator(
                 self._shared,
                 rank=rank,
@@ -212,14 +128,35 @@ class Checkpointer:
                 generation=generation,
                 metrics=self._metrics,
                 stop=self._stop,
-                after_progress=self._retention_after_upload,
+                after_progress=self._apply_local_retention,
             )
-        self._lock = DirectoryLock.acquire(self._layout.root, run_name=config.run_name, job=job_id())
+        self._failures = SaveFailures(config.max_failed_saves, self._local.root)
+        self._writer = LocalWriter(
+            config,
+            self._local.layout,
+            rank=rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            generation=generation,
+            metrics=self._metrics,
+            failures=self._failures,
+            pool=self._hash_pool,
+            replicator=self._replicator,
+            check=self.check,
+            after_commit=self._apply_local_retention,
+            on_written=on_written,
+        )
+        self._staging = self._writer.staging
+        self._lock = DirectoryLock.acquire(self._local.root, run_name=config.run_name, job=job_id())
         try:
             self.identity = self._claim()
         except BaseException:
             self._lock.release()
             raise
+        self._local.identity = self._writer.identity = self.identity
+        self._restorer = Restorer(
+            self._local, self._shared, rank=rank, identity=self.identity, config=config, pool=self._hash_pool
+        )
 
     def _claim(self) -> RunIdentity:
         """This run's identity in tier 1 and (when reachable) tier 2; see ckpt/identity.py."""
@@ -231,66 +168,31 @@ class Checkpointer:
             except SharedStorageError as exc:
                 logger.warning("run identity of %s not read at start: %s", self._shared.url, exc)
         identity = claim_directory(
-            self._layout.root,
-            self.config.run_name,
-            committed=lambda: self._scan_commits(None)[0],
-            shared_uid=shared_uid,
+            self._local.root, self.config.run_name, committed=self._local.committed, shared_uid=shared_uid
         )
         if self._shared is not None:
-            shared, heartbeat = self._shared, self._shared.config.owner_heartbeat
-            read, write, remove, where = shared.owner_io()
-            self._owner = SharedOwner(
-                read=read,
-                write=write,
-                remove=remove,
-                where=where,
-                job=job_id(),
-                run_name=self.config.run_name,
-                interval=heartbeat.total_seconds(),
-                writer=self.rank == 0,
-                stop=self._stop,
+            self._owner = claim_shared_prefix(
+                self._shared, identity, run_name=self.config.run_name, writer=self.rank == 0, stop=self._stop
             )
-
-            def fence(exc: CheckpointConflictError) -> None:
-                shared.fence = exc
-
-            self._owner.on_fence = fence
-
-            def claim_shared() -> None:
-                assert self._owner is not None
-                if not self._owner.claimed:
-                    try:
-                        self._owner.claim()
-                    except CheckpointConflictError as exc:
-                        fence(exc)  # found later, from the replicator: saves stop
-                        raise
-                shared.claim_identity(identity)
-
-            shared.pending_claim = claim_shared
-            try:
-                claim_shared()
-            except SharedStorageError as exc:
-                logger.warning(
-                    "shared tier %s not claimed at start (%s); tried again before its first use",
-                    shared.url,
-                    exc,
-                )
         return identity
+
+    @property
+    def generation(self) -> str:
+        return self._writer.generation
 
     def set_generation(self, generation: str) -> None:
         """Set the generation token (see the class docstring) before the first save, e.g. once
         the ranks agreed on one during restore."""
-        if not isinstance(generation, str):
-            raise ValueError(f"generation must be a str, got {generation!r}")
-        self._writer.wait_idle(self.config.busy_timeout.total_seconds())
-        self.generation = generation
+        _check_generation(generation)
+        self._writer.thread.wait_idle(self.config.busy_timeout.total_seconds())
+        self._writer.generation = generation
         if self._replicator is not None:
             self._replicator.generation = generation
 
-    # -- asynchronous saving -------------------------------------------------------------
+    # -- saving --------------------------------------------------------------------------
 
     def save_async(self, step: int, state: Mapping[str, Any]) -> PendingSave:
-        """Snapshot `state` for `step` and persist it in the background.
+        """Snapshot `state` for `step` and persist it in the background (ckpt/writer.py).
 
         Returns once the copy is consistent ("staged" mode) or at once ("overlapped" mode: call
         wait_staged() before mutating the state). Raises TypeError/ValueError for a state that
@@ -298,60 +200,45 @@ class Checkpointer:
         they are logged, kept in `metrics`, and raised by wait_persisted()/wait_uploaded().
         If the previous save still persists, this one waits or is skipped (config.if_busy).
         """
-        started = time.monotonic()
         self._check_open()
         _check_index("step", step, minimum=0)
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state must be a Mapping, got {type(state).__name__}")
-        self.check()
-        tensors, skeleton = flatten(state)
-        layout = self._staging.layout_for(tensors)
-        replicated = self._replicator.last_replicated if self._replicator else None
-        metrics = SaveMetrics(
-            step=step,
-            rank=self.rank,
-            bytes=layout.file_bytes,
-            upload_lag_steps=None if replicated is None else step - replicated,
-        )
-        if self._writer.busy():
-            previous = self._last.step if self._last else "?"
-            why = None
-            if self.config.if_busy == "skip":
-                why = f"the save of step {previous} is still persisting (if_busy='skip')"
-            elif not self._writer.wait_idle(self.config.busy_timeout.total_seconds()):
-                why = (
-                    f"the save of step {previous} still persisted after busy_timeout "
-                    f"{self.config.busy_timeout}"
-                )
-            self.check()  # the save just waited for may have been the last one allowed to fail
-            if why is not None:
-                self._metrics.add(metrics)
-                self._metrics.update(
-                    metrics,
-                    log=True,
-                    status="skipped",
-                    error=why,
-                    stall_s=time.monotonic() - started,
-                )
-                return PendingSave(step, metrics, None)
-        self._metrics.add(metrics)
-        overlapped = self.config.mode == "overlapped"
-        stage_timeout = self.config.stage_timeout.total_seconds()
+        return self._writer.save_async(step, state)
+
+    def save(self, step: int, state: Mapping[str, Any], timeout: timedelta = timedelta(minutes=10)) -> Path:
+        """`save_async(step, state).wait_persisted()`, after waiting for the save in flight;
+        return this rank's directory of `step`. Raises what those raise, and
+        CheckpointTimeoutError when the save is skipped (if_busy="skip" or busy_timeout)."""
+        self._check_open()
+        self._writer.thread.wait_idle(self.config.busy_timeout.total_seconds())
+        pending = self.save_async(step, state)
+        if pending.skipped:
+            raise CheckpointTimeoutError(f"step {step} was not saved: {pending.metrics.error}")
+        pending.wait_persisted(timeout)
+        return self._local.layout.rank_dir(step, self.rank)
+
+    def commit(self, step: int) -> None:
+        """Check that `step` is committed in local_dir (kept for callers of the former
+        synchronous API: save() commits a step once every rank of this directory saved it).
+        Raises CheckpointNotFoundError, naming what is missing, when it is not."""
+        _check_index("step", step, minimum=0)
+        layout = self._local.layout
+        step_dir = layout.step_dir(step)
+        if not any(rank < self.world_size for rank in layout.rank_dirs(step)):
+            raise CheckpointNotFoundError(
+                f"nothing was saved for step {step} in {step_dir}; call save({step}, ...) on "
+                f"every rank before commit({step})",
+                path=step_dir,
+            )
         try:
-            snapshot = self._staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout)
-        except CheckpointTimeoutError as exc:
-            self._metrics.update(metrics, log=True, status="failed", error=str(exc))
-            self._failures.failed(exc)
-            raise
-        self._saved.add(step)
-        pending = PendingSave(step, metrics, snapshot)
-        if not overlapped:
-            pending._staged.set()
-        entries = _tensor_entries(layout)
-        self._metrics.update(metrics, stall_s=time.monotonic() - started, status="persisting")
-        self._last = pending
-        self._writer.submit(lambda: self._persist(pending, snapshot, entries, skeleton))
-        return pending
+            committed = self._local.read_commit(step) is not None
+        except CheckpointError:
+            committed = False
+        if not committed:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed in {step_dir}: not all {self.local_world_size} ranks of "
+                f"this directory saved it (this generation, world size {self.world_size})",
+                path=step_dir,
+            )
 
     def check(self) -> None:
         """Raise CheckpointSaveError when saving cannot go on (ckpt/save_policy.py): the last
@@ -370,34 +257,29 @@ class Checkpointer:
         for 8 GiB on an H200 host. Waits for a save in flight first.
         """
         self._check_open()
-        tensors, _ = flatten(state)
-        if not self._writer.wait_idle(self.config.busy_timeout.total_seconds()):
-            raise CheckpointTimeoutError(
-                f"a save still persists after busy_timeout {self.config.busy_timeout}; "
-                f"prepare() again later"
-            )
-        return self._staging.reserve(tensors).data_bytes
+        return self._writer.prepare(state)
 
     def wait_staged(self, timeout: timedelta = timedelta(minutes=1)) -> None:
         """Block until the newest save's copy is consistent ("overlapped" mode; cheap otherwise)."""
-        if self._last is not None:
-            self._last.wait_staged(timeout)
+        if self._writer.last is not None:
+            self._writer.last.wait_staged(timeout)
 
     def wait_persisted(self, timeout: timedelta = timedelta(minutes=10)) -> SaveMetrics | None:
         """Block until the newest save reached tier 1; raise its error if it failed."""
-        return None if self._last is None else self._last.wait_persisted(timeout)
+        last = self._writer.last
+        return None if last is None else last.wait_persisted(timeout)
 
     def wait_uploaded(self, timeout: timedelta = timedelta(minutes=10)) -> None:
         """Block until every pending upload finished (rank 0: committed) or was given up.
 
         Raises CheckpointTimeoutError naming the pending steps and the last tier-2 error.
         """
-        deadline = time.monotonic() + timeout.total_seconds()
-        if self._last is not None:
-            self._last._persisted.wait(timeout.total_seconds())
+        deadline = Deadline.after(timeout)
+        if self._writer.last is not None:
+            self._writer.last._persisted.wait(timeout.total_seconds())
         if self._replicator is None:
             return
-        if not self._replicator.wait_idle(max(0.0, deadline - time.monotonic())):
+        if not self._replicator.wait_idle(deadline.remaining()):
             raise CheckpointTimeoutError(
                 f"steps {self._replicator.pending_steps()} not replicated to "
                 f"{self._replicator.tier.url} within {timeout} (last error: "
@@ -419,311 +301,30 @@ class Checkpointer:
                 return None
         return None
 
-    def _persist(
-        self,
-        pending: PendingSave,
-        snapshot: Snapshot,
-        entries: dict[str, TensorEntry],
-        skeleton: Any,
-    ) -> None:
-        metrics = pending.metrics
-        try:
-            snapshot.run_deferred_copies()
-            snapshot.require_consistent(self.config.stage_timeout.total_seconds(), f"step {pending.step}")
-            pending._staged.set()
-            started = time.monotonic()
-            written = persist_rank(
-                self._layout,
-                step=pending.step,
-                rank=self.rank,
-                world_size=self.world_size,
-                generation=self.generation,
-                parts=snapshot.parts(),
-                tensors=entries,
-                skeleton=skeleton,
-                checksum=self.config.checksum,
-                pool=self._hash_pool(),
-                before_publish=self._before_publish(pending.step),
-                identity=self.identity,
+    def _apply_local_retention(self, shared_committed: Collection[int] | None = None) -> None:
+        """Tier-1 retention (ckpt/retention.py), after a tier-1 commit or a tier-2 round."""
+        with self._retention_lock:
+            apply_local_retention(
+                self._local,
+                keep_last=self.config.keep_last,
+                keep_every=self.config.keep_every,
+                saved=self._writer.saved,
+                shared=self._shared,
+                shared_committed=shared_committed,
             )
-            committed = commit_if_complete(
-                self._layout,
-                step=pending.step,
-                world_size=self.world_size,
-                local_world_size=self.local_world_size,
-                generation=self.generation,
-                identity=self.identity,
-            )
-            self._failures.succeeded()
-            tier1_s = time.monotonic() - started
-            if committed is not None:
-                logger.info(
-                    "committed step %d in %s", pending.step, self._layout.step_dir(pending.step)
-                )
-            if self._replicator is not None:
-                self._metrics.update(metrics, tier1_s=tier1_s, status="uploading")
-                pending.upload = self._enqueue_upload(pending.step, written, metrics)
-            else:
-                self._metrics.update(metrics, log=True, tier1_s=tier1_s, status="persisted")
-                if committed is not None:
-                    self._apply_local_retention()
-        except CheckpointError as exc:
-            pending.error = exc
-            self._failures.failed(exc)
-            self._metrics.update(metrics, status="failed", error=str(exc))
-            logger.error(
-                "checkpoint of step %d failed on rank %d: %s", pending.step, self.rank, exc
-            )
-        except Exception as exc:  # thread boundary: report, never kill the writer
-            logger.exception("checkpoint of step %d failed on rank %d", pending.step, self.rank)
-            pending.error = CheckpointWriteError(
-                f"checkpoint of step {pending.step} failed: {type(exc).__name__}: {exc}"
-            )
-            self._failures.failed(pending.error)
-            self._metrics.update(metrics, status="failed", error=str(pending.error))
-        finally:
-            pending._staged.set()
-            pending._persisted.set()
-
-    def _enqueue_upload(self, step: int, written: WrittenRank, metrics: SaveMetrics) -> UploadJob:
-        assert self._replicator is not None
-        job = UploadJob(
-            step=step,
-            rank_dir=written.path,
-            files=[STATE_FILE, MANIFEST_FILE],
-            manifest_sha256=written.manifest_sha256,
-            nbytes=written.nbytes,
-            metrics=metrics,
-            published_at=time.monotonic(),
-        )
-        self._replicator.enqueue(job)
-        return job
-
-    def _before_publish(self, step: int) -> Callable[[], None] | None:
-        hook = self.on_written
-        return None if hook is None else lambda: hook(step)
 
     def _hash_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.config.hash_threads, thread_name_prefix=f"ckpt-hash-r{self.rank}"
-                )
+                self._pool = ThreadPoolExecutor(self.config.hash_threads, thread_name_prefix=f"ckpt-hash-r{self.rank}")
             return self._pool
-
-    # -- synchronous saving (issue A's API) ----------------------------------------------
-
-    def save(self, step: int, state: Mapping[str, Any]) -> Path:
-        """Write this rank's `state` for `step` atomically; return the rank directory.
-
-        Raises TypeError/ValueError for a state that cannot be stored (before any I/O) and
-        CheckpointWriteError when the disk refuses (the partial write is removed first).
-        Saving a step that is committed here un-commits it first; commit it again afterwards.
-        With a shared tier, the rank directory is then replicated in the background.
-        """
-        self._check_open()
-        _check_index("step", step, minimum=0)
-        if not isinstance(state, Mapping):
-            raise TypeError(f"state must be a Mapping, got {type(state).__name__}")
-        started = time.monotonic()
-        tensors, skeleton = flatten(state)
-        layout = StagingLayout.of(tensors)  # TypeError before touching the disk
-        self._writer.wait_idle(self.config.busy_timeout.total_seconds())
-        self._saved.add(step)
-        datas = [
-            tensors[s.name].detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-            for s in layout.slots
-        ]
-        parts = [memoryview(layout.prefix)] + [_tensor_bytes(d) for d in datas if d.numel()]
-        written = persist_rank(
-            self._layout,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            generation=self.generation,
-            parts=parts,
-            tensors=_tensor_entries(layout),
-            skeleton=skeleton,
-            checksum=self.config.checksum,
-            pool=self._hash_pool(),
-            before_publish=self._before_publish(step),
-            identity=self.identity,
-        )
-        del parts, datas
-        elapsed = time.monotonic() - started
-        logger.info(
-            "saved rank %d of step %d: %d tensors, %d bytes in %.3fs to %s",
-            self.rank,
-            step,
-            len(tensors),
-            written.nbytes,
-            elapsed,
-            written.path,
-        )
-        if self._replicator is not None:
-            metrics = self._metrics.add(
-                SaveMetrics(
-                    step=step,
-                    rank=self.rank,
-                    bytes=written.nbytes,
-                    stall_s=elapsed,
-                    tier1_s=elapsed,
-                    status="uploading",
-                )
-            )
-            self._enqueue_upload(step, written, metrics)
-        return written.path
-
-    def commit(self, step: int) -> None:
-        """Mark `step` complete in this local_dir, then delete checkpoints beyond retention.
-
-        Call from one process per local_dir, after every rank's `save(step)` returned.
-        """
-        _check_index("step", step, minimum=0)
-        step_dir = self._layout.step_dir(step)
-        rank_dirs = self._layout.rank_dirs(step)
-        if not any(rank < self.world_size for rank in rank_dirs):
-            raise CheckpointNotFoundError(
-                f"nothing was saved for step {step} in {step_dir}; call save({step}, ...) on "
-                f"every rank before commit({step})",
-                path=step_dir,
-            )
-        marker = CommitMarker(
-            step=step,
-            world_size=self.world_size,
-            run=self.identity.name,
-            run_uid=self.identity.uid,
-        )
-        try:
-            current = self._read_commit(step)
-        except CheckpointError:
-            current = None  # damaged: replaced
-        other = None if current is None else foreign(current, self.identity, name=self.identity.name)
-        if other is not None:
-            raise CheckpointConflictError(
-                f"step {step} in {step_dir} is committed by {other}, not by this run "
-                f"{self.identity.describe()}; not replacing it. Move that step directory away",
-                path=step_dir,
-            )
-        for rank, path in rank_dirs.items():
-            if rank >= self.world_size:  # left by an earlier save with a larger world
-                _discard_quietly(path)
-        try:
-            write_atomic(self._layout.commit_path(step), marker.to_bytes())
-        except OSError as exc:
-            raise CheckpointWriteError(
-                f"could not write {self._layout.commit_path(step)}: "
-                f"{describe(exc, self._layout.root)}; step {step} stays uncommitted",
-                path=step_dir,
-            ) from exc
-        logger.info("committed step %d (world size %d) in %s", step, self.world_size, step_dir)
-        if self._shared is None:
-            self._apply_local_retention()
-
-    # -- retention -----------------------------------------------------------------------
-
-    def _retention_after_upload(self, shared_committed: Collection[int] | None) -> None:
-        self._apply_local_retention(shared_committed)
-
-    def _apply_local_retention(self, shared_committed: Collection[int] | None = None) -> None:
-        with self._retention_lock:
-            committed = self.committed_steps()
-            if not committed:
-                return
-            present = list(self._layout.step_dirs())
-            abandoned = abandoned_steps(committed, saved=self._saved, unreadable=self._unreadable)
-            rules: dict[str, Any] = {
-                "keep_last": self.config.keep_last,
-                "keep_every": self.config.keep_every,
-                "abandoned": abandoned,
-            }
-            protected: set[int] = set(self._foreign)
-            if self._shared is not None:
-                candidates = select_deletions(committed=committed, present=present, **rules)
-                releasable = [s for s in candidates if s in committed]
-                if releasable:
-                    if shared_committed is None:
-                        try:
-                            shared_committed = set(self._shared.committed())
-                        except (SharedStorageError, CheckpointError) as exc:
-                            logger.info("local retention waits for the shared tier: %s", exc)
-                            return
-                    protected |= awaiting_replication(
-                        set(releasable) - abandoned,
-                        shared_committed=set(shared_committed),
-                        shared_keep_every=self._shared.config.keep_every,
-                    )
-            doomed = set(
-                select_deletions(committed=committed, present=present, protected=protected, **rules)
-            )
-            for step, path in sorted(self._layout.step_dirs().items()):
-                if step in doomed:
-                    logger.log(
-                        logging.WARNING if step in abandoned else logging.INFO,
-                        "removing %s step %d (%s)%s",
-                        "committed" if step in committed else "uncommitted",
-                        step,
-                        path,
-                        ": unreadable, or newer than the step this run restarted from"
-                        if step in abandoned
-                        else "",
-                    )
-                    _discard_quietly(path)
-                elif step in committed:
-                    for entry in _list_dir(path):
-                        if entry.name.startswith(TMP_PREFIX):
-                            logger.info("removing stale %s", entry)
-                            remove_quietly(entry)
-            for entry in _list_dir(self._layout.root):
-                if entry.name.startswith(TMP_PREFIX) and not _young_fetch_dir(entry):
-                    remove_quietly(entry)
 
     # -- reading -------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
         """Committed steps of this run in local_dir, newest first. A step with a damaged COMMIT
         is skipped; so is one committed by another run (logged once, naming both runs)."""
-        markers, newer = self._scan_commits(getattr(self, "identity", None))
-        return sorted(set(markers) | newer, reverse=True)
-
-    def _scan_commits(
-        self, identity: RunIdentity | None
-    ) -> tuple[dict[int, CommitMarker], set[int]]:
-        """(this run's committed steps with their markers, steps committed by a newer version).
-
-        With `identity` None, every readable COMMIT counts (used while claiming the directory)."""
-        markers: dict[int, CommitMarker] = {}
-        newer: set[int] = set()
-        foreign_now: dict[int, str] = {}
-        for step in self._layout.step_dirs():
-            try:
-                marker = self._read_commit(step)
-            except CheckpointVersionError:
-                newer.add(step)  # committed by a newer version: listed, so load() says "upgrade"
-                continue
-            except CheckpointError as exc:
-                logger.warning("ignoring step %d: %s", step, exc)
-                continue
-            if marker is None:
-                continue
-            if identity is not None:
-                other = foreign(marker, identity, name=identity.name)
-                if other is not None:
-                    foreign_now[step] = other
-                    if step not in self._foreign:
-                        logger.warning(
-                            "ignoring %s: it was committed by %s, not by this run %s; to start "
-                            "from it, use init_from=%s in a new checkpoint directory",
-                            self._layout.commit_path(step),
-                            other,
-                            identity.describe(),
-                            self._layout.step_dir(step),
-                        )
-                    continue
-            markers[step] = marker
-        if identity is not None:
-            self._foreign = foreign_now
-        return markers, newer
+        return self._local.committed_steps()
 
     def latest(self) -> int | None:
         """The newest committed step in local_dir, or None if there is none."""
@@ -733,18 +334,14 @@ class Checkpointer:
     def has_rank(self, step: int, rank: int) -> bool:
         """Whether `step` is committed here and this local_dir holds rank `rank` of it."""
         try:
-            marker = self._read_commit(step)
+            marker = self._local.read_commit(step)
         except CheckpointError:
             return False
-        return (
-            marker is not None
-            and rank < marker.world_size
-            and self._layout.rank_dir(step, rank).is_dir()
-        )
+        return marker is not None and rank < marker.world_size and self._local.layout.rank_dir(step, rank).is_dir()
 
     def saved_world_size(self, step: int) -> int:
         """The world size that wrote committed `step`."""
-        return self._require_commit(step).world_size
+        return self._local.require_commit(step).world_size
 
     def load(self, step: int, *, rank: int | None = None) -> dict[str, Any]:
         """Load rank `rank` (default: this rank) of `step` committed in local_dir.
@@ -757,52 +354,14 @@ class Checkpointer:
         _check_index("step", step, minimum=0)
         rank = self.rank if rank is None else rank
         _check_index("rank", rank, minimum=0)
-        marker = self._require_commit(step)
-        rank_dir = self._layout.rank_dir(step, rank)
-        if rank >= marker.world_size or not rank_dir.is_dir():
-            raise CheckpointNotFoundError(
-                f"rank {rank} of step {step} is not in {self._layout.step_dir(step)} "
-                f"(saved by world size {marker.world_size}); this node did not write it: "
-                f"fetch it from the node that did or load another step",
-                path=rank_dir,
-            )
-        expected = None if marker.manifests is None else marker.manifests.get(rank)
-        if marker.manifests is not None and expected is None:
-            raise CheckpointNotFoundError(
-                f"rank {rank} of step {step} is not part of the commit in "
-                f"{self._layout.commit_path(step)}; load another step",
-                path=rank_dir,
-            )
-        state = load_rank_dir(
-            rank_dir,
-            step=step,
-            rank=rank,
-            expected_manifest_sha256=expected,
-            pool=self._hash_pool(),
-            run=self.identity.name,
-            timeout=self._read_timeout,
-        )
-        logger.info("loaded rank %d of step %d from %s", rank, step, rank_dir)
-        return state
+        return self._local.load(step, rank, pool=self._hash_pool())
 
     def available_steps(self) -> list[int]:
         """Steps committed in either tier, newest first (the shared tier only if reachable)."""
-        steps = set(self.committed_steps())
-        if self._shared is not None:
-            try:
-                steps |= set(self._shared.committed())
-            except (SharedStorageError, CheckpointError) as exc:
-                logger.warning(
-                    "shared tier not listed, restoring from the local tier only: %s", exc
-                )
-        return sorted(steps, reverse=True)
+        return self._restorer.available_steps()
 
     def restore(
-        self,
-        *,
-        step: int | None = None,
-        max_step: int | None = None,
-        replicated: bool = True,
+        self, *, step: int | None = None, max_step: int | None = None, replicated: bool = True
     ) -> Restored | None:
         """Load the newest checkpoint this rank can read completely and intact; None if none.
 
@@ -810,205 +369,11 @@ class Checkpointer:
         `max_step`), newest first. For each, this rank's part (or rank 0's, for a rank the
         saving world did not have, when `replicated`) is loaded from the local tier, else the
         shared one. A damaged copy is logged with the file's name and the next copy or older
-        step is tried. CheckpointVersionError (written by a newer version) is raised.
+        step is tried. CheckpointVersionError (written by a newer version) is raised. The
+        policy in full: ckpt/restore.py.
         """
         self._check_open()
-        local = set(self.committed_steps())
-        shared: dict[int, CommitMarker] = {}
-        unlisted: CheckpointError | None = None
-        if self._shared is not None:
-            try:
-                shared = self._shared.committed()
-            except (SharedStorageError, CheckpointError) as exc:
-                unlisted = exc
-                logger.warning(
-                    "shared tier not listed, restoring from the local tier only: %s", exc
-                )
-        if unlisted is not None and not local and self.config.init_from is not None:
-            # Falling back to init_from here could throw away this run's own progress.
-            raise SharedStorageError(
-                f"cannot tell whether run {self.identity.describe()} has checkpoints of its own: "
-                f"{unlisted}; init_from ({self.config.init_from}) is used only once the shared "
-                f"tier answers. Restart when it is reachable",
-            ) from unlisted
-        candidates = sorted(local | set(shared), reverse=True)
-        if step is not None:
-            candidates = [s for s in candidates if s == step]
-        if max_step is not None:
-            candidates = [s for s in candidates if s <= max_step]
-        for candidate in candidates:
-            restored = self._restore_step(
-                candidate, candidate in local, shared.get(candidate), replicated
-            )
-            if restored is not None:
-                if (restored.tier == "local" and self._legacy_local(candidate)) or (
-                    restored.tier == "shared" and shared[candidate].legacy
-                ):
-                    logger.warning(
-                        "step %d (%s) carries no run identity (written before it existed); "
-                        "loading it as run %s",
-                        candidate,
-                        restored.path,
-                        self.identity.describe(),
-                    )
-                logger.info(
-                    "restored step %d (rank %d's part, %s tier) from %s",
-                    restored.step,
-                    restored.rank,
-                    restored.tier,
-                    restored.path,
-                )
-                return restored
-        if candidates:
-            logger.warning("no intact checkpoint among steps %s", candidates)
-        elif self.config.init_from is not None and not (local or shared):
-            return self._restore_init(step=step, max_step=max_step, replicated=replicated)
-        return None
-
-    def _restore_init(
-        self, *, step: int | None, max_step: int | None, replicated: bool
-    ) -> Restored | None:
-        """Load from config.init_from (ckpt/init_source.py): this run has no checkpoint yet."""
-        tier, fixed = open_source(self.config)
-        return restore_from_source(
-            tier,
-            fixed,
-            rank=self.rank,
-            replicated=replicated,
-            step=step,
-            max_step=max_step,
-            load=lambda t, s, r, m: load_from_tier(
-                t,
-                s,
-                r,
-                m,
-                own_rank=self.rank,
-                fetch_root=self._layout.root,
-                pool=self._hash_pool(),
-                run=None,
-                timeout=self._read_timeout,
-                init_from=True,
-            ),
-        )
-
-    def _restore_step(
-        self, step: int, in_local: bool, shared_marker: CommitMarker | None, replicated: bool
-    ) -> Restored | None:
-        local_marker = None
-        if in_local:
-            try:
-                local_marker = self._read_commit(step)
-            except CheckpointVersionError:
-                raise
-            except CheckpointError as exc:
-                logger.warning("ignoring local step %d: %s", step, exc)
-        marker = local_marker or shared_marker
-        if marker is None:
-            return None
-        saved_world = marker.world_size
-
-        def has(m: CommitMarker | None, rank: int) -> bool:
-            if m is None or rank >= m.world_size:
-                return False
-            return m.manifests is None or rank in m.manifests
-
-        def local_copy(rank: int) -> bool:
-            return has(local_marker, rank) and self._layout.rank_dir(step, rank).is_dir()
-
-        # Bounded by what is on disk, never by the (possibly crafted) world size of the COMMIT.
-        on_this_node = [r for r in sorted(self._layout.rank_dirs(step)) if local_copy(r)]
-        own = self.rank in on_this_node or has(shared_marker, self.rank)
-        for rank in ranks_to_try(
-            rank=self.rank,
-            saved_world_size=saved_world,
-            has_own=own,
-            replicated=replicated,
-            on_this_node=on_this_node,
-        ):
-            if rank in on_this_node:
-                try:
-                    state = self.load(step, rank=rank)
-                    return Restored(
-                        step,
-                        state,
-                        rank,
-                        rank == self.rank,
-                        "local",
-                        str(self._layout.rank_dir(step, rank)),
-                    )
-                except CheckpointVersionError:
-                    raise
-                except CheckpointError as exc:
-                    self._unreadable.add(step)
-                    logger.warning(
-                        "skipping checkpoint step %d: local copy of rank %d is unusable: %s",
-                        step,
-                        rank,
-                        exc,
-                    )
-            if has(shared_marker, rank):
-                assert shared_marker is not None and self._shared is not None
-                try:
-                    return load_from_tier(
-                        self._shared,
-                        step,
-                        rank,
-                        shared_marker,
-                        own_rank=self.rank,
-                        fetch_root=self._layout.root,
-                        pool=self._hash_pool(),
-                        run=self.identity.name,
-                        timeout=self._read_timeout,
-                    )
-                except CheckpointVersionError:
-                    raise
-                except CheckpointError as exc:
-                    if self._replicator is not None:
-                        self._replicator.unreadable.add(step)
-                    logger.warning(
-                        "skipping checkpoint step %d: shared copy of rank %d is unusable: %s",
-                        step,
-                        rank,
-                        exc,
-                    )
-        return None
-
-    def _require_commit(self, step: int) -> CommitMarker:
-        marker = self._read_commit(step)
-        other = None if marker is None else foreign(marker, self.identity, name=self.identity.name)
-        if other is not None:
-            raise CheckpointConflictError(
-                f"step {step} in {self._layout.root} was committed by {other}, not by this run "
-                f"{self.identity.describe()}; not loading it (start a new run from it with "
-                f"init_from={self._layout.step_dir(step)})",
-                path=self._layout.commit_path(step),
-            )
-        if marker is None:
-            path = self._layout.commit_path(step)
-            raise CheckpointNotFoundError(
-                f"step {step} is not committed in {self._layout.root} (no {path}); "
-                f"committed steps: {self.committed_steps() or 'none'}",
-                path=path,
-            )
-        return marker
-
-    def _read_commit(self, step: int) -> CommitMarker | None:
-        """The step's COMMIT marker, or None if it has none."""
-        path = self._layout.commit_path(step)
-        try:
-            data = read_regular(path, timeout=self._read_timeout)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as exc:
-            raise CheckpointError(f"cannot read {path}: {strerror(exc)}", path=path) from exc
-        return parse_commit(data, path=path, step=step)
-
-    def _legacy_local(self, step: int) -> bool:
-        try:
-            marker = self._read_commit(step)
-        except CheckpointError:
-            return False
-        return marker is not None and marker.legacy
+        return self._restorer.restore(step=step, max_step=max_step, replicated=replicated)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -1019,10 +384,10 @@ class Checkpointer:
         if self._closed:
             return True
         self._closed = True
-        deadline = time.monotonic() + timeout.total_seconds()
-        finished = self._writer.close(timeout.total_seconds())
+        deadline = Deadline.after(timeout)
+        finished = self._writer.thread.close(timeout.total_seconds())
         if self._replicator is not None:
-            finished = self._replicator.close(max(0.0, deadline - time.monotonic())) and finished
+            finished = self._replicator.close(deadline.remaining()) and finished
         self._stop.set()
         if self._owner is not None:
             self._owner.close()
@@ -1046,42 +411,11 @@ class Checkpointer:
             raise RuntimeError(f"this Checkpointer (rank {self.rank}) is closed")
 
 
-def _tensor_entries(layout: StagingLayout) -> dict[str, TensorEntry]:
-    return {
-        s.name: TensorEntry(STATE_FILE, dtype_name(s.dtype), s.shape)
-        for s in sorted(layout.slots, key=lambda s: s.name)
-    }
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    nbytes = tensor.numel() * tensor.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def _young_fetch_dir(entry: Path) -> bool:
-    if not entry.name.startswith(FETCH_PREFIX):
-        return False
-    try:
-        return time.time() - entry.stat().st_mtime < _FETCH_MAX_AGE_S
-    except OSError:
-        return False
-
-
-def _discard_quietly(path: Path) -> None:
-    try:
-        discard_tree(path)
-    except OSError as exc:
-        logger.warning("could not remove %s: %s", path, exc)
-
-
-def _list_dir(path: Path) -> list[Path]:
-    try:
-        return list(path.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
 def _check_index(what: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
 
+
+def _check_generation(generation: object) -> None:
+    if not isinstance(generation, str):
+        raise ValueError(f"generation must be a str, got {generation!r}")

@@ -19,8 +19,9 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import Any
 
 CHUNK_BYTES = 64 << 20
 """Default chunk size of format-2 checksums; recorded per file, so readers follow the writer."""
@@ -134,6 +135,8 @@ class PendingDigest:
             )
         self._algorithm = algorithm
         self._chunk_bytes = chunk_bytes
+        self._whole: Future[Checksum] | None = None
+        self._futures: list[Future[Any]]
         if chunk_bytes == 0:
             self._whole = pool.submit(digest_parts, parts, algorithm=algorithm, chunk_bytes=0)
             self._futures = [self._whole]
@@ -143,7 +146,7 @@ class PendingDigest:
             ]
 
     def result(self) -> Checksum:
-        if self._chunk_bytes == 0:
+        if self._whole is not None:
             return self._whole.result()
         top = hashlib.sha256()
         for f in self._futures:

@@ -2,14 +2,18 @@
 
 The same record marks a step complete in tier 1 (`<local_dir>/step_.../COMMIT`, for the ranks
 of that directory) and in tier 2 (`<shared>/<run>/step_.../COMMIT`, for every rank). Markers
-name the run (its name and uid, see ckpt/identity.py); those written by the asynchronous
-checkpointer also name the generation (incarnation of
-the job) and hold the sha256 of every committed rank's manifest.json: a reader checks the
-manifest it loads against it, so a rank directory replaced after the commit is never mixed in.
+name the run (its name and uid, see ckpt/identity.py), the generation (incarnation of the job)
+and the sha256 of every committed rank's manifest.json: a reader checks the manifest it loads
+against it, so a rank directory replaced after the commit is never mixed in. Markers of older
+versions (the removed synchronous `commit()`) lack the generation and the digests; they load.
+
+`RankMarker` is tier 2's per-rank record (`<shared>/<run>/step_.../rank_XXXXX.done`): rank 0
+commits a step once it found one for every rank (ckpt/shared.py describes the protocol).
 """
 
 from __future__ import annotations
 
+import builtins
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from ckpt.format import (
     dumps,
     get_int,
     get_optional_strs,
+    get_str,
     loads_object,
 )
 
@@ -39,7 +44,8 @@ class CommitMarker:
     generation: str = ""
     run: str = ""
     manifests: Mapping[int, str] | None = None
-    """sha256 of each committed rank's manifest.json; None in markers of the synchronous path."""
+    """sha256 of each committed rank's manifest.json; None in markers of older versions (every rank
+    of the world counts)."""
     run_uid: str = ""
     """The uid of the run (ckpt/identity.py) in the tier it is committed in; "" in markers that
     predate run identity (they name no run, or only its name)."""
@@ -95,4 +101,52 @@ def parse_commit(data: bytes, *, path: Path, step: int) -> CommitMarker:
         strings["run"],
         manifests,
         strings["run_uid"],
+    )
+
+
+@dataclass(frozen=True)
+class RankMarker:
+    """`rank_XXXXX.done`: rank `rank` finished uploading its files of `step`."""
+
+    step: int
+    rank: int
+    world_size: int
+    run: str
+    generation: str
+    manifest_sha256: str
+    bytes: int
+
+    def to_bytes(self) -> builtins.bytes:  # `bytes` is a field here
+        return dumps(
+            {
+                "format_version": FORMAT_VERSION,
+                "step": self.step,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "run": self.run,
+                "generation": self.generation,
+                "manifest_sha256": self.manifest_sha256,
+                "bytes": self.bytes,
+            }
+        )
+
+
+def parse_marker(data: bytes, *, path: Path) -> RankMarker:
+    obj = loads_object(data, path=path, what="rank marker")
+    check_format_version(obj, path=path)
+    world_size = get_int(obj, "world_size", path=path, minimum=1)
+    rank = get_int(obj, "rank", path=path)
+    if rank >= world_size:
+        raise corrupt(path, f"rank {rank} is not below world_size {world_size}")
+    sha = get_str(obj, "manifest_sha256", path=path)
+    if not _SHA256_RE.fullmatch(sha):
+        raise corrupt(path, f"manifest_sha256 {sha!r} is not a sha256")
+    return RankMarker(
+        step=get_int(obj, "step", path=path),
+        rank=rank,
+        world_size=world_size,
+        run=get_str(obj, "run", path=path),
+        generation=get_str(obj, "generation", path=path),
+        manifest_sha256=sha,
+        bytes=get_int(obj, "bytes", path=path),
     )

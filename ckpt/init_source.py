@@ -5,23 +5,18 @@ shared tier's <url>/<run_name>) whose newest committed step is used, or one step
 (`.../step_000000000060`) for exactly that step. Tier-1 and tier-2 step directories share
 their layout, so one reader (a SharedTier rooted at the source, accepting any run) serves
 both. It is used only while this run has no committed checkpoint of its own: as soon as the
-run saved one, its restarts resume from their own.
+run saved one, its restarts resume from their own. Which step and rank of it are loaded is the
+restore policy's (ckpt/restore.py), as for this run's own tiers.
 """
 
 from __future__ import annotations
 
-import logging
 import posixpath
-from collections.abc import Callable
+from pathlib import Path
 
-from ckpt.commit import CommitMarker
-from ckpt.config import CheckpointConfig, SharedConfig
-from ckpt.errors import CheckpointError, CheckpointVersionError
+from ckpt.config import CheckpointConfig, RetryConfig, SharedConfig
 from ckpt.layout import parse_step_dir_name
-from ckpt.restore import Restored, ranks_to_try
 from ckpt.shared import SharedTier
-
-logger = logging.getLogger(__name__)
 
 
 def split_source(spec: str) -> tuple[str, int | None]:
@@ -42,57 +37,12 @@ def open_source(config: CheckpointConfig) -> tuple[SharedTier, int | None]:
         url=root,
         run_name="init",
         storage_options=shared.storage_options if shared is not None else {},
-        **({"retry": shared.retry} if shared is not None else {}),
+        retry=shared.retry if shared is not None else RetryConfig(),
     )
-    tier = SharedTier(template, root_url=root, read_timeout=config.read_timeout.total_seconds())
+    tier = SharedTier(
+        template,
+        root_url=root,
+        read_timeout=config.read_timeout.total_seconds(),
+        scratch=Path(config.local_dir),  # downloads are verified in tier 1's scratch
+    )
     return tier, step
-
-
-def restore_from_source(
-    tier: SharedTier,
-    fixed: int | None,
-    *,
-    rank: int,
-    replicated: bool,
-    step: int | None,
-    max_step: int | None,
-    load: Callable[[SharedTier, int, int, CommitMarker], Restored],
-) -> Restored | None:
-    """The newest step of the source this rank can load (the fixed one if init_from named it)."""
-    try:
-        markers = tier.committed()
-    except CheckpointError as exc:
-        logger.warning("init_from %s not listed: %s", tier.url, exc)
-        return None
-    candidates = sorted(markers, reverse=True)
-    if fixed is not None:
-        candidates = [s for s in candidates if s == fixed]
-        if not candidates:
-            logger.warning("init_from %s: step %d is not committed there", tier.url, fixed)
-    if step is not None:
-        candidates = [s for s in candidates if s == step]
-    if max_step is not None:
-        candidates = [s for s in candidates if s <= max_step]
-    for candidate in candidates:
-        marker = markers[candidate]
-        own = rank < marker.world_size and (marker.manifests is None or rank in marker.manifests)
-        for source_rank in ranks_to_try(
-            rank=rank, saved_world_size=marker.world_size, has_own=own, replicated=replicated
-        ):
-            try:
-                restored = load(tier, candidate, source_rank, marker)
-            except CheckpointVersionError:
-                raise
-            except CheckpointError as exc:
-                logger.warning("init_from: skipping step %d rank %d: %s", candidate, source_rank, exc)
-                continue
-            logger.info(
-                "starting from another run's checkpoint: step %d (rank %d's part) of %s (run %r)",
-                candidate,
-                source_rank,
-                tier.url,
-                marker.run or "unnamed",
-            )
-            return restored
-    return None
-

@@ -6,7 +6,8 @@
         rank_00001/...
         COMMIT
 
-A rank writes into `step_.../.tmp-rank_00000-<hex>/` and renames it to `rank_00000/`.
+A rank writes into `step_.../.tmp-rank_00000-<hex>/` and renames it to `rank_00000/`; a
+restore from tier 2 downloads into `<root>/.tmp-fetch-<hex>/`.
 A step exists only once COMMIT exists. Anything whose name starts with `.tmp-` is
 scratch of an unfinished (or crashed) write.
 """
@@ -22,6 +23,8 @@ STATE_FILE = "state.safetensors"
 MANIFEST_FILE = "manifest.json"
 COMMIT_FILE = "COMMIT"
 TMP_PREFIX = ".tmp-"
+FETCH_PREFIX = ".tmp-fetch-"
+"""Scratch directories (under the tier-1 root) that hold a download from tier 2 while it is verified."""
 
 _STEP_DIGITS = 12
 _RANK_DIGITS = 5

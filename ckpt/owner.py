@@ -29,7 +29,8 @@ from pathlib import Path
 
 from ckpt.errors import CheckpointConflictError, CheckpointError, SharedStorageError
 from ckpt.format import dumps, get_int, get_str, loads_object
-from ckpt.identity import now_iso
+from ckpt.identity import RunIdentity, job_id, now_iso
+from ckpt.shared import SharedTier
 
 logger = logging.getLogger(__name__)
 
@@ -188,3 +189,49 @@ class SharedOwner:
                 self._remove()
         except (SharedStorageError, CheckpointError) as exc:
             logger.warning("could not remove %s: %s", self.where, exc)
+
+
+def claim_shared_prefix(
+    shared: SharedTier, identity: RunIdentity, *, run_name: str, writer: bool, stop: threading.Event
+) -> SharedOwner:
+    """Claim `shared`'s prefix for this job (OWNER.json) and this run (RUN.json), at start.
+
+    A conflict (another live job) raises CheckpointConflictError. An unreachable store is logged
+    and the claim is tried again before the tier's first use (`shared.pending_claim`); a conflict
+    found then fences the tier, so saves stop.
+    """
+    read, write, remove, where = shared.owner_io()
+    owner = SharedOwner(
+        read=read,
+        write=write,
+        remove=remove,
+        where=where,
+        job=job_id(),
+        run_name=run_name,
+        interval=shared.config.owner_heartbeat.total_seconds(),
+        writer=writer,
+        stop=stop,
+    )
+
+    def fence(exc: CheckpointConflictError) -> None:
+        shared.fence = exc
+
+    owner.on_fence = fence
+
+    def claim() -> None:
+        if not owner.claimed:
+            try:
+                owner.claim()
+            except CheckpointConflictError as exc:
+                fence(exc)  # found later, from the replicator: saves stop
+                raise
+        shared.claim_identity(identity)
+
+    shared.pending_claim = claim
+    try:
+        claim()
+    except SharedStorageError as exc:
+        logger.warning(
+            "shared tier %s not claimed at start (%s); tried again before its first use", shared.url, exc
+        )
+    return owner

@@ -22,12 +22,14 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckpt.commit import CommitMarker
+from ckpt.commit import CommitMarker, RankMarker
 from ckpt.errors import CheckpointError, SharedStorageError
 from ckpt.identity import foreign
 from ckpt.metrics import MetricsLog, SaveMetrics
 from ckpt.retention import abandoned_steps, select_deletions
-from ckpt.shared import RankMarker, SharedTier
+from ckpt.shared import SharedTier
+from core.deadline import Deadline
+from core.events import emit
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ class UploadJob:
 @dataclass
 class _Awaiting:
     job: UploadJob
-    deadline: float
+    deadline: Deadline
     missing: list[int] = field(default_factory=list)
 
 
@@ -91,8 +93,6 @@ class Replicator:
         """The latest tier-2 failure, cleared by the next success."""
         self.saved: set[int] = set()
         """Steps this rank enqueued (its saves); see ckpt/retention.py on abandoned steps."""
-        self.unreadable: set[int] = set()
-        """Shared steps that failed verification at restore (set by the Checkpointer)."""
 
     # -- API -----------------------------------------------------------------------------
 
@@ -118,17 +118,16 @@ class Replicator:
                 steps.add(self._current.step)
             return sorted(steps)
 
-    def wait_idle(self, timeout: float) -> bool:
-        deadline = self._clock() + timeout
+    def wait_idle(self, timeout: float | None) -> bool:
+        deadline = Deadline.after(timeout, clock=self._clock)
         with self._cond:
             while self._queue or self._current is not None or self._awaiting or self._working:
-                remaining = deadline - self._clock()
-                if remaining <= 0:
+                if deadline.expired():
                     return False
-                self._cond.wait(min(remaining, 0.5))
+                self._cond.wait(deadline.capped(0.5))
             return True
 
-    def close(self, timeout: float) -> bool:
+    def close(self, timeout: float | None) -> bool:
         """Finish pending uploads for up to `timeout` s, then stop the thread and join it."""
         idle = self.wait_idle(timeout)
         with self._cond:
@@ -275,7 +274,7 @@ class Replicator:
             return True
         self.last_error = None
         if self.rank == 0:
-            deadline = self._clock() + self.tier.config.commit_timeout.total_seconds()
+            deadline = Deadline.after(self.tier.config.commit_timeout, clock=self._clock)
             with self._cond:
                 self._awaiting[job.step] = _Awaiting(job, deadline)
         else:
@@ -284,13 +283,16 @@ class Replicator:
 
     def _finish(self, job: UploadJob, started: float, *, committed: bool) -> None:
         self.last_replicated = max(job.step, self.last_replicated or job.step)
+        tier2_s = self._clock() - job.published_at
         self._metrics.update(
             job.metrics,
             log=True,
             status="committed" if committed else "uploaded",
-            tier2_s=self._clock() - job.published_at,
+            tier2_s=tier2_s,
             error=None,
         )
+        if committed:
+            emit("ckpt_saved", step=job.step, tier="shared", seconds=round(tier2_s, 3))
         job.done.set()
 
     def _drop_superseded_locked(self) -> list[UploadJob]:
@@ -311,6 +313,7 @@ class Replicator:
     def _give_up(self, job: UploadJob, why: str) -> None:
         self.last_error = why
         self._metrics.update(job.metrics, log=True, status="abandoned", error=why)
+        emit("ckpt_failed", step=job.step, tier="shared", error=why)
         job.done.set()
 
     def _poll_commits(self) -> set[int] | None:
@@ -348,7 +351,7 @@ class Replicator:
             missing = [r for r in range(self.world_size) if r not in good]
             if missing:
                 item.missing = missing
-                if self._clock() > item.deadline:
+                if item.deadline.expired():
                     self._drop_awaiting(step)
                     self._give_up(
                         item.job,
@@ -398,7 +401,7 @@ class Replicator:
                 protected = set(self._awaiting) | {j.step for j in self._queue}
             with self._cond:
                 saved = set(self.saved)
-            abandoned = abandoned_steps(committed, saved=saved, unreadable=self.unreadable)
+            abandoned = abandoned_steps(committed, saved=saved, unreadable=self.tier.unreadable)
             doomed = select_deletions(
                 committed=committed,
                 present=steps,

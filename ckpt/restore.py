@@ -1,51 +1,44 @@
-"""Restore: load a rank directory with checks, zero-copy, and choose which copy to load.
+"""Restore policy: which committed step a rank loads, whose part, from which tier.
 
-`load_rank_dir` reads a rank's manifest (checked against the COMMIT's sha256 of it, when the
-COMMIT has one), maps each data file with a copy-on-write mmap, verifies its size and checksum
-over the mapped bytes (in parallel chunks), checks the safetensors header against the manifest,
-and returns the state whose tensors view the mapping: no copy is made until the caller copies
-(e.g. `load_state_dict`). The mapping stays valid when the file is later deleted.
+Written once against the tier interface (ckpt/tiers.py), for tier 1 (`LocalTier`), tier 2
+(`SharedTier`) and an `init_from` source (a read-only `SharedTier` rooted at another run):
 
-`ranks_to_try` and the tier order are the restore policy: a rank loads its own part; a rank
-that has none (the world grew, or its part lives on another node and not in the shared tier)
-loads another rank's part of a replicated (DDP) state: one on this node if there is one (after
-a node loss the survivors' local copies are newer than the shared tier), else rank 0's. Each part
-is tried in the local tier first, then in the shared one; a damaged copy is logged, naming the
-file, and the next copy is tried.
+- Candidates are the steps committed in either tier (only `step` if given; none above
+  `max_step`), newest first. Tier 2 unlisted (store down) leaves tier 1's; but with no tier-1
+  step and an `init_from`, restore raises rather than start over from the other run.
+- A rank loads its own part (`ranks_to_try`). A rank that has none (the world grew, or its part
+  lives on another node and not in tier 2) loads another rank's part of a replicated (DDP)
+  state: one on this node if there is one (after a node loss the survivors' local copies are
+  newer than tier 2), else rank 0's.
+- Each part is tried in tier 1 first, then in tier 2. A damaged copy is logged, naming the file
+  (`skipping checkpoint step N: ...`, event `ckpt_skipped`), remembered in its tier's
+  `unreadable` (retention drops it) and the next copy, rank or older step is tried.
+  CheckpointVersionError (written by a newer version) is raised, never skipped.
+- Only when this run has no checkpoint of its own is `init_from` used (ckpt/init_source.py).
+
+The verified reading of one rank directory is ckpt/reader.py's.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import hashlib
 import logging
-import mmap
-import os
-import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from ckpt.checksum import digest_parts
 from ckpt.commit import CommitMarker
-from ckpt.durable import remove_quietly
-from ckpt.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointTimeoutError
-from ckpt.format import corrupt
-from ckpt.layout import MANIFEST_FILE
-from ckpt.manifest import FileEntry, Manifest, parse_manifest, resolve_file
-from ckpt.safe_io import open_regular, read_regular, with_deadline
-from ckpt.safetensors_io import dtype_name, map_tensors
+from ckpt.config import CheckpointConfig
+from ckpt.errors import CheckpointError, CheckpointVersionError, SharedStorageError
+from ckpt.identity import RunIdentity
+from ckpt.init_source import open_source
+from ckpt.local import LocalTier
+from ckpt.reader import load_rank_dir
 from ckpt.shared import SharedTier
-from ckpt.tree import unflatten
+from ckpt.tiers import Tier, TierName
+from core.events import emit
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_READ_TIMEOUT = 120.0
-"""Seconds one read may take (CheckpointConfig.read_timeout)."""
 
 
 @dataclass(frozen=True)
@@ -57,15 +50,23 @@ class Restored:
     rank: int
     """The rank whose part was loaded."""
     own: bool
-    """Whether that is the loading rank's own part (False: rank 0's part of a replicated state;
-    per-rank RNG streams should then start fresh)."""
-    tier: str
+    """Whether that is the loading rank's own part (False: another rank's part of a replicated
+    state; per-rank RNG streams should then start fresh)."""
+    tier: TierName
     """"local" or "shared"."""
     path: str
     """The rank directory (or URL) it was loaded from."""
     init_from: bool = False
     """Whether it came from CheckpointConfig.init_from (another run's checkpoint: a new run
     starts from its state) rather than from this run's own checkpoints."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One tier's commit of one step."""
+
+    tier: Tier
+    marker: CommitMarker
 
 
 def ranks_to_try(
@@ -83,202 +84,175 @@ def ranks_to_try(
     return local + ([0] if 0 not in local else [])
 
 
-def read_manifest(
-    path: Path, *, expected_sha256: str | None, timeout: float = DEFAULT_READ_TIMEOUT
-) -> tuple[Manifest, bytes]:
-    try:
-        data = read_regular(path, timeout=timeout)
-    except FileNotFoundError as exc:
-        raise corrupt(path, "manifest is missing") from exc
-    except OSError as exc:
-        raise corrupt(path, f"manifest cannot be read ({exc})") from exc
-    check_manifest_digest(data, path=path, expected_sha256=expected_sha256)
-    return parse_manifest(data, path=path), data
+def _select(steps: Sequence[int], step: int | None, max_step: int | None) -> list[int]:
+    return [s for s in steps if (step is None or s == step) and (max_step is None or s <= max_step)]
 
 
-def check_manifest_digest(data: bytes, *, path: Path, expected_sha256: str | None) -> None:
-    if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
-        raise corrupt(
-            path,
-            "manifest does not match the sha256 its step's COMMIT recorded (replaced after the "
-            "commit, or damaged)",
-        )
+class Restorer:
+    """The restore policy of one rank over its tiers."""
 
+    def __init__(
+        self,
+        local: LocalTier,
+        shared: SharedTier | None,
+        *,
+        rank: int,
+        identity: RunIdentity,
+        config: CheckpointConfig,
+        pool: Callable[[], Executor],
+    ) -> None:
+        self.local = local
+        self.shared = shared
+        self.rank = rank
+        self.identity = identity
+        self.config = config
+        self._pool = pool
+        self._timeout = config.read_timeout.total_seconds()
 
-def load_rank_dir(
-    rank_dir: Path,
-    *,
-    step: int,
-    rank: int,
-    expected_manifest_sha256: str | None = None,
-    pool: Executor | None = None,
-    run: str | None = None,
-    timeout: float = DEFAULT_READ_TIMEOUT,
-) -> dict[str, Any]:
-    """Load and verify the rank directory `rank_dir` of `step`. Raises CheckpointCorruptError
-    (naming the file), CheckpointVersionError, CheckpointTimeoutError (a read passed `timeout`
-    s), or CheckpointConflictError when the manifest names a run other than `run`."""
-    manifest_path = rank_dir / MANIFEST_FILE
-    manifest, _ = read_manifest(
-        manifest_path, expected_sha256=expected_manifest_sha256, timeout=timeout
-    )
-    if (manifest.step, manifest.rank) != (step, rank):
-        raise corrupt(
-            manifest_path,
-            f"manifest describes step {manifest.step} rank {manifest.rank}, "
-            f"expected step {step} rank {rank}",
-        )
-    if run is not None and manifest.run and manifest.run != run:
-        raise CheckpointConflictError(
-            f"{manifest_path} was written by run {manifest.run!r}, this is run {run!r}; "
-            f"not loading it (start from it with init_from)",
-            path=manifest_path,
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in manifest.files.items():
-        path = resolve_file(rank_dir, name, manifest_path=manifest_path)
-        file_tensors = map_verified(path, entry, pool=pool, timeout=timeout)
-        expected = {n: t for n, t in manifest.tensors.items() if t.file == name}
-        if set(file_tensors) != set(expected):
-            raise corrupt(path, f"its tensors differ from those listed in {manifest_path}")
-        for tname, tensor in file_tensors.items():
-            want = expected[tname]
-            if dtype_name(tensor.dtype) != want.dtype or tuple(tensor.shape) != want.shape:
-                raise corrupt(
-                    path,
-                    f"tensor {tname!r} is {tensor.dtype}{list(tensor.shape)}, "
-                    f"{manifest_path} says {want.dtype}{list(want.shape)}",
+    def available_steps(self) -> list[int]:
+        """Steps committed in either tier, newest first (the shared tier only if reachable)."""
+        steps = set(self.local.committed_steps())
+        if self.shared is not None:
+            try:
+                steps |= set(self.shared.committed())
+            except (SharedStorageError, CheckpointError) as exc:
+                logger.warning("shared tier not listed, restoring from the local tier only: %s", exc)
+        return sorted(steps, reverse=True)
+
+    def restore(self, *, step: int | None, max_step: int | None, replicated: bool) -> Restored | None:
+        """See Checkpointer.restore."""
+        local = set(self.local.committed_steps())
+        shared: dict[int, CommitMarker] = {}
+        unlisted: CheckpointError | None = None
+        if self.shared is not None:
+            try:
+                shared = self.shared.committed()
+            except (SharedStorageError, CheckpointError) as exc:
+                unlisted = exc
+                logger.warning("shared tier not listed, restoring from the local tier only: %s", exc)
+        if unlisted is not None and not local and self.config.init_from is not None:
+            # Falling back to init_from here could throw away this run's own progress.
+            raise SharedStorageError(
+                f"cannot tell whether run {self.identity.describe()} has checkpoints of its own: "
+                f"{unlisted}; init_from ({self.config.init_from}) is used only once the shared "
+                f"tier answers. Restart when it is reachable",
+            ) from unlisted
+        candidates = _select(sorted(local | set(shared), reverse=True), step, max_step)
+        for candidate in candidates:
+            copies = []
+            if candidate in local and (marker := self._local_commit(candidate)) is not None:
+                copies.append(Copy(self.local, marker))
+            if candidate in shared:
+                assert self.shared is not None
+                copies.append(Copy(self.shared, shared[candidate]))
+            restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False)
+            if restored is None:
+                continue
+            if any(c.tier.name == restored.tier and c.marker.legacy for c in copies):
+                logger.warning(
+                    "step %d (%s) carries no run identity (written before it existed); loading it as run %s",
+                    candidate,
+                    restored.path,
+                    self.identity.describe(),
                 )
-        tensors.update(file_tensors)
-    try:
-        state = unflatten(manifest.state, tensors)
-    except (ValueError, RecursionError) as exc:
-        raise corrupt(manifest_path, f"its 'state' cannot be rebuilt: {exc}") from exc
-    if not isinstance(state, dict):
-        raise corrupt(manifest_path, f"its 'state' is a {type(state).__name__}, not a dict")
-    return state
+            logger.info(
+                "restored step %d (rank %d's part, %s tier) from %s",
+                restored.step,
+                restored.rank,
+                restored.tier,
+                restored.path,
+            )
+            return restored
+        if candidates:
+            logger.warning("no intact checkpoint among steps %s", candidates)
+        elif self.config.init_from is not None and not (local or shared):
+            return self._restore_init(step=step, max_step=max_step, replicated=replicated)
+        return None
 
-
-def map_verified(
-    path: Path, entry: FileEntry, *, pool: Executor | None, timeout: float = DEFAULT_READ_TIMEOUT
-) -> dict[str, torch.Tensor]:
-    """Map `path` copy-on-write, check its size and checksum, and return its tensors (zero-copy).
-
-    Only a regular file is opened (a FIFO or device is refused unopened); each checksum chunk
-    must be read and hashed within `timeout` s of the previous one."""
-
-    def open_and_map() -> mmap.mmap:
-        fd = open_regular(path)
+    def _local_commit(self, step: int) -> CommitMarker | None:
+        """Tier 1's COMMIT of `step`, read again (a newer version's raises: "upgrade")."""
         try:
-            size = os.fstat(fd).st_size
-            if size != entry.bytes:
-                raise corrupt(
-                    path, f"file is {size} bytes, the manifest says {entry.bytes} (truncated?)"
+            return self.local.read_commit(step)
+        except CheckpointVersionError:
+            raise
+        except CheckpointError as exc:
+            logger.warning("ignoring local step %d: %s", step, exc)
+            return None
+
+    def _restore_init(self, *, step: int | None, max_step: int | None, replicated: bool) -> Restored | None:
+        """Load from config.init_from: this run has no checkpoint yet."""
+        source, fixed = open_source(self.config)
+        try:
+            markers = source.committed()
+        except CheckpointError as exc:
+            logger.warning("init_from %s not listed: %s", source.url, exc)
+            return None
+        candidates = sorted(markers, reverse=True)
+        if fixed is not None:
+            candidates = [s for s in candidates if s == fixed]
+            if not candidates:
+                logger.warning("init_from %s: step %d is not committed there", source.url, fixed)
+        for candidate in _select(candidates, step, max_step):
+            marker = markers[candidate]
+            restored = self._restore_step(candidate, [Copy(source, marker)], replicated=replicated, init_from=True)
+            if restored is not None:
+                logger.info(
+                    "starting from another run's checkpoint: step %d (rank %d's part) of %s (run %r)",
+                    candidate,
+                    restored.rank,
+                    source.url,
+                    marker.run or "unnamed",
                 )
-            if size == 0:
-                raise corrupt(path, "file is empty")
-            return mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        finally:
-            os.close(fd)
+                return restored
+        return None
 
-    try:
-        mapped = with_deadline(open_and_map, timeout=timeout, what="open", path=path)
-    except FileNotFoundError as exc:
-        raise corrupt(path, "file listed in the manifest is missing") from exc
-    except OSError as exc:
-        raise corrupt(path, f"file cannot be read ({exc})") from exc
-    view = memoryview(mapped)
+    def _restore_step(
+        self, step: int, copies: Sequence[Copy], *, replicated: bool, init_from: bool
+    ) -> Restored | None:
+        """Load `step` from the first intact copy, tiers in the order of `copies`; None if none is."""
+        if not copies:
+            return None
+        nearby = sorted({r for c in copies for r in c.tier.ranks_here(step, c.marker)})
+        own = any(c.tier.has_rank(step, self.rank, c.marker) for c in copies)
+        for rank in ranks_to_try(
+            rank=self.rank,
+            saved_world_size=copies[0].marker.world_size,
+            has_own=own,
+            replicated=replicated,
+            on_this_node=nearby,
+        ):
+            for copy in copies:
+                if not copy.tier.has_rank(step, rank, copy.marker):
+                    continue
+                try:
+                    return self._load(copy, step, rank, init_from=init_from)
+                except CheckpointVersionError:
+                    raise
+                except CheckpointError as exc:
+                    self._unusable(copy.tier, step, rank, exc, init_from=init_from)
+        return None
 
-    def digest() -> str:
-        return digest_parts(
-            [view],
-            algorithm=entry.algorithm,
-            chunk_bytes=entry.chunk_bytes,
-            pool=pool,
-            chunk_timeout=timeout,
-        ).digest
+    def _load(self, copy: Copy, step: int, rank: int, *, init_from: bool) -> Restored:
+        manifests = copy.marker.manifests
+        expected = None if manifests is None else manifests.get(rank)
+        with copy.tier.open_rank(step, rank, expected_manifest_sha256=expected) as rank_dir:
+            state = load_rank_dir(
+                rank_dir,
+                step=step,
+                rank=rank,
+                expected_manifest_sha256=expected,
+                pool=self._pool(),
+                run=None if init_from else self.identity.name,
+                timeout=self._timeout,
+            )
+        where = copy.tier.describe_rank(step, rank)
+        return Restored(step, state, rank, rank == self.rank, copy.tier.name, where, init_from)
 
-    try:
-        if pool is None or entry.chunk_bytes == 0 or len(view) <= entry.chunk_bytes:
-            found = with_deadline(digest, timeout=timeout, what="checksum", path=path)
-        else:
-            found = digest()
-    except concurrent.futures.TimeoutError as exc:
-        raise CheckpointTimeoutError(
-            f"reading {path} for its checksum made no progress within {timeout:.0f}s (a hung "
-            f"disk or mount?); this copy is skipped",
-            path=path,
-        ) from exc
-    except OSError as exc:
-        raise corrupt(path, f"file cannot be read ({exc})") from exc
-    finally:
-        view.release()
-    if found != entry.digest:
-        raise corrupt(
-            path,
-            f"{entry.checksum.describe()} does not match the manifest (bit rot or a partial write)",
-        )
-    return map_tensors(mapped, path=path)
-
-
-FETCH_PREFIX = ".tmp-fetch-"
-"""Scratch directories (under the tier-1 root) that hold a download while it is verified."""
-
-
-def load_from_tier(
-    tier: SharedTier,
-    step: int,
-    rank: int,
-    marker: CommitMarker,
-    *,
-    own_rank: int,
-    fetch_root: Path,
-    pool: Executor | None,
-    run: str | None,
-    timeout: float = DEFAULT_READ_TIMEOUT,
-    init_from: bool = False,
-) -> Restored:
-    """Load rank `rank` of committed `step` from a shared tier (or an init_from source): in
-    place on a mounted path, else downloaded into a scratch directory under `fetch_root`."""
-    expected = None if marker.manifests is None else marker.manifests.get(rank)
-    where = tier.describe(tier.rank_path(step, rank))
-    own = rank == own_rank
-
-    def load(rank_dir: Path) -> dict[str, Any]:
-        return load_rank_dir(
-            rank_dir,
-            step=step,
-            rank=rank,
-            expected_manifest_sha256=expected,
-            pool=pool,
-            run=run,
-            timeout=timeout,
-        )
-
-    if tier.is_local:
-        state = load(tier.local_path(step, rank, MANIFEST_FILE).parent)
-        return Restored(step, state, rank, own, "shared", where, init_from)
-    data = tier.read_file(step, rank, MANIFEST_FILE)
-    manifest_url = Path(f"{where}/{MANIFEST_FILE}")
-    if data is None:
-        raise CheckpointCorruptError(
-            f"{manifest_url}: manifest is missing although step {step} is committed; "
-            f"restore an earlier step",
-            path=manifest_url,
-        )
-    check_manifest_digest(data, path=manifest_url, expected_sha256=expected)
-    manifest = parse_manifest(data, path=manifest_url)
-    fetch_root.mkdir(parents=True, exist_ok=True)
-    fetch = fetch_root / f"{FETCH_PREFIX}{uuid.uuid4().hex}"
-    fetch.mkdir()
-    try:
-        (fetch / MANIFEST_FILE).write_bytes(data)
-        for name in manifest.files:
-            if "/" in name or name in ("", ".", "..", MANIFEST_FILE):
-                continue  # load_rank_dir rejects it, naming the manifest
-            tier.download(step, rank, name, fetch / name)
-        logger.info("downloaded rank %d of step %d from %s", rank, step, where)
-        state = load(fetch)
-    finally:
-        remove_quietly(fetch)  # the loaded tensors keep their mappings
-    return Restored(step, state, rank, own, "shared", where, init_from)
+    def _unusable(self, tier: Tier, step: int, rank: int, exc: CheckpointError, *, init_from: bool) -> None:
+        if init_from:  # another run's: not ours to mark or report
+            logger.warning("init_from: skipping step %d rank %d: %s", step, rank, exc)
+            return
+        tier.unreadable.add(step)
+        reason = f"{tier.name} copy of rank {rank} is unusable: {exc}"
+        logger.warning("skipping checkpoint step %d: %s", step, reason)
+        emit("ckpt_skipped", step=step, reason=reason, tier=tier.name, source_rank=rank)

@@ -1,4 +1,5 @@
-"""Retention: which steps a tier deletes. Pure decisions; the tiers do the deleting.
+"""Retention: which steps a tier deletes. The decisions are pure functions; `apply_local_retention`
+carries them out for tier 1 (rank 0's replicator does it for tier 2, ckpt/replicator.py).
 
 Per tier:
 - the newest `keep_last` committed steps stay;
@@ -17,7 +18,14 @@ Per tier:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable
+
+from ckpt.errors import CheckpointError, SharedStorageError
+from ckpt.local import LocalTier
+from ckpt.shared import SharedTier
+
+logger = logging.getLogger(__name__)
 
 
 def select_deletions(
@@ -81,3 +89,62 @@ def awaiting_replication(
         if forever or newest is None or step > newest:
             waiting.add(step)
     return waiting
+
+
+def apply_local_retention(
+    local: LocalTier,
+    *,
+    keep_last: int,
+    keep_every: int | None,
+    saved: Collection[int],
+    shared: SharedTier | None,
+    shared_committed: Collection[int] | None = None,
+) -> None:
+    """Delete tier-1 steps beyond retention, then sweep scratch. With a shared tier, a step whose
+    upload is not committed there yet is kept (`shared_committed`: the shared tier's committed
+    steps if known, else listed here; while it cannot be listed nothing is released)."""
+    committed = local.committed_steps()
+    if not committed:
+        return
+    present = list(local.layout.step_dirs())
+    abandoned = abandoned_steps(committed, saved=saved, unreadable=local.unreadable)
+    protected: set[int] = set(local.foreign)
+    if shared is not None:
+        candidates = select_deletions(
+            committed=committed, present=present, keep_last=keep_last, keep_every=keep_every, abandoned=abandoned
+        )
+        releasable = [s for s in candidates if s in committed]
+        if releasable:
+            if shared_committed is None:
+                try:
+                    shared_committed = set(shared.committed())
+                except (SharedStorageError, CheckpointError) as exc:
+                    logger.info("local retention waits for the shared tier: %s", exc)
+                    return
+            protected |= awaiting_replication(
+                set(releasable) - abandoned,
+                shared_committed=set(shared_committed),
+                shared_keep_every=shared.config.keep_every,
+            )
+    doomed = set(
+        select_deletions(
+            committed=committed,
+            present=present,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            protected=protected,
+            abandoned=abandoned,
+        )
+    )
+    for step, path in sorted(local.layout.step_dirs().items()):
+        if step in doomed:
+            logger.log(
+                logging.WARNING if step in abandoned else logging.INFO,
+                "removing %s step %d (%s)%s",
+                "committed" if step in committed else "uncommitted",
+                step,
+                path,
+                ": unreadable, or newer than the step this run restarted from" if step in abandoned else "",
+            )
+            local.delete_step(step)
+    local.sweep_temp(set(committed) - doomed)

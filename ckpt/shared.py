@@ -28,113 +28,44 @@ import posixpath
 import re
 import shutil
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-    wait_random,
-)
 
-from ckpt.commit import CommitMarker, parse_commit
-from ckpt.config import RetryConfig, SharedConfig
-from ckpt.durable import fsync_dir
+from ckpt.commit import CommitMarker, RankMarker, parse_commit, parse_marker
+from ckpt.config import SharedConfig
+from ckpt.durable import fsync_dir, remove_quietly
 from ckpt.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointVersionError,
     SharedStorageError,
 )
-from ckpt.format import (
-    FORMAT_VERSION,
-    check_format_version,
-    corrupt,
-    dumps,
-    get_int,
-    get_str,
-    loads_object,
-)
 from ckpt.identity import RUN_FILE, RunIdentity, foreign
-from ckpt.layout import COMMIT_FILE, parse_step_dir_name, rank_dir_name, step_dir_name, temp_name
+from ckpt.layout import (
+    COMMIT_FILE,
+    FETCH_PREFIX,
+    MANIFEST_FILE,
+    parse_step_dir_name,
+    rank_dir_name,
+    step_dir_name,
+    temp_name,
+)
+from ckpt.manifest import parse_manifest
+from ckpt.reader import check_manifest_digest
+from ckpt.retry import call_with_retries
 from ckpt.safe_io import read_regular
+from ckpt.tiers import TierName, holds_rank
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _MARKER_RE = re.compile(r"rank_(\d{5,})\.done")
-
-_PERMANENT = (
-    CheckpointError,
-    FileNotFoundError,
-    IsADirectoryError,
-    NotADirectoryError,
-    PermissionError,
-    TypeError,
-    ValueError,
-)
-
-
-@dataclass(frozen=True)
-class RankMarker:
-    """`rank_XXXXX.done`: rank `rank` finished uploading its files of `step`."""
-
-    step: int
-    rank: int
-    world_size: int
-    run: str
-    generation: str
-    manifest_sha256: str
-    bytes: int
-
-    def to_bytes(self) -> bytes:
-        return dumps(
-            {
-                "format_version": FORMAT_VERSION,
-                "step": self.step,
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "run": self.run,
-                "generation": self.generation,
-                "manifest_sha256": self.manifest_sha256,
-                "bytes": self.bytes,
-            }
-        )
-
-
-def parse_marker(data: bytes, *, path: Path) -> RankMarker:
-    obj = loads_object(data, path=path, what="rank marker")
-    check_format_version(obj, path=path)
-    world_size = get_int(obj, "world_size", path=path, minimum=1)
-    rank = get_int(obj, "rank", path=path)
-    if rank >= world_size:
-        raise corrupt(path, f"rank {rank} is not below world_size {world_size}")
-    sha = get_str(obj, "manifest_sha256", path=path)
-    if not _SHA256_RE.fullmatch(sha):
-        raise corrupt(path, f"manifest_sha256 {sha!r} is not a sha256")
-    return RankMarker(
-        step=get_int(obj, "step", path=path),
-        rank=rank,
-        world_size=world_size,
-        run=get_str(obj, "run", path=path),
-        generation=get_str(obj, "generation", path=path),
-        manifest_sha256=sha,
-        bytes=get_int(obj, "bytes", path=path),
-    )
-
-
-def _transient(exc: BaseException) -> bool:
-    return not isinstance(exc, _PERMANENT)
 
 
 class SharedTier:
@@ -148,10 +79,16 @@ class SharedTier:
         stop: threading.Event | None = None,
         root_url: str | None = None,
         read_timeout: float = 120.0,
+        scratch: Path | None = None,
     ) -> None:
         """`root_url`: read the checkpoints right under this URL instead of <url>/<run_name>
-        (another run's, for init_from; its COMMITs may name any run)."""
+        (another run's, for init_from; its COMMITs may name any run). `scratch`: the directory
+        (the tier-1 root) where a rank's files are downloaded to be verified and loaded."""
+        self.name: TierName = "shared"
+        self.unreadable: set[int] = set()
+        """Steps whose copy here failed verification at restore (shared retention drops them)."""
         self.config = config
+        self.scratch = scratch
         self.run_name = config.run
         self.identity: RunIdentity | None = None
         """This run's identity in the shared tier, once claimed (see claim_identity)."""
@@ -204,37 +141,8 @@ class SharedTier:
     # -- retries -------------------------------------------------------------------------
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` with bounded retries; raise SharedStorageError once they are spent."""
-        retry: RetryConfig = self.config.retry
-        retrying = Retrying(
-            stop=(
-                stop_after_attempt(retry.attempts)
-                | stop_after_delay(retry.deadline.total_seconds())
-                | (lambda _state: self._stop.is_set())
-            ),
-            wait=wait_exponential(
-                multiplier=retry.initial.total_seconds(), max=retry.maximum.total_seconds()
-            )
-            + wait_random(0, retry.jitter.total_seconds()),
-            retry=retry_if_exception(_transient),
-            sleep=self._sleep,
-            before_sleep=lambda state: _log_retry(what, self.url, state),
-            reraise=True,
-        )
-        try:
-            return retrying(fn, *args, **kwargs)
-        except (CheckpointError, FileNotFoundError):
-            raise
-        except Exception as exc:
-            raise SharedStorageError(
-                f"{what} at {self.url} failed ({type(exc).__name__}: {exc}); retried up to "
-                f"{retry.attempts} times within {retry.deadline}. Training goes on and the upload "
-                f"is tried again later; check that the store is reachable and the credentials "
-                f"in shared.storage_options",
-            ) from exc
-
-    def _sleep(self, seconds: float) -> None:
-        self._stop.wait(seconds)
+        """Run `fn` with bounded retries (ckpt/retry.py); raise SharedStorageError once they are spent."""
+        return call_with_retries(what, self.url, self.config.retry, self._stop, fn, *args, **kwargs)
 
     # -- primitives ----------------------------------------------------------------------
 
@@ -451,29 +359,53 @@ class SharedTier:
         path = self.step_path(step)
         self.call(f"removal of {self.describe(path)}", self._rm, path)
 
-    def read_file(self, step: int, rank: int, name: str) -> bytes | None:
-        path = f"{self.rank_path(step, rank)}/{name}"
-        return self.call(f"read of {self.describe(path)}", self._cat, path)
+    # -- reading a rank (the Tier interface, ckpt/tiers.py) ---------------------------
 
-    def local_path(self, step: int, rank: int, name: str) -> Path:
-        """Where a file lies on a mounted shared path (is_local only)."""
-        assert self.is_local
-        return Path(f"{self.rank_path(step, rank)}/{name}")
+    def has_rank(self, step: int, rank: int, marker: CommitMarker) -> bool:
+        return holds_rank(marker, rank)  # not listed: the COMMIT says which ranks uploaded
 
-    def download(self, step: int, rank: int, name: str, dest: Path) -> None:
-        path = f"{self.rank_path(step, rank)}/{name}"
-        self.call(f"download of {self.describe(path)}", self.fs.get_file, path, str(dest))
+    def ranks_here(self, step: int, marker: CommitMarker) -> list[int]:
+        return []  # nothing of the shared store lies on this node alone
 
+    def describe_rank(self, step: int, rank: int) -> str:
+        return self.describe(self.rank_path(step, rank))
 
-def _log_retry(what: str, url: str, state: RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome is not None else None
-    wait = state.next_action.sleep if state.next_action is not None else 0.0
-    logger.warning(
-        "%s at %s failed (try %d: %s: %s); retrying in %.2fs",
-        what,
-        url,
-        state.attempt_number,
-        type(exc).__name__,
-        exc,
-        wait,
-    )
+    @contextmanager
+    def open_rank(self, step: int, rank: int, *, expected_manifest_sha256: str | None) -> Iterator[Path]:
+        """The rank directory in place on a mounted path; else its manifest is read and checked
+        against the COMMIT, then its files are downloaded into a scratch directory under
+        `scratch`, removed when the context closes (loaded tensors keep their mappings)."""
+        if self.is_local:
+            yield Path(self.rank_path(step, rank))
+            return
+        where = self.describe_rank(step, rank)
+        path = f"{self.rank_path(step, rank)}/{MANIFEST_FILE}"
+        data = self.call(f"read of {self.describe(path)}", self._cat, path)
+        manifest_url = Path(f"{where}/{MANIFEST_FILE}")
+        if data is None:
+            raise CheckpointCorruptError(
+                f"{manifest_url}: manifest is missing although step {step} is committed; "
+                f"restore an earlier step",
+                path=manifest_url,
+            )
+        check_manifest_digest(data, path=manifest_url, expected_sha256=expected_manifest_sha256)
+        manifest = parse_manifest(data, path=manifest_url)
+        assert self.scratch is not None, "a SharedTier that downloads needs a scratch directory"
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        fetch = self.scratch / f"{FETCH_PREFIX}{uuid.uuid4().hex}"
+        fetch.mkdir()
+        try:
+            (fetch / MANIFEST_FILE).write_bytes(data)
+            for name in manifest.files:
+                if "/" in name or name in ("", ".", "..", MANIFEST_FILE):
+                    continue  # the reader rejects it, naming the manifest
+                source = f"{self.rank_path(step, rank)}/{name}"
+                self.call(f"download of {self.describe(source)}", self.fs.get_file, source, str(fetch / name))
+            logger.info("downloaded rank %d of step %d from %s", rank, step, where)
+            yield fetch
+        finally:
+            remove_quietly(fetch)
+
+    def sweep_temp(self, committed: Collection[int]) -> None:
+        """Nothing to sweep: objects are written whole by one PUT, and the temp file of a write on
+        a mounted path is removed by that write. Downloads are swept with tier 1's scratch."""

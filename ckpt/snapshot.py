@@ -1,4 +1,4 @@
-"""Snapshot: copy a rank's tensors into one host staging buffer, the only part a save blocks on.
+"""Host snapshot: copy a rank's tensors into one host staging buffer, the only part a save blocks on.
 
 The staging buffer is laid out exactly like the data section of the safetensors file the
 tier-1 writer will produce (tensors sorted by element size, then name), so the writer streams
@@ -45,6 +45,7 @@ import torch
 
 from ckpt.errors import CheckpointTimeoutError
 from ckpt.safetensors_io import check_storable, plan_layout
+from core.deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def buffer_view(buffer: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
 
 
-class Snapshot:
+class HostSnapshot:
     """One save's copy of the state in the staging buffer.
 
     `wait()` returns once the copy is consistent; the writer then streams `parts()`.
@@ -144,14 +145,14 @@ class Snapshot:
 
         Raises the error of a failed deferred copy.
         """
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout)
         if not self._cpu_done.wait(timeout):
             return False
         if self._error is not None:
             raise self._error
         pause = 0.0002
         while not all(e.query() for e in self._events):
-            if time.monotonic() >= deadline:
+            if deadline.expired():
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
@@ -222,7 +223,7 @@ class StagingArea:
         *,
         overlapped: bool,
         timeout: float = 300.0,
-    ) -> Snapshot:
+    ) -> HostSnapshot:
         """Copy `tensors` into the buffer; in overlapped mode only start the copies.
 
         Raises CheckpointTimeoutError when a device copy is not done within `timeout` seconds (a
@@ -255,7 +256,7 @@ class StagingArea:
                     event.record(stream)
                 events.append(event)
         sources.extend(src for _, src in deferred)
-        snapshot = Snapshot(layout, self._buffer, events=events, deferred=deferred, sources=sources)
+        snapshot = HostSnapshot(layout, self._buffer, events=events, deferred=deferred, sources=sources)
         if not overlapped:
             snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot

@@ -1,251 +1,317 @@
-"""Tier 1: write a rank's snapshot into the local directory, and the background thread doing it.
+"""Tier 1's write pipeline: from save_async() to a committed step, and the hand-off to tier 2.
 
-`persist_rank` turns file bytes (safetensors prefix + staged data) into a published rank
-directory:
+    LocalWriter.save_async(step, state)          caller's thread
+      flatten -> staging layout -> StagingArea.stage()   copy into the host buffer (ckpt/snapshot.py)
+      BackgroundWriter.submit(_persist)                  returns a PendingSave
+    LocalWriter._persist                          writer thread
+      HostSnapshot.run_deferred_copies / require_consistent   ("overlapped" mode)
+      persist_rank()            rank directory written, fsynced, renamed (ckpt/persist.py)
+      commit_if_complete()      the last rank of this directory writes COMMIT  -> event ckpt_saved
+      Replicator.enqueue()      with a shared tier (ckpt/replicator.py); else local retention
 
-    step_.../.tmp-rank_00003-<hex>/state.safetensors   streamed, hashed in parallel, fsync
-    step_.../.tmp-rank_00003-<hex>/manifest.json       fsync, then fsync of the directory
-    rename to step_.../rank_00003, fsync of the step directory
-
-`commit_if_complete` writes the step's COMMIT once every rank of this directory (of this
-generation) has published: each rank calls it after its own rename, so the last one commits,
-without any collective. `BackgroundWriter` runs one such job at a time on a daemon thread.
+At most one save is in flight: a save that finds the previous one still persisting waits or is
+skipped (CheckpointConfig.if_busy). A failure is logged ("checkpoint of step N failed", event
+`ckpt_failed`), counted (ckpt/save_policy.py) and raised by PendingSave.wait_persisted().
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from pathlib import Path
+from datetime import timedelta
 from typing import Any
 
-from ckpt.checksum import CHUNK_BYTES, PendingDigest, digest_parts
-from ckpt.commit import CommitMarker, parse_commit
-from ckpt.durable import (
-    fsync_dir,
-    publish_dir,
-    remove_quietly,
-    write_atomic,
-    write_new_file,
+from ckpt.config import CheckpointConfig
+from ckpt.errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    CheckpointWriteError,
+    SharedStorageError,
 )
-from ckpt.errors import CheckpointConflictError, CheckpointError, CheckpointWriteError
-from ckpt.fs_errors import describe
-from ckpt.identity import RunIdentity, foreign
+from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
-from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
-from ckpt.safe_io import read_regular
-
-_RECORD_TIMEOUT_S = 120.0
+from ckpt.manifest import TensorEntry
+from ckpt.metrics import MetricsLog, SaveMetrics
+from ckpt.persist import WrittenRank, commit_if_complete, persist_rank
+from ckpt.replicator import Replicator, UploadJob
+from ckpt.safetensors_io import dtype_name
+from ckpt.save_policy import SaveFailures
+from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
+from ckpt.tree import flatten
+from core.deadline import Clock, Deadline
+from core.events import emit
 
 logger = logging.getLogger(__name__)
 
-WRITE_CHUNK = 64 << 20
-"""Bytes per write() call."""
 
-OVERLAP_HASH_WITH_WRITES = (os.cpu_count() or 1) >= 8
-"""Hash the staged bytes while they are written (hosts with cores to spare), rather than only
-during the fsync. Measured on the 2-core dev VM: hashing beside write() made 256 MiB persists
-0.3-1.5 s instead of 0.15-0.2 s, i.e. the page-cache copy and the hash fought for the cores."""
+class PendingSave:
+    """The handle of one save_async(): wait for its stages, read its metrics."""
 
+    def __init__(self, step: int, metrics: SaveMetrics, snapshot: HostSnapshot | None) -> None:
+        self.step = step
+        self._metrics = metrics
+        self._snapshot = snapshot
+        self._staged = threading.Event()
+        self._persisted = threading.Event()
+        self.error: CheckpointError | None = None
+        """Why tier 1 failed (None while it runs or after it succeeded)."""
+        self.upload: UploadJob | None = None
+        if snapshot is None:  # skipped
+            self._staged.set()
+            self._persisted.set()
 
-def write_all(fd: int, data: memoryview) -> None:
-    """Write all of `data` to `fd` (tests replace this to inject ENOSPC)."""
-    view = data
-    while len(view):
-        written = os.write(fd, view[:WRITE_CHUNK])
-        view = view[written:]
+    @property
+    def metrics(self) -> SaveMetrics:
+        """The live metrics of this save (filled in by the background threads)."""
+        return self._metrics
 
+    @property
+    def skipped(self) -> bool:
+        return self._metrics.status == "skipped"
 
-@dataclass(frozen=True)
-class WrittenRank:
-    """A published rank directory."""
-
-    path: Path
-    nbytes: int
-    manifest_sha256: str
-
-
-def uncommit(layout: Layout, step: int, identity: RunIdentity | None = None) -> None:
-    """Remove the COMMIT of `step` (if any) so that a re-save is invisible until committed again.
-
-    Raises CheckpointConflictError, touching nothing, when that COMMIT names another run than
-    `identity`: a run never replaces another run's step (a damaged COMMIT is replaced)."""
-    commit_path = layout.commit_path(step)
-    if commit_path.exists():
-        if identity is not None:
-            try:
-                marker = parse_commit(
-                    read_regular(commit_path, timeout=_RECORD_TIMEOUT_S), path=commit_path, step=step
+    def wait_staged(self, timeout: timedelta = timedelta(minutes=1)) -> None:
+        """Block until the snapshot is consistent (the state may be mutated afterwards)."""
+        started = time.monotonic()
+        deadline = Deadline.after(timeout)
+        if self._snapshot is not None and not self._staged.is_set():
+            if not self._snapshot.wait(timeout.total_seconds()):
+                raise CheckpointTimeoutError(
+                    f"the copy of step {self.step} was not consistent within {timeout}; do not "
+                    f"mutate the state yet (is the device hung?)"
                 )
-            except (OSError, CheckpointError):
-                marker = None
-            other = None if marker is None else foreign(marker, identity, name=identity.name)
-            if other is not None:
-                raise CheckpointConflictError(
-                    f"step {step} in {commit_path.parent} is committed by {other}, not by this run "
-                    f"{identity.describe()}; not replacing it. Move that step directory away (it "
-                    f"was copied in from another run) or use another checkpoint directory",
-                    path=commit_path,
-                )
-        logger.warning("step %d is committed in %s; replacing it", step, commit_path.parent)
-        commit_path.unlink(missing_ok=True)
-        fsync_dir(commit_path.parent)
+            if not self._staged.wait(deadline.remaining()):
+                raise CheckpointTimeoutError(f"step {self.step} was not staged within {timeout}")
+        self._metrics.wait_staged_s += time.monotonic() - started
+
+    def wait_persisted(self, timeout: timedelta = timedelta(minutes=10)) -> SaveMetrics:
+        """Block until tier 1 finished; raise its CheckpointWriteError if it failed."""
+        if not self._persisted.wait(timeout.total_seconds()):
+            raise CheckpointTimeoutError(
+                f"step {self.step} was not written to tier 1 within {timeout}; the write goes on"
+            )
+        if self.error is not None:
+            raise self.error
+        return self._metrics
+
+    def wait_uploaded(self, timeout: timedelta = timedelta(minutes=10)) -> SaveMetrics:
+        """Block until tier 2 finished (rank 0: committed); raise SharedStorageError if given up."""
+        deadline = Deadline.after(timeout)
+        self.wait_persisted(timeout)
+        if self.upload is None:
+            return self._metrics
+        if not self.upload.done.wait(deadline.remaining()):
+            raise CheckpointTimeoutError(
+                f"step {self.step} was not replicated within {timeout}"
+                + (f"; last error: {self._metrics.error}" if self._metrics.error else "")
+                + "; the upload goes on in the background"
+            )
+        if self._metrics.status == "abandoned":
+            raise SharedStorageError(f"step {self.step}: {self._metrics.error}")
+        return self._metrics
 
 
-def persist_rank(
-    layout: Layout,
-    *,
-    step: int,
-    rank: int,
-    world_size: int,
-    generation: str,
-    parts: Sequence[memoryview],
-    tensors: dict[str, TensorEntry],
-    skeleton: Any,
-    checksum: str,
-    pool: Executor | None,
-    chunk_bytes: int = CHUNK_BYTES,
-    before_publish: Callable[[], None] | None = None,
-    identity: RunIdentity | None = None,
-) -> WrittenRank:
-    """Write the file bytes `parts` and a manifest as rank `rank` of `step`, durably, then publish.
+class LocalWriter:
+    """The tier-1 write pipeline of one rank (see the module docstring).
 
-    `before_publish` runs once the files are fsynced, before the rename (fault injection).
-    Raises CheckpointWriteError (after removing the partial directory) when the disk refuses.
+    `check()` raises when saving cannot go on (the Checkpointer's check); `after_commit()` runs
+    on the writer thread once this rank committed a step without a shared tier (local retention).
     """
-    step_dir = layout.step_dir(step)
-    final = layout.rank_dir(step, rank)
-    tmp: Path | None = None
-    digest: PendingDigest | None = None
-    try:
-        uncommit(layout, step, identity)
-        if not step_dir.is_dir():
-            step_dir.mkdir(parents=True, exist_ok=True)
-            fsync_dir(step_dir.parent)
-        tmp = layout.temp_rank_dir(step, rank)
-        tmp.mkdir()
-        if pool is not None and OVERLAP_HASH_WITH_WRITES:
-            digest = PendingDigest(parts, algorithm=checksum, chunk_bytes=chunk_bytes, pool=pool)
-        nbytes = 0
-        fd = os.open(tmp / STATE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for part in parts:
-                write_all(fd, part)
-                nbytes += len(part)
-            if pool is not None and digest is None:
-                # Hash while fsync waits for the disk: write() is a CPU-bound copy into the
-                # page cache, and hashing beside it slows it down on hosts with few cores.
-                digest = PendingDigest(
-                    parts, algorithm=checksum, chunk_bytes=chunk_bytes, pool=pool
-                )
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if digest is not None:
-            result = digest.result()
-            digest = None
-        else:
-            result = digest_parts(parts, algorithm=checksum, chunk_bytes=chunk_bytes)
-        manifest = Manifest(
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        layout: Layout,
+        *,
+        rank: int,
+        world_size: int,
+        local_world_size: int,
+        generation: str,
+        metrics: MetricsLog,
+        failures: SaveFailures,
+        pool: Callable[[], Executor],
+        replicator: Replicator | None,
+        check: Callable[[], None],
+        after_commit: Callable[[], None],
+        on_written: Callable[[int], None] | None,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.rank = rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.generation = generation
+        self.identity: RunIdentity | None = None
+        """This run's identity, recorded in every manifest and COMMIT (set once claimed)."""
+        self.on_written = on_written
+        self.staging = StagingArea()
+        self.thread = BackgroundWriter(f"ckpt-writer-r{rank}")
+        self.saved: set[int] = set()
+        """Steps this rank saved (ckpt/retention.py: abandoned steps)."""
+        self.last: PendingSave | None = None
+        self._metrics = metrics
+        self._failures = failures
+        self._pool = pool
+        self._replicator = replicator
+        self._check = check
+        self._after_commit = after_commit
+
+    def save_async(self, step: int, state: Mapping[str, Any]) -> PendingSave:
+        """See Checkpointer.save_async."""
+        started = time.monotonic()
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a Mapping, got {type(state).__name__}")
+        self._check()
+        tensors, skeleton = flatten(state)
+        layout = self.staging.layout_for(tensors)
+        replicated = self._replicator.last_replicated if self._replicator else None
+        metrics = SaveMetrics(
             step=step,
-            rank=rank,
-            world_size=world_size,
-            generation=generation,
-            run=identity.name if identity else "",
-            run_uid=identity.uid if identity else "",
-            files={STATE_FILE: FileEntry.of(result, nbytes)},
-            tensors=tensors,
-            state=skeleton,
-        ).to_bytes()
-        write_new_file(tmp / MANIFEST_FILE, manifest)
-        fsync_dir(tmp)
-        if before_publish is not None:
-            before_publish()
-        publish_dir(tmp, final)
-        tmp = None
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"could not write rank {rank} of step {step} under {step_dir}: "
-            f"{describe(exc, layout.root)}; nothing of this attempt is visible",
-            path=step_dir,
-        ) from exc
-    finally:
-        if digest is not None:
-            digest.cancel()  # the hashed memory is about to be reused
-        if tmp is not None:
-            remove_quietly(tmp)
-    return WrittenRank(final, nbytes, hashlib.sha256(manifest).hexdigest())
-
-
-def commit_if_complete(
-    layout: Layout,
-    *,
-    step: int,
-    world_size: int,
-    local_world_size: int,
-    generation: str,
-    identity: RunIdentity | None = None,
-) -> CommitMarker | None:
-    """Write the step's COMMIT if `local_world_size` ranks of this generation published it here.
-
-    Every rank calls this after publishing its own directory; since each rename precedes the
-    listing of the same rank, the last rank to publish sees them all. Two ranks that both see
-    the step complete write the same marker (atomically), which is harmless.
-    """
-    manifests: dict[int, str] = {}
-    for rank, path in layout.rank_dirs(step).items():
-        if rank >= world_size:
-            continue
-        try:
-            data = read_regular(path / MANIFEST_FILE, timeout=_RECORD_TIMEOUT_S)
-            manifest = parse_manifest(data, path=path / MANIFEST_FILE)
-        except (OSError, CheckpointError):
-            continue  # being replaced, or damaged: not part of this commit
-        if identity is not None and manifest.run and manifest.run != identity.name:
-            continue  # another run's (copied in): never part of our commit
-        if manifest.generation == generation and manifest.world_size == world_size:
-            manifests[rank] = hashlib.sha256(data).hexdigest()
-    if len(manifests) < local_world_size:
-        return None
-    marker = CommitMarker(
-        step=step,
-        world_size=world_size,
-        generation=generation,
-        manifests=manifests,
-        run=identity.name if identity else "",
-        run_uid=identity.uid if identity else "",
-    )
-    commit_path = layout.commit_path(step)
-    try:
-        current = parse_commit(
-            read_regular(commit_path, timeout=_RECORD_TIMEOUT_S), path=commit_path, step=step
+            rank=self.rank,
+            bytes=layout.file_bytes,
+            upload_lag_steps=None if replicated is None else step - replicated,
         )
-        if current == marker:
-            return marker
-    except (OSError, CheckpointError):
-        pass
-    try:
-        write_atomic(commit_path, marker.to_bytes())
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"could not write {commit_path}: {describe(exc, layout.root)}; step {step} stays "
-            f"uncommitted here",
-            path=commit_path,
-        ) from exc
-    return marker
+        if self.thread.busy():
+            why = self._busy_reason()
+            self._check()  # the save just waited for may have been the last one allowed to fail
+            if why is not None:
+                self._metrics.add(metrics)
+                self._metrics.update(
+                    metrics, log=True, status="skipped", error=why, stall_s=time.monotonic() - started
+                )
+                return PendingSave(step, metrics, None)
+        self._metrics.add(metrics)
+        overlapped = self.config.mode == "overlapped"
+        stage_timeout = self.config.stage_timeout.total_seconds()
+        try:
+            snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout)
+        except CheckpointTimeoutError as exc:
+            self._metrics.update(metrics, log=True, status="failed", error=str(exc))
+            self._failures.failed(exc)
+            emit("ckpt_failed", step=step, tier="local", error=str(exc))
+            raise
+        self.saved.add(step)
+        pending = PendingSave(step, metrics, snapshot)
+        if not overlapped:
+            pending._staged.set()
+        entries = _tensor_entries(layout)
+        self._metrics.update(metrics, stall_s=time.monotonic() - started, status="persisting")
+        self.last = pending
+        self.thread.submit(lambda: self._persist(pending, snapshot, entries, skeleton))
+        return pending
+
+    def _busy_reason(self) -> str | None:
+        """Wait for the save in flight (if_busy="wait"); why this save is skipped, or None."""
+        previous = self.last.step if self.last else "?"
+        if self.config.if_busy == "skip":
+            return f"the save of step {previous} is still persisting (if_busy='skip')"
+        if not self.thread.wait_idle(self.config.busy_timeout.total_seconds()):
+            return f"the save of step {previous} still persisted after busy_timeout {self.config.busy_timeout}"
+        return None
+
+    def prepare(self, state: Mapping[str, Any]) -> int:
+        """See Checkpointer.prepare."""
+        tensors, _ = flatten(state)
+        if not self.thread.wait_idle(self.config.busy_timeout.total_seconds()):
+            raise CheckpointTimeoutError(
+                f"a save still persists after busy_timeout {self.config.busy_timeout}; "
+                f"prepare() again later"
+            )
+        return self.staging.reserve(tensors).data_bytes
+
+    def _persist(
+        self, pending: PendingSave, snapshot: HostSnapshot, entries: dict[str, TensorEntry], skeleton: Any
+    ) -> None:
+        metrics = pending.metrics
+        try:
+            snapshot.run_deferred_copies()
+            snapshot.require_consistent(self.config.stage_timeout.total_seconds(), f"step {pending.step}")
+            pending._staged.set()
+            started = time.monotonic()
+            hook = self.on_written
+            written = persist_rank(
+                self.layout,
+                step=pending.step,
+                rank=self.rank,
+                world_size=self.world_size,
+                generation=self.generation,
+                parts=snapshot.parts(),
+                tensors=entries,
+                skeleton=skeleton,
+                checksum=self.config.checksum,
+                pool=self._pool(),
+                before_publish=None if hook is None else lambda: hook(pending.step),
+                identity=self.identity,
+            )
+            committed = commit_if_complete(
+                self.layout,
+                step=pending.step,
+                world_size=self.world_size,
+                local_world_size=self.local_world_size,
+                generation=self.generation,
+                identity=self.identity,
+            )
+            self._failures.succeeded()
+            tier1_s = time.monotonic() - started
+            if committed is not None:
+                logger.info("committed step %d in %s", pending.step, self.layout.step_dir(pending.step))
+                emit("ckpt_saved", step=pending.step, tier="local", seconds=round(tier1_s, 3))
+            if self._replicator is not None:
+                self._metrics.update(metrics, tier1_s=tier1_s, status="uploading")
+                pending.upload = self._enqueue_upload(pending.step, written, metrics)
+            else:
+                self._metrics.update(metrics, log=True, tier1_s=tier1_s, status="persisted")
+                if committed is not None:
+                    self._after_commit()
+        except CheckpointError as exc:
+            self._failed(pending, exc)
+            logger.error("checkpoint of step %d failed on rank %d: %s", pending.step, self.rank, exc)
+        except Exception as exc:  # thread boundary: report, never kill the writer
+            logger.exception("checkpoint of step %d failed on rank %d", pending.step, self.rank)
+            self._failed(
+                pending,
+                CheckpointWriteError(f"checkpoint of step {pending.step} failed: {type(exc).__name__}: {exc}"),
+            )
+        finally:
+            pending._staged.set()
+            pending._persisted.set()
+
+    def _failed(self, pending: PendingSave, error: CheckpointError) -> None:
+        pending.error = error
+        self._failures.failed(error)
+        self._metrics.update(pending.metrics, status="failed", error=str(error))
+        emit("ckpt_failed", step=pending.step, tier="local", error=str(error))
+
+    def _enqueue_upload(self, step: int, written: WrittenRank, metrics: SaveMetrics) -> UploadJob:
+        assert self._replicator is not None
+        job = UploadJob(
+            step=step,
+            rank_dir=written.path,
+            files=[STATE_FILE, MANIFEST_FILE],
+            manifest_sha256=written.manifest_sha256,
+            nbytes=written.nbytes,
+            metrics=metrics,
+            published_at=time.monotonic(),
+        )
+        self._replicator.enqueue(job)
+        return job
+
+
+def _tensor_entries(layout: StagingLayout) -> dict[str, TensorEntry]:
+    return {
+        s.name: TensorEntry(STATE_FILE, dtype_name(s.dtype), s.shape)
+        for s in sorted(layout.slots, key=lambda s: s.name)
+    }
 
 
 class BackgroundWriter:
     """One daemon thread that runs tier-1 jobs one at a time: at most one save is in flight."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, clock: Clock = time.monotonic) -> None:
         self._name = name
+        self._clock = clock
         self._cond = threading.Condition()
         self._job: Callable[[], None] | None = None
         self._busy = False
@@ -270,25 +336,24 @@ class BackgroundWriter:
 
     def wait_idle(self, timeout: float | None) -> bool:
         """Wait until no job runs; False if `timeout` seconds passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = Deadline.after(timeout, clock=self._clock)
         with self._cond:
             while self._busy:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if deadline.expired():
                     return False
-                self._cond.wait(remaining)
+                self._cond.wait(deadline.remaining())
             return True
 
     def close(self, timeout: float) -> bool:
         """Let the running job finish (up to `timeout` s), stop the thread and join it."""
-        deadline = time.monotonic() + timeout
+        deadline = Deadline.after(timeout, clock=self._clock)
         idle = self.wait_idle(timeout)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
             thread = self._thread
         if thread is not None:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(deadline.remaining())
             if thread.is_alive():
                 logger.error("%s did not stop within %.1fs", self._name, timeout)
                 return False

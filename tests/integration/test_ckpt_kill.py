@@ -28,7 +28,7 @@ CHILD = r"""
 import sys, time
 from datetime import timedelta
 import torch
-import ckpt.shared, ckpt.writer
+import ckpt.shared, ckpt.persist
 from ckpt import Checkpointer, CheckpointConfig, SharedConfig
 
 root, shared_url, phase = sys.argv[1:4]
@@ -36,7 +36,7 @@ config = CheckpointConfig(local_dir=root, shared=SharedConfig(url=shared_url, ru
 c = Checkpointer(config, rank=0, world_size=1)
 c.save_async(1, {"w": torch.full((1 << 10,), 1.0)}).wait_uploaded(timedelta(seconds=20))
 
-def slow_write(fd, data, real=ckpt.writer.write_all):
+def slow_write(fd, data, real=ckpt.persist.write_all):
     for start in range(0, len(data), 1 << 20):
         real(fd, data[start:start + (1 << 20)])
         time.sleep(0.02)
@@ -49,7 +49,7 @@ def slow_put(self, local, path):
             dst.write(chunk); dst.flush(); os.fsync(dst.fileno()); time.sleep(0.02)
 
 if phase == "tier1":
-    ckpt.writer.write_all = slow_write
+    ckpt.persist.write_all = slow_write
 else:
     ckpt.shared.SharedTier._put_file = slow_put
 print("saving step 2", flush=True)

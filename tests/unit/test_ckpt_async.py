@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-import ckpt.writer
+import ckpt.persist
 from ckpt import (
     CheckpointConfig,
     CheckpointCorruptError,
@@ -164,14 +164,14 @@ class Gate:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.opened = threading.Event()
         self.entered = threading.Event()
-        real = ckpt.writer.write_all
+        real = ckpt.persist.write_all
 
         def gated(fd: int, data: memoryview) -> None:
             self.entered.set()
             assert self.opened.wait(10), "test gate never opened"
             real(fd, data)
 
-        monkeypatch.setattr(ckpt.writer, "write_all", gated)
+        monkeypatch.setattr(ckpt.persist, "write_all", gated)
 
 
 def test_if_busy_skip_skips_and_never_corrupts(
@@ -217,7 +217,7 @@ def test_disk_full_in_background_is_surfaced_and_leaves_nothing_visible(
 ) -> None:
     c = checkpointers.make(config(tmp_path))
     c.save_async(10, state_of(1)).wait_persisted(SECOND)
-    real = ckpt.writer.write_all
+    real = ckpt.persist.write_all
     calls = []
 
     def full_after_header(fd: int, data: memoryview) -> None:
@@ -226,7 +226,7 @@ def test_disk_full_in_background_is_surfaced_and_leaves_nothing_visible(
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, data)
 
-    monkeypatch.setattr(ckpt.writer, "write_all", full_after_header)
+    monkeypatch.setattr(ckpt.persist, "write_all", full_after_header)
     with caplog.at_level(logging.ERROR, logger="ckpt"):
         pending = c.save_async(20, state_of(2))  # training continues: no exception here
         with pytest.raises(CheckpointWriteError, match="step 20.*No space left on device.*ENOSPC"):
@@ -242,7 +242,7 @@ def test_disk_full_in_background_is_surfaced_and_leaves_nothing_visible(
     assert list(step_dir(tmp_path, 20).iterdir()) == []  # no rank dir, no temp dir, no COMMIT
     assert c.committed_steps() == [10]
     assert c.restore().step == 10
-    monkeypatch.setattr(ckpt.writer, "write_all", real)  # space freed: saving works again
+    monkeypatch.setattr(ckpt.persist, "write_all", real)  # space freed: saving works again
     c.save_async(30, state_of(3)).wait_persisted(SECOND)
     assert c.committed_steps()[0] == 30 and c.last_error is None
 

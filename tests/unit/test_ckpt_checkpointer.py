@@ -1,8 +1,13 @@
-"""Unit tests of ckpt.Checkpointer against real files in tmp_path."""
+"""Unit tests of ckpt.Checkpointer against real files in tmp_path.
+
+`save()` is `save_async().wait_persisted()`: a step is committed once every rank of its directory
+(`local_world_size`) saved it. A saved but uncommitted step is made here by saving one rank of a
+directory that has two."""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import struct
@@ -12,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-import ckpt.writer
+import ckpt.persist
 from ckpt import (
     CheckpointConfig,
     CheckpointCorruptError,
@@ -29,9 +34,14 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     return bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).tolist())
 
 
-def make(root: Path, rank: int = 0, world_size: int = 1, keep_last: int = 3) -> Checkpointer:
+def make(
+    root: Path, rank: int = 0, world_size: int = 1, keep_last: int = 3, local_world_size: int | None = None
+) -> Checkpointer:
     return Checkpointer(
-        CheckpointConfig(local_dir=root, keep_last=keep_last), rank=rank, world_size=world_size
+        CheckpointConfig(local_dir=root, keep_last=keep_last),
+        rank=rank,
+        world_size=world_size,
+        local_world_size=world_size if local_world_size is None else local_world_size,
     )
 
 
@@ -56,26 +66,27 @@ def rank_state(rank: int) -> dict[str, Any]:
 def saved_and_committed(root: Path, step: int = 10) -> tuple[Checkpointer, Path]:
     c = make(root)
     rank_dir = c.save(step, rank_state(0))
-    c.commit(step)
     return c, rank_dir
 
 
 def test_two_rank_save_commit_load_is_bitwise_equal(tmp_path: Path) -> None:
     ranks = [make(tmp_path, rank=r, world_size=2) for r in range(2)]
     states = [rank_state(r) for r in range(2)]
-    dirs = [c.save(120, s) for c, s in zip(ranks, states, strict=True)]
+    dirs = [ranks[0].save(120, states[0])]
+    assert ranks[0].latest() is None  # saved but not yet committed: rank 1 has not saved
+    dirs.append(ranks[1].save(120, states[1]))  # the last rank of the directory commits
     assert dirs == [tmp_path / "step_000000000120" / f"rank_0000{r}" for r in range(2)]
-    assert ranks[0].latest() is None  # saved but not yet committed
-    ranks[0].commit(120)
 
     commit = json.loads((tmp_path / "step_000000000120" / "COMMIT").read_text())
     run_uid = json.loads((tmp_path / "RUN.json").read_text())["run_uid"]
+    manifests = {str(r): hashlib.sha256((d / "manifest.json").read_bytes()).hexdigest() for r, d in enumerate(dirs)}
     assert commit == {
         "format_version": 1,
         "step": 120,
         "world_size": 2,
         "run": "default",
         "run_uid": run_uid,
+        "manifests": manifests,
     }
     for r, c in enumerate(ranks):
         assert c.latest() == 120
@@ -98,7 +109,7 @@ def test_two_rank_save_commit_load_is_bitwise_equal(tmp_path: Path) -> None:
 
 def test_latest_ignores_uncommitted_step_and_stale_temp_dirs(tmp_path: Path) -> None:
     c, _ = saved_and_committed(tmp_path, step=10)
-    c.save(20, rank_state(0))  # crash before commit
+    make(tmp_path, world_size=2).save(20, rank_state(0))  # rank 1 crashed before saving it
     stale = tmp_path / "step_000000000030" / ".tmp-rank_00000-deadbeef"
     stale.mkdir(parents=True)  # crash mid-write
     (stale / "state.safetensors").write_bytes(b"partial")
@@ -111,15 +122,14 @@ def test_latest_ignores_uncommitted_step_and_stale_temp_dirs(tmp_path: Path) -> 
 
 def test_retention_keeps_last_k_and_removes_older_uncommitted(tmp_path: Path) -> None:
     c = make(tmp_path, keep_last=2)
+    partial = make(tmp_path, world_size=2, keep_last=2)  # its rank 1 never saves: never commits
     for step in (1, 2, 3):
         c.save(step, {"x": torch.tensor(step)})
-        c.commit(step)
-    c.save(4, {"x": torch.tensor(4)})  # uncommitted, older than the next commit
-    c.save(5, {"x": torch.tensor(5)})
+    partial.save(4, {"x": torch.tensor(4)})  # uncommitted, older than the next commit
     stale = tmp_path / "step_000000000005" / ".tmp-rank_00001-abc"
-    stale.mkdir()
-    c.save(6, {"x": torch.tensor(6)})  # uncommitted, newer: may still be in progress
-    c.commit(5)
+    stale.mkdir(parents=True)
+    partial.save(6, {"x": torch.tensor(6)})  # uncommitted, newer: may still be in progress
+    c.save(5, {"x": torch.tensor(5)})  # committed: retention runs
 
     assert c.committed_steps() == [5, 3]
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -140,7 +150,6 @@ def test_resave_after_crashed_attempt_replaces_leftover_rank_dir(tmp_path: Path)
     rank_dir = c.save(7, {"x": torch.tensor(1)})
     (rank_dir / "junk").write_bytes(b"from the crashed attempt")
     c.save(7, {"x": torch.tensor(2)})
-    c.commit(7)
     assert not (rank_dir / "junk").exists()
     assert c.load(7)["x"].item() == 2
 
@@ -150,13 +159,12 @@ def test_resaving_committed_step_uncommits_then_replaces_it(tmp_path: Path) -> N
     # here with a smaller world.
     for rank in range(4):
         make(tmp_path, rank=rank, world_size=4).save(10, {"x": torch.tensor(rank)})
-    make(tmp_path, rank=0, world_size=4).commit(10)
+    assert make(tmp_path, rank=0, world_size=4).latest() == 10
     small = [make(tmp_path, rank=r, world_size=2) for r in range(2)]
 
     small[0].save(10, {"x": torch.tensor(100)})
     assert small[0].latest() is None  # invisible until committed again, never a mix
-    small[1].save(10, {"x": torch.tensor(101)})
-    small[0].commit(10)
+    small[1].save(10, {"x": torch.tensor(101)})  # commits, and drops ranks 2 and 3 of world 4
 
     assert small[0].saved_world_size(10) == 2
     assert [small[r].load(10)["x"].item() for r in range(2)] == [100, 101]
@@ -211,10 +219,17 @@ def test_damaged_manifest_is_corrupt(tmp_path: Path, damage: str) -> None:
 
 
 def edit_manifest(rank_dir: Path, **changes: Any) -> None:
+    """Craft the manifest. The COMMIT's sha256 of it would catch any edit first, so the COMMIT
+    becomes one of an older version (no digests, still loaded) and the manifest's own checks
+    must catch the edit."""
     path = rank_dir / "manifest.json"
     obj = json.loads(path.read_text())
     obj.update(changes)
     path.write_text(json.dumps(obj))
+    commit = rank_dir.parent / "COMMIT"
+    marker = json.loads(commit.read_text())
+    del marker["manifests"]
+    commit.write_text(json.dumps(marker))
 
 
 @pytest.mark.parametrize("entry", ["../x", "/etc/hostname"])
@@ -260,7 +275,6 @@ def test_commit_with_newer_format_version_is_listed_but_not_loaded(tmp_path: Pat
 def test_damaged_commit_marker_is_ignored(tmp_path: Path) -> None:
     c, _ = saved_and_committed(tmp_path, step=10)
     c.save(20, rank_state(0))
-    c.commit(20)
     (tmp_path / "step_000000000020" / "COMMIT").write_bytes(b'{"format_vers')
     assert c.committed_steps() == [10]
     with pytest.raises(CheckpointCorruptError, match="COMMIT"):
@@ -268,9 +282,8 @@ def test_damaged_commit_marker_is_ignored(tmp_path: Path) -> None:
 
 
 def test_load_of_rank_not_on_this_node_raises_not_found(tmp_path: Path) -> None:
-    node_a = make(tmp_path, rank=0, world_size=2)  # rank 1 lives on another node's local_dir
+    node_a = make(tmp_path, rank=0, world_size=2, local_world_size=1)  # rank 1: another node's dir
     node_a.save(10, rank_state(0))
-    node_a.commit(10)
     assert node_a.has_rank(10, 0) and not node_a.has_rank(10, 1)
     with pytest.raises(CheckpointNotFoundError, match="rank 1 of step 10"):
         node_a.load(10, rank=1)
@@ -284,10 +297,9 @@ def test_after_a_node_loss_the_survivors_restore_their_newest_local_step(tmp_pat
     # a part node b holds (replicated state) instead of falling back to an older or remote copy.
     node_b = tmp_path / "node-b"
     for step in (5, 10):
-        savers = [make(node_b, rank=r, world_size=4) for r in (2, 3)]
+        savers = [make(node_b, rank=r, world_size=4, local_world_size=2) for r in (2, 3)]
         for c in savers:
             c.save(step, rank_state(c.rank) | {"step": step})
-        savers[0].commit(step)
     for new_rank in range(2):
         restored = make(node_b, rank=new_rank, world_size=2).restore()
         assert restored is not None
@@ -300,6 +312,16 @@ def test_commit_without_any_save_raises_not_found(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="nothing was saved for step 3"):
         c.commit(3)
     assert c.latest() is None
+
+
+def test_commit_checks_that_save_committed_the_step(tmp_path: Path) -> None:
+    # commit() stays for callers of the former synchronous API; save() commits by itself.
+    make(tmp_path).save(1, {"x": torch.tensor(1)})
+    make(tmp_path).commit(1)
+    half = make(tmp_path, world_size=2)
+    half.save(2, {"x": torch.tensor(2)})
+    with pytest.raises(CheckpointNotFoundError, match="step 2 is not committed.*not all 2 ranks"):
+        half.commit(2)
 
 
 def test_local_dir_that_is_a_file_raises_write_error(tmp_path: Path) -> None:
@@ -319,7 +341,7 @@ def test_disk_full_during_save_leaves_nothing_visible(
     def full_disk(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(ckpt.writer, "write_new_file", full_disk)
+    monkeypatch.setattr(ckpt.persist, "write_new_file", full_disk)
     with pytest.raises(CheckpointWriteError, match="step 20.*No space left on device") as info:
         c.save(20, rank_state(0))
     assert isinstance(info.value.__cause__, OSError)

@@ -92,7 +92,8 @@ def test_a_step_copied_in_from_another_run_is_refused_and_never_replaced(
         assert b.committed_steps() == [10]
         # Saving step 60 again must not replace the other run's step 60.
         pending = b.save_async(60, state(61))
-        with pytest.raises(CheckpointConflictError, match="step 60 .* is committed by run 'default' .*not replacing it"):
+        refused = "step 60 .* is committed by run 'default' .*not replacing it"
+        with pytest.raises(CheckpointConflictError, match=refused):
             pending.wait_persisted(WAIT)
         save(b, 70)  # retention never deletes the foreign step either
     commit = json.loads((tmp_path / "b" / "step_000000000060" / "COMMIT").read_text())

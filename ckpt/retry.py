@@ -1,0 +1,95 @@
+"""Bounded retries of the shared store's calls (tenacity): which errors are worth retrying, and
+the message once the retries are spent."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
+
+from ckpt.config import RetryConfig
+from ckpt.errors import CheckpointError, SharedStorageError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_PERMANENT = (
+    CheckpointError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    TypeError,
+    ValueError,
+)
+"""Errors that a retry cannot fix: raised at once."""
+
+
+def call_with_retries(
+    what: str,
+    url: str,
+    retry: RetryConfig,
+    stop: threading.Event,
+    fn: Callable[..., T],
+    *args: Any,
+    **kwargs: Any,
+) -> T:
+    """Run `fn` with bounded retries (given up early once `stop` is set); raise SharedStorageError
+    once they are spent. CheckpointError and FileNotFoundError pass through unchanged."""
+    def sleep(seconds: float) -> None:
+        stop.wait(seconds)  # close() sets `stop`: a pause between tries ends at once
+
+    retrying = Retrying(
+        stop=(
+            stop_after_attempt(retry.attempts)
+            | stop_after_delay(retry.deadline.total_seconds())
+            | (lambda _state: stop.is_set())  # type: ignore[operator]  # tenacity accepts callables
+        ),
+        wait=wait_exponential(multiplier=retry.initial.total_seconds(), max=retry.maximum.total_seconds())
+        + wait_random(0, retry.jitter.total_seconds()),
+        retry=retry_if_exception(_transient),
+        sleep=sleep,
+        before_sleep=lambda state: _log_retry(what, url, state),
+        reraise=True,
+    )
+    try:
+        return retrying(fn, *args, **kwargs)
+    except (CheckpointError, FileNotFoundError):
+        raise
+    except Exception as exc:
+        raise SharedStorageError(
+            f"{what} at {url} failed ({type(exc).__name__}: {exc}); retried up to "
+            f"{retry.attempts} times within {retry.deadline}. Training goes on and the upload "
+            f"is tried again later; check that the store is reachable and the credentials "
+            f"in shared.storage_options",
+        ) from exc
+
+
+def _transient(exc: BaseException) -> bool:
+    return not isinstance(exc, _PERMANENT)
+
+
+def _log_retry(what: str, url: str, state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    wait = state.next_action.sleep if state.next_action is not None else 0.0
+    logger.warning(
+        "%s at %s failed (try %d: %s: %s); retrying in %.2fs",
+        what,
+        url,
+        state.attempt_number,
+        type(exc).__name__,
+        exc,
+        wait,
+    )
