@@ -22,11 +22,11 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic.etcd_client import EtcdClient
 from elastic.etcd_server import EtcdServer
-from elastic.membership import run_prefix
+from elastic.keys import run_prefix
 from elastic.rendezvous import EtcdV3RendezvousHandler, RendezvousConfig
 from elastic.round import RoundState
 from tests.conftest import Procs
-from tests.integration.test_elastic_faults import WORKER, Node, steps_at, wait_until
+from tests.integration.test_elastic_faults import STEP_WORKER, Node, steps_at, wait_until
 from tests.integration.test_rendezvous_security import AcceptCounter
 
 pytestmark = pytest.mark.integration
@@ -35,12 +35,13 @@ TOKEN_ENV = "ELASTIC_JOIN_TOKEN"  # elastic.admission.TOKEN_ENV, spelled out: wh
 
 
 def agent(procs: Procs, monkeypatch: pytest.MonkeyPatch, endpoint: str, run_id: str, node: str, *extra: str,
-          token: str) -> Node:
-    """An elastic-run agent of the recovery worker with `token` in its environment ("" for none)."""
+          token: str, stop: Path) -> Node:
+    """An elastic-run agent of the step worker with `token` in its environment ("" for none); its job
+    finishes once the file `stop` exists."""
     monkeypatch.setenv(TOKEN_ENV, token)  # the agent inherits this process's environment
     return Node(procs, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
                 "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--node-id", node, *extra,
-                str(WORKER), "--interval", "0.05", "--max-seconds", "25")
+                str(STEP_WORKER), "--interval", "0.05", "--max-seconds", "90", "--stop-file", str(stop))
 
 
 @pytest.mark.timeout(240)
@@ -49,12 +50,14 @@ def test_strangers_get_no_rank_while_the_job_with_the_token_trains_on_and_a_node
 ) -> None:
     run_id = f"adm-{uuid.uuid4().hex[:8]}"
     token = secrets.token_urlsafe(32)
-    victim = agent(procs, monkeypatch, etcd.endpoint, run_id, "n0", token=token)
+    stop = tmp_path / "stop"
+    victim = agent(procs, monkeypatch, etcd.endpoint, run_id, "n0", token=token, stop=stop)
     wait_until(lambda: steps_at([victim], 1) >= 10, 90, "the job training alone", [victim])
 
     strangers_at = time.time()
-    no_token = agent(procs, monkeypatch, etcd.endpoint, run_id, "stranger", token="")
-    wrong_token = agent(procs, monkeypatch, etcd.endpoint, run_id, "impostor", token=secrets.token_urlsafe(32))
+    no_token = agent(procs, monkeypatch, etcd.endpoint, run_id, "stranger", token="", stop=stop)
+    wrong_token = agent(procs, monkeypatch, etcd.endpoint, run_id, "impostor", token=secrets.token_urlsafe(32),
+                        stop=stop)
     for stranger in (no_token, wrong_token):
         assert stranger.proc.wait(timeout=60) == 1, stranger.text
         assert '"event": "round_closed"' not in stranger.text and '"event": "join"' not in stranger.text
@@ -70,8 +73,10 @@ def test_strangers_get_no_rank_while_the_job_with_the_token_trains_on_and_a_node
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
-    joiner = agent(procs, monkeypatch, etcd.endpoint, run_id, "n1", "--rdzv-conf", f"join_token_file={token_file}", token="")
+    joiner = agent(procs, monkeypatch, etcd.endpoint, run_id, "n1", "--rdzv-conf", f"join_token_file={token_file}",
+                   token="", stop=stop)
     wait_until(lambda: steps_at([victim, joiner], 2) >= 10, 90, "both nodes training together", [victim, joiner])
+    stop.touch()  # the job finishes: both agents must exit 0
     for node in (victim, joiner):
         assert node.proc.wait(timeout=90) == 0, node.text[-3000:]
     for node in (victim, joiner, no_token, wrong_token):
@@ -112,8 +117,9 @@ def test_records_forged_into_etcd_are_ignored_or_refused(
         client.raw.put(prefix + "nodes/evil", json.dumps(forged), lease=lease)
         client.raw.put(prefix + "rdzv/store/2", json.dumps({"addr": "127.0.0.1", "port": 1, "proof": "0" * 64}))
         with caplog.at_level(logging.WARNING, logger="elastic.view"):
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:  # several reads, by the watch thread and by us
+            # Several reads, by the watch thread (its events, then a periodic re-read) and by us.
+            deadline = time.monotonic() + a.view.RESYNC.total_seconds() + 1
+            while time.monotonic() < deadline:
                 snap = a.view.read()
                 assert "evil" not in snap.live and "evil" not in snap.nodes and 2 not in snap.stores
                 assert a.num_nodes_waiting() == 0  # the job's workers would not even restart

@@ -42,24 +42,39 @@ def _etcdctl() -> str:
 
 def test_default_server_names_cover_the_kubernetes_services(tmp_path: Path) -> None:
     subprocess.run([str(ETCD_DIR / "tls-certs.sh"), str(tmp_path)], check=True, capture_output=True, timeout=60)
-    text = subprocess.run(["openssl", "x509", "-in", str(tmp_path / "server.crt"), "-noout", "-ext", "subjectAltName"], capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        ["openssl", "x509", "-in", str(tmp_path / "server.crt"), "-noout", "-ext", "subjectAltName"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     for name in ("DNS:etcd-client", "DNS:*.etcd.elastic-train.svc", "DNS:localhost", "IP Address:127.0.0.1"):
         assert name in text
     for name in ("server", "root", "client"):
-        subprocess.run(["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / f"{name}.crt")], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "verify", "-CAfile", str(tmp_path / "ca.crt"), str(tmp_path / f"{name}.crt")],
+            check=True,
+            capture_output=True,
+        )
 
 
 @pytest.fixture
 def tls_etcd(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     certs = tmp_path / "certs"
-    subprocess.run([str(ETCD_DIR / "tls-certs.sh"), str(certs), "localhost", "127.0.0.1"], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [str(ETCD_DIR / "tls-certs.sh"), str(certs), "localhost", "127.0.0.1"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     client, peer = free_port(), free_port()
     endpoint = f"https://127.0.0.1:{client}"
     proc = subprocess.Popen(
         [
             find_etcd_binary(), "--name", "m0", "--data-dir", str(tmp_path / "data"),
             "--listen-client-urls", endpoint, "--advertise-client-urls", endpoint,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-cluster", f"m0=http://127.0.0.1:{peer}",
             "--cert-file", str(certs / "server.crt"), "--key-file", str(certs / "server.key"),
             "--trusted-ca-file", str(certs / "ca.crt"), "--client-cert-auth",
@@ -79,12 +94,15 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 
 def _enable_auth(certs: Path, endpoint: str, **env: str) -> subprocess.CompletedProcess[str]:
     ctl_env = {
-        **os.environ, **env, "ETCDCTL": _etcdctl(), "ETCDCTL_ENDPOINTS": endpoint, "ETCDCTL_CACERT": str(certs / "ca.crt"),
+        **os.environ, **env, "ETCDCTL": _etcdctl(), "ETCDCTL_ENDPOINTS": endpoint,
+        "ETCDCTL_CACERT": str(certs / "ca.crt"),
         "ETCDCTL_CERT": str(certs / "root.crt"), "ETCDCTL_KEY": str(certs / "root.key"),
     }  # fmt: skip
     deadline = time.monotonic() + 20
     while True:  # etcd takes a moment to serve
-        health = subprocess.run([_etcdctl(), "endpoint", "health"], env=ctl_env, capture_output=True, text=True, timeout=20)
+        health = subprocess.run(
+            [_etcdctl(), "endpoint", "health"], env=ctl_env, capture_output=True, text=True, timeout=20
+        )
         if health.returncode == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -94,8 +112,12 @@ def _enable_auth(certs: Path, endpoint: str, **env: str) -> subprocess.Completed
 def _client(endpoint: str, certs: Path, cert: str = "client", **auth: str) -> EtcdClient:
     return EtcdClient(
         EtcdClientConfig(
-            endpoints=endpoint, ca_cert=str(certs / "ca.crt"), cert=str(certs / f"{cert}.crt"), key=str(certs / f"{cert}.key"),
-            retry_deadline=timedelta(seconds=3), **auth,
+            endpoints=endpoint,
+            ca_cert=str(certs / "ca.crt"),
+            cert=str(certs / f"{cert}.crt"),
+            key=str(certs / f"{cert}.key"),
+            retry_deadline=timedelta(seconds=3),
+            **auth,
         )
     )
 
@@ -152,7 +174,9 @@ def test_password_from_a_file_or_the_environment(tls_etcd: tuple[Path, str], tmp
     secret.write_text("correct-horse-battery\n")
     secret.chmod(0o600)
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
-    _from_rdzv_conf(endpoint, certs, user="elastic-train", password_file=str(secret)).raw.put("/elastic-train/run-3/a", "1")
+    _from_rdzv_conf(endpoint, certs, user="elastic-train", password_file=str(secret)).raw.put(
+        "/elastic-train/run-3/a", "1"
+    )
     monkeypatch.setenv(PASSWORD_ENV, "correct-horse-battery")
     _from_rdzv_conf(endpoint, certs, user="elastic-train").raw.put("/elastic-train/run-3/b", "2")
     monkeypatch.setenv(PASSWORD_ENV, "not-the-password")
@@ -175,16 +199,29 @@ def test_slurm_node_passes_the_password_in_the_environment_never_in_argv_or_its_
         "ETCD_ENDPOINTS": "https://etcd:2379", "ETCD_CACERT": "/etc/etcd/ca.pem", "ETCD_USER": "elastic-train",
         "ETCD_PASSWORD": "pa,ss=word-in-env",  # ',' and '=' are fine now: it never goes through --rdzv-conf
     }  # fmt: skip
-    result = subprocess.run([str(REPO / "deploy" / "slurm" / "node.sh"), "run", "train.py"], env=env, capture_output=True,
-                            text=True, timeout=30)
+    result = subprocess.run(
+        [str(REPO / "deploy" / "slurm" / "node.sh"), "run", "train.py"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 0, result.stderr
     lines = record.read_text().splitlines()
     assert lines[-1] == "ENV=pa,ss=word-in-env"
     argv = lines[:-1]
     assert argv[argv.index("--rdzv-conf") + 1] == "cacert=/etc/etcd/ca.pem,user=elastic-train"
     assert "runs: " in result.stderr and "word-in-env" not in result.stderr + "\n".join(argv)
-    with_file = subprocess.run([str(REPO / "deploy" / "slurm" / "node.sh"), "run", "train.py"], capture_output=True, text=True,
-                               env={**env, "ETCD_PASSWORD": "", "ETCD_PASSWORD_FILE": "/run/secrets/etcd"}, timeout=30)
+    with_file = subprocess.run(
+        [str(REPO / "deploy" / "slurm" / "node.sh"), "run", "train.py"],
+        capture_output=True,
+        text=True,
+        env={**env, "ETCD_PASSWORD": "", "ETCD_PASSWORD_FILE": "/run/secrets/etcd"},
+        timeout=30,
+    )
     assert with_file.returncode == 0, with_file.stderr
     argv = record.read_text().splitlines()[:-1]
-    assert argv[argv.index("--rdzv-conf") + 1] == "cacert=/etc/etcd/ca.pem,user=elastic-train,password_file=/run/secrets/etcd"
+    assert (
+        argv[argv.index("--rdzv-conf") + 1]
+        == "cacert=/etc/etcd/ca.pem,user=elastic-train,password_file=/run/secrets/etcd"
+    )

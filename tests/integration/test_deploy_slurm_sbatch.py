@@ -36,7 +36,8 @@ if [[ ${FAKE_REAL:-0} == 1 ]]; then
     # Really run every node's command, concurrently, each with its own node-local scratch.
     pids=()
     for ((i = 0; i < SLURM_NNODES; i++)); do
-        SLURM_NODEID=$i SLURM_PROCID=$i SLURMD_NODENAME=node$i SLURM_TMPDIR=$FAKE_DIR/node$i "$@" > "$FAKE_DIR/node$i.log" 2>&1 &
+        SLURM_NODEID=$i SLURM_PROCID=$i SLURMD_NODENAME=node$i SLURM_TMPDIR=$FAKE_DIR/node$i \
+            "$@" > "$FAKE_DIR/node$i.log" 2>&1 &
         pids+=($!)
     done
     rc=0
@@ -47,7 +48,9 @@ for ((i = 0; i < SLURM_NNODES; i++)); do
     SLURM_NODEID=$i SLURM_PROCID=$i SLURMD_NODENAME=node$i DRY_RUN=1 "$@" >> "$FAKE_DIR/commands" || exit 99
 done
 if [[ ${FAKE_CHECK_ETCD:-0} == 1 ]]; then
-    "$FAKE_PYTHON" -c 'import os, urllib.request; print(urllib.request.urlopen("http://" + os.environ["ETCD_ENDPOINTS"] + "/health", timeout=5).read().decode())' > "$FAKE_DIR/etcd-health"
+    "$FAKE_PYTHON" -c 'import os, urllib.request
+url = "http://" + os.environ["ETCD_ENDPOINTS"] + "/health"
+print(urllib.request.urlopen(url, timeout=5).read().decode())' > "$FAKE_DIR/etcd-health"
 fi
 if [[ -n ${FAKE_HOLD:-} ]]; then
     touch "$FAKE_DIR/running"
@@ -155,7 +158,8 @@ def test_starts_its_own_etcd_runs_every_node_and_stops_etcd(batch: Batch) -> Non
         assert _flag(argv, "--rdzv-id") == "slurm-4242-0"
         assert _flag(argv, "--nnodes") == "1:2"
         assert argv[argv.index("train.py"):] == [
-            "train.py", "--steps", "5", "--ckpt-dir", str(batch.dir / "local" / "ckpt"), "--shared-url", str(batch.dir / "pfs" / "slurm-4242"),
+            "train.py", "--steps", "5", "--ckpt-dir", str(batch.dir / "local" / "ckpt"),
+            "--shared-url", str(batch.dir / "pfs" / "slurm-4242"),
         ]  # fmt: skip
     assert batch.scontrol() == []
 

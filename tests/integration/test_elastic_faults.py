@@ -22,6 +22,8 @@ from tests.conftest import REPO, TINY, Procs
 pytestmark = pytest.mark.integration
 
 WORKER = REPO / "bench" / "recovery_worker.py"
+STEP_WORKER = Path(__file__).with_name("step_worker.py")
+"""`WORKER` with a stop file: a test ends the job once it saw what it needs."""
 STEP = re.compile(r"step=(\d+) world=(\d+) t=([\d.]+)")
 
 
@@ -70,8 +72,27 @@ def alive(pid: int) -> bool:
 
 
 def agent(procs: Procs, endpoint: str, run_id: str, node: str, nnodes: str, *extra: str) -> Node:
-    return Node(procs, "--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-endpoint", endpoint,
-                "--rdzv-id", run_id, "--node-id", node, "--monitor-interval", "0.1", *extra, str(WORKER), "--interval", "0.05")
+    return Node(
+        procs,
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--node-id",
+        node,
+        "--monitor-interval",
+        "0.1",
+        *extra,
+        str(WORKER),
+        "--interval",
+        "0.05",
+    )
 
 
 @pytest.mark.timeout(150)
@@ -93,7 +114,12 @@ def test_node_loss_shrinks_the_world_and_a_new_node_grows_it_back_up_to_max(proc
 
     nodes.append(agent(procs, etcd.endpoint, run_id, "n4", "1:3"))  # beyond max: a spare
     spare_started = time.time()
-    wait_until(lambda: steps_at(nodes, 3, after=spare_started + 8) >= 10, 60, "training to go on at max while a spare waits", nodes)
+    wait_until(
+        lambda: steps_at(nodes, 3, after=spare_started + 8) >= 10,
+        60,
+        "training to go on at max while a spare waits",
+        nodes,
+    )
     assert steps_at(nodes, 4) == 0
     assert '"event": "round_closed"' not in nodes[4].text, "the spare was admitted beyond max nodes"
 
@@ -120,9 +146,13 @@ def test_losing_one_of_three_etcd_members_does_not_disturb_training(procs: Procs
         wait_until(lambda: steps_at(nodes, 2) >= 20, 90, "2 nodes training together", nodes)
         cluster.members[0].kill()
         killed = time.time()
-        wait_until(lambda: steps_at(nodes, 2, after=killed + 6) >= 20, 60, "training to go on without etcd member 0", nodes)
+        wait_until(
+            lambda: steps_at(nodes, 2, after=killed + 6) >= 20, 60, "training to go on without etcd member 0", nodes
+        )
         assert all(n.proc.poll() is None for n in nodes)
-        assert not any('"event": "restart"' in line and '"reason": "worker failure"' in line for n in nodes for line in n.lines)
+        assert not any(
+            '"event": "restart"' in line and '"reason": "worker failure"' in line for n in nodes for line in n.lines
+        )
 
 
 @pytest.mark.timeout(150)
@@ -138,8 +168,15 @@ def test_etcd_down_then_back_keeps_healthy_workers_training(procs: Procs, tmp_pa
         down = time.time()
         # Degraded mode: no etcd, but the workers and their process group are healthy, so they train on.
         wait_until(lambda: steps_at(nodes, 2, after=down + 5) >= 20, 60, "training while etcd is down", nodes)
-        wait_until(lambda: any('"degraded": true' in line for n in nodes for line in n.lines), 30, "degraded mode reported", nodes)
-        second = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "etcd"), client_port=client_port, peer_port=peer_port)).start()
+        wait_until(
+            lambda: any('"degraded": true' in line for n in nodes for line in n.lines),
+            30,
+            "degraded mode reported",
+            nodes,
+        )
+        second = EtcdServer(
+            EtcdServerConfig(data_dir=str(tmp_path / "etcd"), client_port=client_port, peer_port=peer_port)
+        ).start()
         back = time.time()
         wait_until(lambda: steps_at(nodes, 2, after=back + 3) >= 20, 60, "training after etcd came back", nodes)
         assert all(n.proc.poll() is None for n in nodes)
@@ -161,7 +198,9 @@ def test_sigstopped_worker_is_detected_and_the_job_recovers(procs: Procs, tmp_pa
     for line in proc.stdout:
         lines.append(line)
         if stopped is None and (m := re.match(r"step=(\d+) ", line)) and int(m[1]) >= 12:
-            pid = next(int(x[1]) for x in (re.match(r"worker rank=1 world=2 pid=(\d+) restart=0", ln) for ln in lines) if x)
+            pid = next(
+                int(x[1]) for x in (re.match(r"worker rank=1 world=2 pid=(\d+) restart=0", ln) for ln in lines) if x
+            )
             os.kill(pid, signal.SIGSTOP)
             stopped = pid
     proc.wait(timeout=30)

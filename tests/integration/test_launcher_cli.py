@@ -59,7 +59,9 @@ def noop_script(tmp_path: Path) -> Path:
 
 def env_reports(output: str) -> list[dict[str, str]]:
     """The `ENV k=v ...` lines the workers print, one dict per worker."""
-    return [dict(item.split("=", 1) for item in line.split()[1:]) for line in output.splitlines() if line.startswith("ENV ")]
+    return [
+        dict(item.split("=", 1) for item in line.split()[1:]) for line in output.splitlines() if line.startswith("ENV ")
+    ]
 
 
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:

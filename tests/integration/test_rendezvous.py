@@ -258,7 +258,9 @@ def test_lost_node_is_reported_to_its_peers(cluster: Cluster) -> None:
     assert wait_until(lambda: a.num_nodes_waiting() > 0, 3), "a was not told that b left its round"
 
 
-def test_no_round_opens_before_every_member_of_the_closed_one_took_its_rank(cluster: Cluster, client: EtcdClient) -> None:
+def test_no_round_opens_before_every_member_of_the_closed_one_took_its_rank(
+    cluster: Cluster, client: EtcdClient
+) -> None:
     # Round 1 closed with b (rank 0) and a; a took its rank, b has not read the closed round yet
     # (its watch is a moment late). A newcomer c must not open round 2 now: b would only ever see
     # round 2, and a would wait for b in round 1's store until the store timeout.
@@ -279,7 +281,9 @@ def test_no_round_opens_before_every_member_of_the_closed_one_took_its_rank(clus
     assert read_state(client, cluster.run_id).participants[0] == "c"  # type: ignore[union-attr]
 
 
-def test_a_round_whose_rank_0_left_before_publishing_its_store_is_abandoned(cluster: Cluster, client: EtcdClient) -> None:
+def test_a_round_whose_rank_0_left_before_publishing_its_store_is_abandoned(
+    cluster: Cluster, client: EtcdClient
+) -> None:
     # Round 1 closed with a (rank 0) and b, but a is gone (its lease expired) before it published
     # the round's store. b must not wait out its join timeout: it joins the next round instead.
     # join_timeout is far beyond the test's own timeout: waiting it out fails the test.

@@ -26,7 +26,7 @@ import pytest
 from elastic import launcher
 from elastic.etcd_client import EtcdClient
 from elastic.etcd_server import EtcdServer
-from elastic.membership import run_prefix
+from elastic.keys import run_prefix
 from tests.conftest import Procs, read_state
 
 pytestmark = [pytest.mark.integration]
@@ -214,6 +214,9 @@ def test_junk_under_the_run_prefix_is_named_never_taken_for_an_unreachable_etcd(
     state_key = prefix + "rdzv/state"
     client.raw.put(state_key, '{"hello": 1}')
     a.wait_for(re.escape(f"etcd key {state_key} is malformed"), 30, since=at)
+    # A new agent of the run, started now (it refuses at start; checked below), so its start-up
+    # overlaps the wait that follows.
+    late = start_agent(procs, etcd, run_id, script, stop, "late")
     time.sleep(3)  # a few of the view's re-reads and the agent's monitor rounds
     assert a.proc.poll() is None, a.output
     os.kill(int(second.group(5)), 0)  # the worker is alive
@@ -228,7 +231,6 @@ def test_junk_under_the_run_prefix_is_named_never_taken_for_an_unreachable_etcd(
         assert wrong not in out, f"{wrong!r} in the output:\n{out}"
 
     # At start: a new agent of the run refuses to rendezvous on the malformed state.
-    late = start_agent(procs, etcd, run_id, script, stop, "late")
     rc, out = late.finish(120)
     assert rc == 1 and f"etcd key {state_key} is malformed" in out, out
     for wrong in ("unreachable", "degraded", "KeyError", "Traceback", "READY"):

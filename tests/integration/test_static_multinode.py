@@ -48,7 +48,9 @@ def worker(tmp_path: Path) -> Path:
 
 
 def _done_lines(output: str) -> list[dict[str, str]]:
-    return [dict(kv.split("=", 1) for kv in line.split()[1:]) for line in output.splitlines() if line.startswith("DONE ")]
+    return [
+        dict(kv.split("=", 1) for kv in line.split()[1:]) for line in output.splitlines() if line.startswith("DONE ")
+    ]
 
 
 def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> tuple[list[int], str]:

@@ -75,7 +75,9 @@ class Job:
     output: str = ""
 
     def envs(self) -> dict[int, dict[str, str]]:
-        return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in sorted(self.out_dir.glob("rank*.json"))}
+        return {
+            int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in sorted(self.out_dir.glob("rank*.json"))
+        }
 
 
 @dataclass(frozen=True)

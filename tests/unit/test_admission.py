@@ -29,7 +29,13 @@ KEYS = RunKeys(run_prefix("elastic-train", RUN))
 
 
 def node_kv(admission: Admission, node_id: str, lease: int, **changes: object) -> KV:
-    doc: dict[str, object] = {"node_id": node_id, "joined_at": 1.0, "addr": "10.0.0.1", "pid": 42, "beacon": "10.0.0.1:4000"}
+    doc: dict[str, object] = {
+        "node_id": node_id,
+        "joined_at": 1.0,
+        "addr": "10.0.0.1",
+        "pid": 42,
+        "beacon": "10.0.0.1:4000",
+    }
     doc = admission.sign_node(doc, lease)
     doc.update(changes)
     return KV(KEYS.node(node_id).encode(), json.dumps(doc).encode(), lease=lease)
@@ -74,7 +80,9 @@ def test_store_addresses_need_the_proof_of_their_round() -> None:
     mine = Admission(RUN, KEYS, TOKEN)
     good = KV(KEYS.store(3).encode(), json.dumps(mine.sign_store(3, "10.0.0.1", 29400)).encode())
     other_round = KV(KEYS.store(4).encode(), json.dumps(mine.sign_store(3, "10.0.0.1", 29400)).encode())
-    redirected = KV(KEYS.store(5).encode(), json.dumps({**mine.sign_store(5, "10.0.0.1", 29400), "addr": "10.6.6.6"}).encode())
+    redirected = KV(
+        KEYS.store(5).encode(), json.dumps({**mine.sign_store(5, "10.0.0.1", 29400), "addr": "10.6.6.6"}).encode()
+    )
     records = admitted(mine, [good, other_round, redirected])
     assert set(records.stores) == {3}
     assert {e.key for e in records.skipped} == {KEYS.store(4), KEYS.store(5)}
@@ -86,16 +94,22 @@ def test_a_round_state_without_the_runs_mac_is_an_error_naming_the_key() -> None
     assert admitted(mine, state_kvs(mine, state)).state == state
     # A stranger adds itself: the document changes, the MAC no longer fits.
     doc, mac = state_kvs(mine, state)
-    doc.value = RoundState(generation=2, status="closed", participants=("a", "stranger"), nnodes=(1, 2)).to_json().encode()
+    doc.value = (
+        RoundState(generation=2, status="closed", participants=("a", "stranger"), nnodes=(1, 2)).to_json().encode()
+    )
     for kvs in ([doc, mac], [doc], state_kvs(Admission(RUN, KEYS, b"another-token-of-16-chars"), state)):
         records = admitted(mine, kvs)
         assert records.state is None and records.state_error is not None
-        assert records.state_error.key == KEYS.state and "not signed with this run's join token" in str(records.state_error)
+        assert records.state_error.key == KEYS.state and "not signed with this run's join token" in str(
+            records.state_error
+        )
 
 
 def test_an_agent_without_the_token_cannot_read_a_run_that_requires_one() -> None:
     claimed = KV(Admission(RUN, KEYS, TOKEN).record_key.encode(), b'{"version": 1, "fingerprint": "00"}')
-    with pytest.raises(AdmissionError, match=f"run '{RUN}' requires a join token; set \\${TOKEN_ENV} or --rdzv-conf join_token_file="):
+    with pytest.raises(
+        AdmissionError, match=f"run '{RUN}' requires a join token; set \\${TOKEN_ENV} or --rdzv-conf join_token_file="
+    ):
         admitted(Admission(RUN, KEYS, None), [claimed])
     # A run without a token is read as it is, strangers' records included: that is what no token trusts.
     plain = KV(KEYS.node("x").encode(), json.dumps({"node_id": "x", "addr": "h"}).encode(), lease=3)
@@ -147,7 +161,9 @@ def test_the_etcd_password_comes_from_a_file_the_environment_or_argv_with_a_warn
     assert "from-argv" not in caplog.text
     with pytest.raises(ValueError, match="password= and password_file= contradict"):
         resolve_password("trainer", "x", str(secret), {})
-    with pytest.raises(ValueError, match=f"user=trainer needs a password: pass --rdzv-conf password_file=PATH or set \\${PASSWORD_ENV}"):
+    with pytest.raises(
+        ValueError, match=f"user=trainer needs a password: pass --rdzv-conf password_file=PATH or set \\${PASSWORD_ENV}"
+    ):
         resolve_password("trainer", None, None, {})
     with pytest.raises(ValueError, match="password_file= needs user="):
         resolve_password(None, None, str(secret), {})
@@ -156,7 +172,11 @@ def test_the_etcd_password_comes_from_a_file_the_environment_or_argv_with_a_warn
 
 def test_password_auth_over_plain_http_is_refused_and_tls_is_accepted() -> None:
     for endpoints, ca in [("127.0.0.1:2379", None), ("http://a:2379,http://b:2379", None)]:
-        with pytest.raises(ValueError, match="refusing to send the etcd password .* plain http .* use TLS, with https:// endpoints or --rdzv-conf cacert="):
+        with pytest.raises(
+            ValueError,
+            match="refusing to send the etcd password .* plain http .* use TLS, with https:// endpoints or "
+                  "--rdzv-conf cacert=",
+        ):
             EtcdClientConfig(endpoints=endpoints, ca_cert=ca, user="u", password="pw-never-sent")
     EtcdClientConfig(endpoints="https://a:2379", user="u", password="pw")
     EtcdClientConfig(endpoints="a:2379", ca_cert="/etc/etcd/ca.pem", user="u", password="pw")
@@ -184,7 +204,11 @@ def test_protected_secrets_are_masked_in_log_lines_and_messages(caplog: pytest.L
             raise RuntimeError("auth failed for s3cr3t-in-a-log")
         except RuntimeError:
             log.exception("boom")
-    assert "s3cr3t-in-a-log" not in caplog.text and "auth failed for ***" in caplog.text and "{'password': '***'}" in caplog.text
+    assert (
+        "s3cr3t-in-a-log" not in caplog.text
+        and "auth failed for ***" in caplog.text
+        and "{'password': '***'}" in caplog.text
+    )
     assert redact("pw=s3cr3t-in-a-log; abc") == "pw=***; abc"
 
 
@@ -192,7 +216,9 @@ def test_a_rendezvous_config_binds_to_local_addr_only_when_given() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     common = dict(backend="etcd-v3", endpoint="127.0.0.1:2379", run_id=RUN, min_nodes=1, max_nodes=1)
-    assert RendezvousConfig.from_parameters(RendezvousParameters(**common, local_addr="10.1.2.3")).bind_addr == "10.1.2.3"
+    assert (
+        RendezvousConfig.from_parameters(RendezvousParameters(**common, local_addr="10.1.2.3")).bind_addr == "10.1.2.3"
+    )
     unset = RendezvousConfig.from_parameters(RendezvousParameters(**common))
     assert unset.bind_addr is None and unset.local_addr  # advertised: the FQDN, as before
     assert unset.lease_ttl == timedelta(seconds=3)

@@ -44,7 +44,9 @@ def test_repository_is_copied_and_pip_installed() -> None:
     commands = _commands()
     (workdir,) = [c.value[0] for c in commands if c.cmd == "WORKDIR"]
     copies = [c for c in commands if c.cmd == "COPY"]
-    assert any(c.value[0] == "." and c.value[-1] in (workdir, ".", "./") for c in copies), "the build context (repository root) must be copied"
+    assert any(c.value[0] == "." and c.value[-1] in (workdir, ".", "./") for c in copies), (
+        "the build context (repository root) must be copied"
+    )
     runs = [c.value[0] for c in commands if c.cmd == "RUN"]
     install = [r for r in runs if re.search(r"\bpip install\b", r)]
     assert install, "no pip install in the Dockerfile"

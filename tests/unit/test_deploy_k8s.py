@@ -52,7 +52,12 @@ def _jobs_in(doc: Doc) -> list[Doc]:
         return [doc]
     if doc["kind"] == "JobSet":
         return [
-            {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{doc['metadata']['name']}-{rj['name']}"}, "spec": rj["template"]["spec"]}
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": f"{doc['metadata']['name']}-{rj['name']}"},
+                "spec": rj["template"]["spec"],
+            }
             for rj in doc["spec"]["replicatedJobs"]
         ]
     return []
@@ -70,7 +75,13 @@ def _validate(doc: Doc, version: str) -> None:
 
 def test_there_are_manifests() -> None:
     names = {p.relative_to(K8S).as_posix() for p in MANIFESTS}
-    assert {"base/etcd.yaml", "base/config.yaml", "base/shared-tier-secret.yaml", "job.yaml", "jobset/jobset.yaml"} <= names
+    assert {
+        "base/etcd.yaml",
+        "base/config.yaml",
+        "base/shared-tier-secret.yaml",
+        "job.yaml",
+        "jobset/jobset.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
@@ -85,7 +96,8 @@ def test_manifest_validates_strictly(path: Path, version: str) -> None:
             pytest.fail(f"{path}: no schema for {doc['apiVersion']} {doc['kind']}: {exc.message}")
         except kubernetes_validate.ValidationError as exc:
             where = ".".join(str(p) for p in exc.path)
-            pytest.fail(f"{path}: {doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {version} at {where}: {exc.message}")
+            name = f"{doc['kind']}/{doc['metadata']['name']}"
+            pytest.fail(f"{path}: {name} invalid for Kubernetes {version} at {where}: {exc.message}")
 
 
 def test_strict_validation_rejects_what_the_api_server_would() -> None:
@@ -113,9 +125,13 @@ def test_kustomization_lists_exactly_its_manifests(kustomization: Path) -> None:
         target = (here / res).resolve()
         assert target.exists(), f"{kustomization}: resource {res} does not exist"
         if target.is_dir():
-            assert (target / "kustomization.yaml").is_file(), f"{kustomization}: {res} is a directory without kustomization.yaml"
+            assert (target / "kustomization.yaml").is_file(), (
+                f"{kustomization}: {res} is a directory without kustomization.yaml"
+            )
         else:
-            assert target.parent == here.resolve(), f"{kustomization}: {res} lies outside the kustomization (kustomize refuses that)"
+            assert target.parent == here.resolve(), (
+                f"{kustomization}: {res} lies outside the kustomization (kustomize refuses that)"
+            )
     listed = {(here / r).resolve() for r in k["resources"]}
     for manifest in here.glob("*.yaml"):
         if manifest.name != "kustomization.yaml":
@@ -126,7 +142,9 @@ def test_kustomization_lists_exactly_its_manifests(kustomization: Path) -> None:
         for d in _docs(p) for job in _jobs_in(d) for c in job["spec"]["template"]["spec"]["containers"]
     }
     for image in k.get("images", []):
-        assert f"{image['name']}:{image['newTag']}" in used, f"{kustomization}: images entry {image['name']} matches no container"
+        assert f"{image['name']}:{image['newTag']}" in used, (
+            f"{kustomization}: images entry {image['name']} matches no container"
+        )
 
 
 def _args(container: Doc) -> list[str]:
@@ -150,9 +168,9 @@ def test_etcd_cluster_is_three_members_that_find_each_other() -> None:
     assert [p["port"] for p in client["spec"]["ports"]] == [2379]
 
     (container,) = spec["template"]["spec"]["containers"]
-    assert re.fullmatch(r"(quay\.io/coreos|gcr\.io/etcd-development)/etcd:v3\.5\.(1[1-9]|[2-9]\d)", container["image"]), (
-        "etcd 3.5.11+ is needed for the /livez and /readyz probes"
-    )
+    assert re.fullmatch(
+        r"(quay\.io/coreos|gcr\.io/etcd-development)/etcd:v3\.5\.(1[1-9]|[2-9]\d)", container["image"]
+    ), "etcd 3.5.11+ is needed for the /livez and /readyz probes"
     flags = dict(a.split("=", 1) for a in _args(container) if a.startswith("--"))
     svc = spec["serviceName"]
     peer = "http://{name}." + svc + ".$(POD_NAMESPACE).svc:2380"
@@ -218,7 +236,9 @@ def _container_env(container: Doc, secrets: dict[str, Doc]) -> dict[str, str]:
             ref = e["valueFrom"]["secretKeyRef"]
             secret = secrets.get(ref["name"])
             if secret is None or ref["key"] not in secret.get("stringData", secret.get("data", {})):
-                assert ref.get("optional") is True, f"env {e['name']} reads {ref['name']}/{ref['key']}, which no Secret defines"
+                assert ref.get("optional") is True, (
+                    f"env {e['name']} reads {ref['name']}/{ref['key']}, which no Secret defines"
+                )
                 continue
             env[e["name"]] = "<secret>"
     return env
@@ -330,7 +350,10 @@ def test_liveness_probe_passes_for_a_waiting_agent_and_fails_for_a_frozen_one() 
         proc.wait(timeout=5)
 
 
-@pytest.mark.parametrize(("state", "alive"), [("R (running)", True), ("D (disk sleep)", True), ("Z (zombie)", False), ("t (tracing stop)", False)])
+@pytest.mark.parametrize(
+    ("state", "alive"),
+    [("R (running)", True), ("D (disk sleep)", True), ("Z (zombie)", False), ("t (tracing stop)", False)],
+)
 def test_liveness_probe_states(tmp_path: Path, state: str, alive: bool) -> None:
     status = tmp_path / "status"
     status.write_text(f"Name:\tpython\nUmask:\t0022\nState:\t{state}\nTgid:\t1\n")

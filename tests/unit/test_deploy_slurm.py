@@ -1,5 +1,6 @@
-"""deploy/slurm: the scripts (and every other shell script under deploy/) pass shellcheck, and node.sh (the per-node logic of the sbatch script)
-builds the exact elastic-run command each node runs, from fake Slurm variables, in dry-run mode."""
+"""deploy/slurm: the scripts (and every other shell script under deploy/) pass shellcheck, and node.sh (the
+per-node logic of the sbatch script) builds the exact elastic-run command each node runs, from fake Slurm
+variables, in dry-run mode."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ def test_all_deploy_scripts_are_checked() -> None:
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(REPO / "deploy").as_posix())
 def test_script_passes_shellcheck(script: Path) -> None:
     assert os.access(script, os.X_OK), f"{script} is not executable"
-    result = subprocess.run([_shellcheck(), "--shell=bash", "--external-sources", str(script)], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_shellcheck(), "--shell=bash", "--external-sources", str(script)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -69,7 +72,9 @@ def node_sh(*args: str, env: dict[str, str] | None = None, dry_run: bool = True)
     base = {"PATH": os.environ["PATH"], "HOME": "/home/alice", "SCONTROL": "/nonexistent/scontrol"}
     if dry_run:
         base["DRY_RUN"] = "1"
-    return subprocess.run([str(NODE_SH), *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [str(NODE_SH), *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=30
+    )
 
 
 def run_argv(env: dict[str, str], script: tuple[str, ...] = ("train.py", "--steps", "100")) -> list[str]:
@@ -99,7 +104,12 @@ def test_run_without_etcd_endpoints_uses_the_jobs_own_etcd_on_the_first_node() -
         "2:4", "8", "gpu001:14690", "slurm-12345-0", "gpu003",
     )
     assert args.training_script == "train.py"
-    assert args.training_script_args[-4:] == ["--ckpt-dir", "/local/slurm/12345/ckpt", "--shared-url", "/lustre/alice/et/slurm-12345"]
+    assert args.training_script_args[-4:] == [
+        "--ckpt-dir",
+        "/local/slurm/12345/ckpt",
+        "--shared-url",
+        "/lustre/alice/et/slurm-12345",
+    ]
 
 
 def test_every_node_builds_the_same_command_but_its_own_node_id() -> None:
@@ -124,10 +134,18 @@ def test_run_with_external_etcd_and_tls() -> None:
     argv = run_argv(env)
     args = build_parser().parse_args(argv[1:])
     assert args.rdzv_endpoint == env["ETCD_ENDPOINTS"]
-    assert args.rdzv_conf == "lease_ttl=10,prefix=team-a,cacert=/etc/etcd/ca.pem,cert=/etc/etcd/client.pem,key=/etc/etcd/client-key.pem"
+    assert (
+        args.rdzv_conf
+        == "lease_ttl=10,prefix=team-a,cacert=/etc/etcd/ca.pem,cert=/etc/etcd/client.pem,key=/etc/etcd/client-key.pem"
+    )
     assert (args.nnodes, args.nproc_per_node, args.max_restarts, args.local_addr) == ("1:4", "4", 3, "gpu003-ib0")
     # Without SLURM_TMPDIR, tier 1 is a per-job dir in /tmp; tier 2 defaults under $HOME.
-    assert args.training_script_args[-4:] == ["--ckpt-dir", "/tmp/elastic-train-12345/ckpt", "--shared-url", "/home/alice/elastic-train/slurm-12345"]
+    assert args.training_script_args[-4:] == [
+        "--ckpt-dir",
+        "/tmp/elastic-train-12345/ckpt",
+        "--shared-url",
+        "/home/alice/elastic-train/slurm-12345",
+    ]
 
 
 def test_requeued_job_gets_a_fresh_rendezvous_but_keeps_its_checkpoints() -> None:
@@ -137,7 +155,9 @@ def test_requeued_job_gets_a_fresh_rendezvous_but_keeps_its_checkpoints() -> Non
     assert first.training_script_args == again.training_script_args
 
 
-@pytest.mark.parametrize(("nnodes", "expected"), [("1", "1:1"), ("2", "1:2"), ("4", "2:4"), ("5", "3:5"), ("16", "8:16")])
+@pytest.mark.parametrize(
+    ("nnodes", "expected"), [("1", "1:1"), ("2", "1:2"), ("4", "2:4"), ("5", "3:5"), ("16", "8:16")]
+)
 def test_nnodes_defaults_to_half_the_allocation_up_to_all_of_it(nnodes: str, expected: str) -> None:
     argv = run_argv({**SLURM_ENV, "SLURM_NNODES": nnodes, "SLURM_JOB_NUM_NODES": nnodes})
     assert argv[argv.index("--nnodes") + 1] == expected
@@ -150,13 +170,25 @@ def test_script_args_pass_through_unchanged_when_tier_flags_are_off() -> None:
 
 
 def test_tier_flags_follow_the_scripts_own_names() -> None:
-    env = {**SLURM_ENV, "CKPT_DIR_FLAG": "--local-dir", "SHARED_URL_FLAG": "--remote", "SHARED_URL": "s3://bucket/run", "LOCAL_CKPT_DIR": "/nvme/c"}
+    env = {
+        **SLURM_ENV,
+        "CKPT_DIR_FLAG": "--local-dir",
+        "SHARED_URL_FLAG": "--remote",
+        "SHARED_URL": "s3://bucket/run",
+        "LOCAL_CKPT_DIR": "/nvme/c",
+    }
     assert run_argv(env, ("train.py",))[-5:] == ["train.py", "--local-dir", "/nvme/c", "--remote", "s3://bucket/run"]
 
 
 @pytest.mark.parametrize(
     ("nodelist", "first"),
-    [("gpu[001-004]", "gpu001"), ("gpu[010-012,020],cpu[1-2]", "gpu010"), ("node7,node9", "node7"), ("n[3,5-6]-ib", "n3-ib"), ("solo", "solo")],
+    [
+        ("gpu[001-004]", "gpu001"),
+        ("gpu[010-012,020],cpu[1-2]", "gpu010"),
+        ("node7,node9", "node7"),
+        ("n[3,5-6]-ib", "n3-ib"),
+        ("solo", "solo"),
+    ],
 )
 def test_endpoint_is_the_first_node_of_the_allocation(nodelist: str, first: str) -> None:
     result = node_sh("endpoint", env={**SLURM_ENV, "SLURM_JOB_NODELIST": nodelist}, dry_run=False)
@@ -173,7 +205,10 @@ def test_endpoint_asks_scontrol_when_slurm_is_there(tmp_path: Path) -> None:
 
 
 def test_etcd_command_for_the_first_node() -> None:
-    result = node_sh("etcd", env={**SLURM_ENV, "SLURMD_NODENAME": "gpu001", "SLURM_TMPDIR": "/local/12345", "ETCD_BINARY": "/opt/etcd/etcd"})
+    result = node_sh(
+        "etcd",
+        env={**SLURM_ENV, "SLURMD_NODENAME": "gpu001", "SLURM_TMPDIR": "/local/12345", "ETCD_BINARY": "/opt/etcd/etcd"},
+    )
     assert result.returncode == 0, result.stderr
     assert shlex.split(result.stdout) == [
         "/opt/etcd/etcd",
@@ -194,15 +229,25 @@ def test_etcd_command_for_the_first_node() -> None:
     ("args", "env", "message"),
     [
         (("run", "train.py"), {k: v for k, v in SLURM_ENV.items() if k != "SLURM_JOB_ID"}, "$SLURM_JOB_ID is not set"),
-        (("run", "train.py"), {k: v for k, v in SLURM_ENV.items() if not k.endswith("NNODES") and k != "SLURM_JOB_NUM_NODES"}, "$SLURM_NNODES is not set"),
-        (("run", "train.py"), {**SLURM_ENV, "SLURM_JOB_NODELIST": "", "SLURM_NODELIST": ""}, "$SLURM_JOB_NODELIST is not set"),
+        (
+            ("run", "train.py"),
+            {k: v for k, v in SLURM_ENV.items() if not k.endswith("NNODES") and k != "SLURM_JOB_NUM_NODES"},
+            "$SLURM_NNODES is not set",
+        ),
+        (
+            ("run", "train.py"),
+            {**SLURM_ENV, "SLURM_JOB_NODELIST": "", "SLURM_NODELIST": ""},
+            "$SLURM_JOB_NODELIST is not set",
+        ),
         (("run", "train.py"), {**SLURM_ENV, "MIN_NODES": "5"}, "need 0 < MIN_NODES <= MAX_NODES, got 5:4"),
         (("run", "train.py"), {**SLURM_ENV, "LEASE_TTL": "5,join_timeout=1"}, "LEASE_TTL"),
         (("run",), SLURM_ENV, "pass the training script"),
         (("etcd",), {**SLURM_ENV, "ETCD_ENDPOINTS": "etcd:2379"}, "starts none"),
     ],
 )
-def test_bad_settings_fail_with_a_message_that_names_them(args: tuple[str, ...], env: dict[str, str], message: str) -> None:
+def test_bad_settings_fail_with_a_message_that_names_them(
+    args: tuple[str, ...], env: dict[str, str], message: str
+) -> None:
     result = node_sh(*args, env=env)
     assert result.returncode == 1
     assert result.stdout == ""
@@ -220,10 +265,20 @@ def test_run_creates_the_tier_dirs_and_execs_the_launcher(tmp_path: Path) -> Non
     launcher = tmp_path / "elastic-run"
     launcher.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
     launcher.chmod(0o755)
-    env = {**SLURM_ENV, "ELASTIC_RUN": str(launcher), "SLURM_TMPDIR": str(tmp_path / "local"), "SHARED_ROOT": str(tmp_path / "pfs")}
+    env = {
+        **SLURM_ENV,
+        "ELASTIC_RUN": str(launcher),
+        "SLURM_TMPDIR": str(tmp_path / "local"),
+        "SHARED_ROOT": str(tmp_path / "pfs"),
+    }
     result = node_sh("run", "train.py", env=env, dry_run=False)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "local" / "ckpt").is_dir() and (tmp_path / "pfs" / "slurm-12345").is_dir()
     argv = record.read_text().splitlines()
-    assert argv[:2] == ["--nnodes", "2:4"] and argv[-4:] == ["--ckpt-dir", str(tmp_path / "local" / "ckpt"), "--shared-url", str(tmp_path / "pfs" / "slurm-12345")]
+    assert argv[:2] == ["--nnodes", "2:4"] and argv[-4:] == [
+        "--ckpt-dir",
+        str(tmp_path / "local" / "ckpt"),
+        "--shared-url",
+        str(tmp_path / "pfs" / "slurm-12345"),
+    ]
     assert "runs: " in result.stderr and "gpu003" in result.stderr

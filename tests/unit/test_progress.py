@@ -32,7 +32,9 @@ def test_beat_age_grows_and_a_finished_worker_is_never_judged(tmp_path: Path, mo
 def test_make_dir_removes_directories_of_dead_agents_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_dir = tmp_path / f"elastic-progress-{dead.stdout.strip()}-abc"
     live_dir = tmp_path / f"elastic-progress-{os.getpid()}-def"
     for d in (dead_dir, live_dir):

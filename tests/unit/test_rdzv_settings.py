@@ -79,7 +79,10 @@ def test_bad_values_are_refused_naming_the_key(conf: dict[str, str], match: str)
 
 def test_handler_config_uses_the_same_parser_as_stock_torchrun_would() -> None:
     # Stock torchrun calls the registry's creator with these parameters; a typo must not be ignored.
-    for bad, match in (({"lease_tll": "5"}, "unknown key 'lease_tll'"), ({"etcd_timeout": "nan"}, "etcd_timeout='nan'")):
+    for bad, match in (
+        ({"lease_tll": "5"}, "unknown key 'lease_tll'"),
+        ({"etcd_timeout": "nan"}, "etcd_timeout='nan'"),
+    ):
         params = RendezvousParameters("etcd-v3", "127.0.0.1:2379", "run", 1, 2, timeout=900, **bad)
         with pytest.raises(ValueError, match=f"^--rdzv-conf: {match}"):
             RendezvousConfig.from_parameters(params)

@@ -42,12 +42,18 @@ def know(
     )
 
 
-def joining(participants: str, generation: int = 1, previous: str = "", nnodes: tuple[int, int] | None = None) -> RoundState:
+def joining(
+    participants: str, generation: int = 1, previous: str = "", nnodes: tuple[int, int] | None = None
+) -> RoundState:
     return RoundState(generation, "joining", tuple(participants), tuple(previous), nnodes=nnodes)
 
 
 def closed(
-    participants: str, generation: int = 1, previous: str = "", nnodes: tuple[int, int] | None = None, acked: str | None = None
+    participants: str,
+    generation: int = 1,
+    previous: str = "",
+    nnodes: tuple[int, int] | None = None,
+    acked: str | None = None,
 ) -> RoundState:
     """A closed round; by default every participant has taken its rank (the round is running)."""
     return RoundState(generation, "closed", tuple(participants), tuple(previous), nnodes=nnodes,

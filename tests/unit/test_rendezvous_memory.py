@@ -1,0 +1,156 @@
+"""The rendezvous handler over the in-memory `RunStore` (no etcd process), with a fake clock for its
+deadlines: the join timeout and the last call are tested by moving the clock, never by sleeping.
+
+A waiting handler wakes on a change of the run (its view's watch); the tests make one by
+registering another node, after moving the clock."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
+
+from elastic.etcd_client import EtcdClientConfig
+from elastic.keys import RunKeys
+from elastic.membership import Membership, MembershipConfig
+from elastic.memory_store import MemoryRunStore
+from elastic.records import parse_run
+from elastic.rendezvous import EtcdV3RendezvousHandler, RendezvousConfig
+from elastic.round import RoundState
+
+pytestmark = pytest.mark.timeout(30)
+
+RUN = "mem-run"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+class Run:
+    """Handlers of one run on one in-memory store, and threads for their `next_rendezvous`."""
+
+    def __init__(self) -> None:
+        self.store = MemoryRunStore(RunKeys.of(RUN))
+        self.clock = FakeClock()
+        self.handlers: list[EtcdV3RendezvousHandler] = []
+        self.members: list[Membership] = []
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rdzv-mem")
+
+    def handler(self, node: str, *, min_nodes: int = 1, max_nodes: int = 2, join_timeout: float = 600,
+                last_call: float = 30) -> EtcdV3RendezvousHandler:
+        config = RendezvousConfig(
+            run_id=RUN, node_id=node, min_nodes=min_nodes, max_nodes=max_nodes, local_addr="127.0.0.1",
+            etcd=EtcdClientConfig(endpoints="127.0.0.1:1"),  # never connected: the store is given
+            lease_ttl=timedelta(seconds=5), join_timeout=timedelta(seconds=join_timeout),
+            last_call_timeout=timedelta(seconds=last_call),
+        )
+        h = EtcdV3RendezvousHandler(config, self.store, clock=self.clock)
+        self.handlers.append(h)
+        return h
+
+    def register(self, node: str) -> Membership:
+        """A live node that never joins a round (or a change of the run that wakes the waiters)."""
+        m = Membership(self.store, MembershipConfig(run_id=RUN, node_id=node, lease_ttl=timedelta(seconds=5)))
+        m.join()
+        self.members.append(m)
+        return m
+
+    def start(self, h: EtcdV3RendezvousHandler) -> Future[RendezvousInfo]:
+        return self.pool.submit(h.next_rendezvous)
+
+    def state(self) -> RoundState | None:
+        return parse_run(self.store.keys, self.store.read().kvs).state
+
+    def close(self) -> None:
+        for h in self.handlers:
+            h.set_closed()  # wakes any thread still waiting in a round
+            h.shutdown()
+        for m in self.members:
+            m.leave()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture
+def run() -> Iterator[Run]:
+    r = Run()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def eventually(predicate: Callable[[], bool], timeout: float = 10) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_two_handlers_on_the_fake_form_a_world_with_a_shared_store(run: Run) -> None:
+    a, b = run.handler("a", min_nodes=2), run.handler("b", min_nodes=2)
+    fa, fb = run.start(a), run.start(b)
+    ra, rb = fa.result(timeout=15), fb.result(timeout=15)
+    assert {ra.rank, rb.rank} == {0, 1} and ra.world_size == rb.world_size == 2
+    ra.store.set("k", "v")
+    assert rb.store.get("k") == b"v"
+    # What the agent reads (agent.RoundAware), the same on both.
+    assert a.generation == b.generation == 1
+    assert a.round_members == b.round_members and set(a.round_members) == {"a", "b"}
+    assert a.node_id == "a" and not a.degraded and a.lease_ttl == timedelta(seconds=5)
+
+
+def test_the_join_timeout_runs_on_the_handlers_clock(run: Run) -> None:
+    lonely = run.handler("a", min_nodes=2, join_timeout=600)
+    future = run.start(lonely)
+    assert eventually(lambda: (s := run.state()) is not None and s.participants == ("a",))
+    run.register("passer")  # a change: the handler re-decides, and its deadline is still far off
+    time.sleep(0.3)
+    assert not future.done()
+    run.clock.advance(601)
+    run.register("passer-2")
+    with pytest.raises(RendezvousTimeoutError, match=rf"{RUN}.*did not complete within 600s"):
+        future.result(timeout=15)
+
+
+def test_the_last_call_closes_the_round_without_a_live_node_that_never_joins(run: Run) -> None:
+    run.register("silent")  # live, registered, never joins
+    a = run.handler("a", min_nodes=1, max_nodes=3, last_call=30)
+    future = run.start(a)
+    assert eventually(lambda: (s := run.state()) is not None and s.participants == ("a",))
+    run.register("late")  # a change before the last call expired: still waiting for the live nodes
+    time.sleep(0.3)
+    assert not future.done()
+    run.clock.advance(31)
+    run.register("later")
+    info = future.result(timeout=15)
+    assert (info.rank, info.world_size) == (0, 1)
+    state = run.state()
+    assert state is not None and state.status == "closed" and state.participants == ("a",)
+
+
+def test_a_round_whose_rank_0_is_gone_before_publishing_its_store_is_abandoned(run: Run) -> None:
+    b = run.handler("b", min_nodes=1, max_nodes=2)
+    closed = RoundState(generation=1, status="closed", participants=("a", "b"), acked=("a",), nnodes=(1, 2))
+    assert run.store.swap_state(closed.to_json(), 0)
+    info = b.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    state = run.state()
+    assert state is not None and state.generation == 2 and state.participants == ("b",)
