@@ -190,8 +190,7 @@ class LocalWriter:
         except CheckpointTimeoutError as exc:
             self._metrics.update(metrics, log=True, status="failed", error=str(exc))
             self._failures.failed(exc)
-            emit("ckpt_failed", step=step, tier="local", error=str(exc))
-            raise
+            raise  # the caller reports it (trainer: "checkpoint of step N failed", ckpt_failed)
         self.saved.add(step)
         pending = PendingSave(step, metrics, snapshot)
         if not overlapped:
