@@ -1,7 +1,9 @@
 """Checkpoints of training state: safetensors data plus a JSON manifest, no pickle.
 
-Two tiers: a node-local directory (tier 1) written in the background from a host snapshot, and
-any fsspec URL (tier 2) replicated in the background, committed by a marker written last.
+Two tiers: a node-local directory (tier 1, "local") written in the background from a host
+snapshot, and any fsspec URL (tier 2, "shared") replicated in the background, each committed by a
+marker written last. `Checkpointer` (ckpt/checkpointer.py) is a facade over the parts; its
+docstring maps them.
 
 Public surface: `Checkpointer` (with `PendingSave`, `Restored`, `SaveMetrics`), its configs
 (`CheckpointConfig`, `SharedConfig`, `RetryConfig`), `check_compatible` and the error classes.

@@ -56,6 +56,7 @@ from ckpt.format import dumps, get_str, loads_object
 from ckpt.fs_errors import describe
 from ckpt.layout import step_dir_name
 from ckpt.safe_io import read_regular
+from core.deadline import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -308,13 +309,13 @@ def _open_file(path: Path) -> int:
 
 
 def _flock_with_deadline(fd: int, root: Path) -> None:
-    deadline = time.monotonic() + _GUARD_TIMEOUT_S
+    deadline = Deadline.after(_GUARD_TIMEOUT_S)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if time.monotonic() > deadline:
+            if deadline.expired():
                 raise CheckpointTimeoutError(
                     f"{root / _GUARD_FILE} stayed locked for {_GUARD_TIMEOUT_S:.0f}s; is a "
                     f"process hung while opening this checkpoint directory?",

@@ -18,6 +18,10 @@ Commit protocol (no collectives; the store is the only channel between ranks):
 
 Small objects are written atomically: by temp file + rename on a mounted path, and by a single
 PUT (which S3 and GCS make visible whole) on object stores.
+
+`SharedTier` offers the tier interface of ckpt/tiers.py (as `LocalTier` does for tier 1), used by
+the restore policy (ckpt/restore.py); uploads and tier-2 commits are the Replicator's
+(ckpt/replicator.py); the retries, ckpt/retry.py's; the rank marker, ckpt/commit.py's.
 """
 
 from __future__ import annotations
