@@ -62,7 +62,10 @@ def load_join_token(join_token_file: str | None, environ: Mapping[str, str] | No
     if join_token_file is not None and from_env:
         raise ValueError(f"both join_token_file= and ${TOKEN_ENV} are set; give the join token one way")
     if join_token_file is not None:
-        token, source = read_secret_file(join_token_file, key="join_token_file").strip(), f"join_token_file={join_token_file}"
+        token, source = (
+            read_secret_file(join_token_file, key="join_token_file").strip(),
+            f"join_token_file={join_token_file}",
+        )
     elif from_env:
         token, source = from_env, f"${TOKEN_ENV}"
     else:
@@ -213,13 +216,17 @@ class Admission:
         if state is not None and state_kv is not None and not (
             mac_kv is not None and self._matches(self.state_mac(state_kv.value), mac_kv.value)
         ):
-            state, state_error = None, EtcdRecordError(
-                self.keys.state,
-                "it is not signed with this run's join token (an agent without the token wrote it, or it was changed "
-                "by hand), so no agent of this run takes a rank from it",
-                advice=f"Find out who writes under {self.keys.prefix} and use etcd auth and TLS (deploy/etcd/); then stop "
-                       f"the job's agents and delete it with `etcdctl del {self.keys.state}`, or use a new --rdzv-id",
-                mod_revision=state_kv.mod_revision,
+            state, state_error = (
+                None,
+                EtcdRecordError(
+                    self.keys.state,
+                    "it is not signed with this run's join token (an agent without the token wrote it, or it was "
+                    "changed by hand), so no agent of this run takes a rank from it",
+                    advice=f"Find out who writes under {self.keys.prefix} and use etcd auth and TLS (deploy/etcd/); "
+                    f"then stop the job's agents and delete it with `etcdctl del {self.keys.state}`, or use a new "
+                    "--rdzv-id",
+                    mod_revision=state_kv.mod_revision,
+                ),
             )
         return dataclasses.replace(records, nodes=nodes, stores=stores, state=state, state_error=state_error,
                                    skipped=tuple(skipped))

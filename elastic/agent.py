@@ -197,7 +197,9 @@ def _accepted(target: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, A
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def launch(config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: list[Any], agent_config: AgentConfig) -> dict[int, Any]:
+def launch(
+    config: LaunchConfig, entrypoint: Callable[..., Any] | str, args: list[Any], agent_config: AgentConfig
+) -> dict[int, Any]:
     """Run one node's agent to completion (torch's `launch_agent`, with `ElasticAgent`)."""
     rdzv_parameters = RendezvousParameters(
         backend=config.rdzv_backend,

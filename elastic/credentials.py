@@ -38,7 +38,9 @@ def read_secret_file(path: str, *, key: str) -> str:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{key}={path}: not a regular file; pass the path of the file that holds the secret")
         if info.st_size > MAX_SECRET_BYTES:
-            raise ValueError(f"{key}={path}: {info.st_size} bytes is too large for a secret (at most {MAX_SECRET_BYTES})")
+            raise ValueError(
+                f"{key}={path}: {info.st_size} bytes is too large for a secret (at most {MAX_SECRET_BYTES})"
+            )
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)

@@ -43,7 +43,9 @@ if not hasattr(etcd3.watch, "six"):
 _TRANSIENT = (
     etcd3.exceptions.ConnectionFailedError,
     etcd3.exceptions.ConnectionTimeoutError,
-    etcd3.exceptions.NoServerAvailableError if hasattr(etcd3.exceptions, "NoServerAvailableError") else etcd3.exceptions.ConnectionFailedError,
+    etcd3.exceptions.NoServerAvailableError
+    if hasattr(etcd3.exceptions, "NoServerAvailableError")
+    else etcd3.exceptions.ConnectionFailedError,
 )
 
 
@@ -103,7 +105,9 @@ class EtcdClientConfig:
         if (self.cert is None) != (self.key is None):
             raise ValueError("etcd TLS needs both a client certificate and its key (cert= and key=), or neither")
         if (self.user is None) != (self.password is None):
-            raise ValueError("etcd auth needs both user= and a password (password_file= or $ELASTIC_ETCD_PASSWORD), or neither")
+            raise ValueError(
+                "etcd auth needs both user= and a password (password_file= or $ELASTIC_ETCD_PASSWORD), or neither"
+            )
         if self.password is not None and not self.secure:
             raise ValueError(
                 f"refusing to send the etcd password of user {self.user!r} in clear text over plain http to "
@@ -128,18 +132,25 @@ def resolve_password(user: str | None, password: str | None, password_file: str 
     environ = os.environ if environ is None else environ
     from_env = environ.get(PASSWORD_ENV) or None
     if password is not None and password_file is not None:
-        raise ValueError("password= and password_file= contradict each other; pass one of them (password_file= is safer)")
+        raise ValueError(
+            "password= and password_file= contradict each other; pass one of them (password_file= is safer)"
+        )
     if user is None:
         if password is not None or password_file is not None:
-            raise ValueError(f"{'password' if password is not None else 'password_file'}= needs user=: the etcd user it logs in as")
+            raise ValueError(
+                f"{'password' if password is not None else 'password_file'}= needs user=: the etcd user it logs in as"
+            )
         if from_env is not None:
             log.warning("etcd: $%s is set but --rdzv-conf has no user=; the password is not used", PASSWORD_ENV)
         return None
     if password_file is not None:
         password = read_secret_file(password_file, key="password_file")
     elif password is not None:
-        log.warning("etcd: --rdzv-conf password= shows the etcd password to every user of this machine (ps, "
-                    "/proc/PID/cmdline) and keeps it in shell history; use password_file=PATH or $%s instead", PASSWORD_ENV)
+        log.warning(
+            "etcd: --rdzv-conf password= shows the etcd password to every user of this machine (ps, "
+            "/proc/PID/cmdline) and keeps it in shell history; use password_file=PATH or $%s instead",
+            PASSWORD_ENV,
+        )
     elif from_env is not None:
         password = from_env
     else:
@@ -192,10 +203,13 @@ class EtcdClient:
             return retrying(fn)
         except Exception as exc:
             if _is_transient(exc):
-                raise EtcdUnavailableError(redact(
-                    f"etcd at {self.config.endpoints} did not answer `{what}` within {limit:.0f}s ({type(exc).__name__}: {exc}). "
-                    "Is etcd running and reachable? Check --rdzv-endpoint and the network."
-                )) from exc
+                raise EtcdUnavailableError(
+                    redact(
+                        f"etcd at {self.config.endpoints} did not answer `{what}` within {limit:.0f}s "
+                        f"({type(exc).__name__}: {exc}). "
+                        "Is etcd running and reachable? Check --rdzv-endpoint and the network."
+                    )
+                ) from exc
             if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in (
                 grpc.StatusCode.UNAUTHENTICATED,
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from core.deadline import Deadline
 from elastic.errors import EtcdBinaryNotFoundError, EtcdStartError
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,9 @@ class EtcdServer:
             guard += ["--remove-dir", self.data_dir]
         log_file = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child
         try:
-            self._proc = subprocess.Popen([*guard, "--", *args], stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            self._proc = subprocess.Popen(
+                [*guard, "--", *args], stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
         finally:
             log_file.close()
 
@@ -167,13 +170,16 @@ class EtcdServer:
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.start_timeout.total_seconds()
+        deadline = Deadline.after(self.config.start_timeout)
         url = f"http://{self.config.host}:{self.client_port}/health"
         last_error = "no answer yet"
-        while time.monotonic() < deadline:
+        while not deadline.expired():
             assert self._proc is not None
             if self._proc.poll() is not None:
-                raise EtcdStartError(f"etcd exited with code {self._proc.returncode} during start-up; its log: {self.log_path}\n{self._log_tail()}")
+                raise EtcdStartError(
+                    f"etcd exited with code {self._proc.returncode} during start-up; its log: {self.log_path}\n"
+                    f"{self._log_tail()}"
+                )
             if self.config.scheme == "http":
                 try:
                     with urllib.request.urlopen(url, timeout=1) as resp:
@@ -183,7 +189,7 @@ class EtcdServer:
                     last_error = str(exc)
             elif _port_open(self.config.host, self.client_port):
                 return
-            time.sleep(0.05)
+            time.sleep(deadline.capped(0.05))
         raise EtcdStartError(
             f"etcd at {self.client_url} did not report healthy within {self.config.start_timeout.total_seconds():.0f}s "
             f"(last error: {last_error}); its log: {self.log_path}\n{self._log_tail()}"
@@ -240,7 +246,9 @@ class EtcdCluster:
     cluster has a quorum.
     """
 
-    def __init__(self, members: int = 3, *, host: str = "127.0.0.1", start_timeout: timedelta = timedelta(seconds=30)) -> None:
+    def __init__(
+        self, members: int = 3, *, host: str = "127.0.0.1", start_timeout: timedelta = timedelta(seconds=30)
+    ) -> None:
         if members < 1:
             raise ValueError(f"an etcd cluster needs at least 1 member, got {members}")
         ports = [(free_port(host), free_port(host)) for _ in range(members)]

@@ -93,7 +93,8 @@ def build_parser() -> ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="Kill a worker that reported progress (trainer steps) but none for this long, so the group restarts. Off by default.",
+        help="Kill a worker that reported progress (trainer steps) but none for this long, so the group restarts. "
+        "Off by default.",
     )
     ours.add_argument(
         "--metrics-port",
@@ -120,7 +121,9 @@ class Plan:
 
     def __post_init__(self) -> None:
         if self.embedded_etcd and self.backend != rendezvous.BACKEND_NAME:
-            raise ValueError(f"an embedded etcd serves only the {rendezvous.BACKEND_NAME} backend, not {self.backend!r}")
+            raise ValueError(
+                f"an embedded etcd serves only the {rendezvous.BACKEND_NAME} backend, not {self.backend!r}"
+            )
 
 
 def scheduler_run_id(env: Mapping[str, str]) -> str | None:

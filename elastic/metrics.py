@@ -25,7 +25,9 @@ class AgentMetrics:
         try:
             import prometheus_client as prom
         except ImportError:
-            log.warning("--metrics-port given but prometheus_client is not installed; pip install 'elastic-train[metrics]'")
+            log.warning(
+                "--metrics-port given but prometheus_client is not installed; pip install 'elastic-train[metrics]'"
+            )
             return metrics
         registry = prom.CollectorRegistry()
         metrics._gauges = {

@@ -24,6 +24,8 @@ import time
 import traceback
 from types import TracebackType
 
+from core.deadline import Deadline
+
 ENV_GRACE = "ELASTIC_PEER_LOSS_GRACE_S"
 
 # Words of the errors a collective or the store raises when the other end went away.
@@ -62,9 +64,9 @@ def install() -> bool:
         if grace > 0 and looks_like_peer_loss(exc):
             if os.environ.get("LOGLEVEL", "").upper() == "DEBUG":
                 sys.stderr.write("".join(traceback.format_exception(kind, exc, tb)))
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:  # the agent stops us here when a peer was lost
-                time.sleep(0.05)
+            stopped_by = Deadline.after(grace)
+            while not stopped_by.expired():  # the agent stops us here when a peer was lost
+                time.sleep(stopped_by.capped(0.05))
             sys.stderr.write(f"elastic: rank {os.environ.get('RANK', '?')}: the error below was not followed by a "
                              f"membership change within {grace:g}s\n")
         previous(kind, exc, tb)

@@ -61,7 +61,9 @@ class RendezvousSettings:
         for name in ("lease_ttl", "join_timeout", "last_call_timeout", "etcd_timeout"):
             value: timedelta = getattr(self, name)
             if not timedelta(0) < value <= timedelta(seconds=MAX_SECONDS):
-                raise ValueError(f"{name}={value.total_seconds():g}: must be positive and at most {MAX_SECONDS} seconds")
+                raise ValueError(
+                    f"{name}={value.total_seconds():g}: must be positive and at most {MAX_SECONDS} seconds"
+                )
         if self.lease_ttl < timedelta(seconds=1):
             raise ValueError(f"lease_ttl={self.lease_ttl.total_seconds():g}: must be at least 1 second "
                              "(etcd leases count whole seconds)")
@@ -116,6 +118,9 @@ def _unknown(key: str) -> str:
     close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
     hint = f" (did you mean {close[0]}?)" if close else ""
     if key in TORCH_KEYS:
-        hint = " (torchrun's generic rendezvous timeout is not used by etcd-v3; use join_timeout)" if key == "timeout" else \
-            " (only the static backend reads it)"
+        hint = (
+            " (torchrun's generic rendezvous timeout is not used by etcd-v3; use join_timeout)"
+            if key == "timeout"
+            else " (only the static backend reads it)"
+        )
     return f"unknown key {key!r}{hint}; the etcd-v3 backend knows: {', '.join(sorted(KNOWN_KEYS))}"

@@ -149,7 +149,9 @@ def _object(key: str, value: bytes, what: str, mod_revision: int) -> dict[str, o
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
-        raise EtcdRecordError(key, f"not {what}: expected a JSON object, got {_excerpt(value)}", mod_revision=mod_revision)
+        raise EtcdRecordError(
+            key, f"not {what}: expected a JSON object, got {_excerpt(value)}", mod_revision=mod_revision
+        )
     return doc
 
 

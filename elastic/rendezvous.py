@@ -236,7 +236,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         lease_id = record.lease_id if record else 0
         if lease_id:
             self._store.revoke_lease(lease_id, deadline=timedelta(seconds=3))  # gone already is no error
-        emit("leave", run_id=self.config.run_id, node=node, reported_by=self.config.node_id, reason="agent process gone")
+        emit(
+            "leave", run_id=self.config.run_id, node=node, reported_by=self.config.node_id, reason="agent process gone"
+        )
 
     # -- protocol loop -------------------------------------------------------------------------
 
@@ -262,7 +264,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 return decision
             if isinstance(decision, protocol.Closed):
                 raise ElasticRendezvousClosedError(
-                    f"run {self.config.run_id!r} is closed: its job finished or was shut down. Start a new job with a new --rdzv-id."
+                    f"run {self.config.run_id!r} is closed: its job finished or was shut down. Start a new job with "
+                    "a new --rdzv-id."
                 )
             if isinstance(decision, protocol.Conflict):
                 raise RunIdConflictError(

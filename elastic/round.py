@@ -65,7 +65,10 @@ class RoundState:
             raise ValueError(f"shutdown must be true or false, got {shutdown!r}")
         nnodes = doc.get("nnodes")
         if nnodes is not None and not (
-            isinstance(nnodes, list) and len(nnodes) == 2 and all(type(n) is int for n in nnodes) and 0 < nnodes[0] <= nnodes[1]
+            isinstance(nnodes, list)
+            and len(nnodes) == 2
+            and all(type(n) is int for n in nnodes)
+            and 0 < nnodes[0] <= nnodes[1]
         ):
             raise ValueError(f"nnodes must be [min, max] with 0 < min <= max, got {nnodes!r}")
         return RoundState(
@@ -153,7 +156,9 @@ def rank_order(participants: tuple[str, ...], previous: tuple[str, ...]) -> tupl
 
 def _close(state: RoundState, participants: tuple[str, ...], why: str, me: str) -> Write:
     # The closing node takes its rank in the same write.
-    return Write(replace(state, status="closed", participants=rank_order(participants, state.previous), acked=(me,)), why)
+    return Write(
+        replace(state, status="closed", participants=rank_order(participants, state.previous), acked=(me,)), why
+    )
 
 
 def decide(state: RoundState | None, k: Knowledge) -> Decision:
@@ -208,7 +213,9 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
     if not missing:
         return _close(state, state.participants, f"all {n} live nodes joined round {state.generation}", me)
     if k.last_call_expired:
-        return _close(state, state.participants, f"last call expired; closing round {state.generation} without {missing}", me)
+        return _close(
+            state, state.participants, f"last call expired; closing round {state.generation} without {missing}", me
+        )
     return Wait(f"round {state.generation}: waiting for live nodes {missing}", last_call_armed=True)
 
 
