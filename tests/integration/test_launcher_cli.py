@@ -12,6 +12,8 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,59 @@ def embedded_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
             _end_group(proc)
 
 
+FAILING = textwrap.dedent("""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    @record
+    def main():
+        raise KeyError("boom-in-worker")
+
+    main()
+""")
+Result = tuple[int, str, str, float]
+
+
+@dataclass
+class ShortRun:
+    future: Future[Result]
+    env: dict[str, str]
+    """What the run was given in its environment (error-file paths)."""
+    endpoint: str
+    """The unreachable etcd endpoint (of the run that is pointed at one)."""
+
+    def result(self) -> Result:
+        return self.future.result()
+
+
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShortRun]]:
+    """Launcher runs that end by themselves (bad flags, an unreachable etcd, a failing worker), all
+    started at once so their start-up (a torch import each) overlaps; each test takes its own."""
+    root = tmp_path_factory.mktemp("short")
+    noop, failing = root / "noop.py", root / "fail.py"
+    noop.write_text("pass\n")
+    failing.write_text(FAILING)
+    endpoint = f"127.0.0.1:{free_port()}"
+    code = (f"from elastic import launcher\n"
+            f"from torch.distributed.elastic.multiprocessing.errors import ChildFailedError\n"
+            f"try:\n    launcher.main(['--nproc-per-node', '1', '--monitor-interval', '0.1', {str(failing)!r}])\n"
+            f"except ChildFailedError as exc:\n    print('CHILD-FAILED', exc.get_first_failure()[1].exitcode)\n")
+    jobs: dict[str, tuple[list[str], float, dict[str, str]]] = {
+        "zero-nproc": ([sys.executable, "-m", "elastic.launcher", "--nproc-per-node", "0", str(noop)], 30, {}),
+        "console-bad-flags": ([str(BIN / "elastic-run"), "--nnodes", "3:1", str(noop)], 30, {}),
+        "unreachable": ([sys.executable, "-m", "elastic.launcher", "--rdzv-endpoint", endpoint, "--rdzv-conf",
+                         "etcd_timeout=2", "--nproc-per-node", "1", str(noop)], 40,
+                        {"TORCHELASTIC_ERROR_FILE": str(root / "unreachable-error.json")}),
+        "python-main": ([sys.executable, "-c", code], 60,
+                        {"TORCHELASTIC_ERROR_FILE": str(root / "launcher-error.json")}),
+        "console-failed": ([str(BIN / "elastic-run"), "--nproc-per-node", "1", "--monitor-interval", "0.1",
+                            "--event-log-handler", "console", str(failing)], 60, {}),
+    }
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        yield {name: ShortRun(pool.submit(run_cli, args, timeout, env), env, endpoint)
+               for name, (args, timeout, env) in jobs.items()}
+
+
 def test_embedded_etcd_two_workers_get_torchrun_env(embedded_runs: dict[str, subprocess.Popen[str]]) -> None:
     rc, out = finish(embedded_runs["plain"], timeout=50)
     assert rc == 0, out
@@ -189,11 +244,9 @@ def test_bad_flags_exit_2_naming_the_flag(
         launcher.main([*argv, str(noop_script)])
 
 
-@pytest.mark.timeout(40)
-def test_zero_nproc_per_node_exits_2(noop_script: Path) -> None:
-    rc, _, err, _ = run_cli(
-        [sys.executable, "-m", "elastic.launcher", "--nproc-per-node", "0", str(noop_script)], timeout=30
-    )
+@pytest.mark.timeout(90)
+def test_zero_nproc_per_node_exits_2(short_runs: dict[str, ShortRun]) -> None:
+    rc, _, err, _ = short_runs["zero-nproc"].result()
     assert rc == 2, err
     assert "elastic-run: error: --nproc-per-node" in err
 
@@ -206,22 +259,20 @@ def test_missing_training_script_exits_2(tmp_path: Path, capsys: pytest.CaptureF
     assert str(missing) in capsys.readouterr().err
 
 
-def test_console_script_rejects_bad_flags_with_exit_2(noop_script: Path) -> None:
-    rc, out, err, _ = run_cli([str(BIN / "elastic-run"), "--nnodes", "3:1", str(noop_script)], timeout=30)
+@pytest.mark.timeout(90)
+def test_console_script_rejects_bad_flags_with_exit_2(short_runs: dict[str, ShortRun]) -> None:
+    rc, out, err, _ = short_runs["console-bad-flags"].result()
     assert rc == 2, err
     assert "usage: elastic-run" in err
     assert "elastic-run: error: --nnodes '3:1'" in err
     assert out == ""
 
 
-def test_unreachable_endpoint_fails_fast_naming_it(noop_script: Path, tmp_path: Path) -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
-    error_file = tmp_path / "launcher-error.json"
-    rc, out, err, elapsed = run_cli(
-        [sys.executable, "-m", "elastic.launcher", "--rdzv-endpoint", endpoint, "--rdzv-conf", "etcd_timeout=2",
-         "--nproc-per-node", "1", str(noop_script)],
-        timeout=40, env={"TORCHELASTIC_ERROR_FILE": str(error_file)},
-    )
+@pytest.mark.timeout(90)
+def test_unreachable_endpoint_fails_fast_naming_it(short_runs: dict[str, ShortRun]) -> None:
+    run = short_runs["unreachable"]
+    rc, out, err, elapsed = run.result()
+    endpoint, error_file = run.endpoint, Path(run.env["TORCHELASTIC_ERROR_FILE"])
     assert rc == 1
     assert elapsed < 30, f"took {elapsed:.1f}s to give up"
     assert endpoint in err, err
@@ -313,29 +364,15 @@ def test_help_describes_elastic_runs_rendezvous(capsys: pytest.CaptureFixture[st
 
 
 @pytest.mark.timeout(90)
-def test_python_main_raises_child_failed_and_console_exits_1(tmp_path: Path) -> None:
-    failing = tmp_path / "fail.py"
-    failing.write_text(textwrap.dedent("""
-        from torch.distributed.elastic.multiprocessing.errors import record
-
-        @record
-        def main():
-            raise KeyError("boom-in-worker")
-
-        main()
-    """))
-    error_file = tmp_path / "launcher-error.json"
-    code = (f"from elastic import launcher\n"
-            f"from torch.distributed.elastic.multiprocessing.errors import ChildFailedError\n"
-            f"try:\n    launcher.main(['--nproc-per-node', '1', '--monitor-interval', '0.1', {str(failing)!r}])\n"
-            f"except ChildFailedError as exc:\n    print('CHILD-FAILED', exc.get_first_failure()[1].exitcode)\n")
-    rc, out, err, _ = run_cli([sys.executable, "-c", code], timeout=60,
-                              env={"TORCHELASTIC_ERROR_FILE": str(error_file)})
+@pytest.mark.timeout(120)
+def test_python_main_raises_child_failed_and_console_exits_1(short_runs: dict[str, ShortRun]) -> None:
+    python_main = short_runs["python-main"]
+    rc, out, err, _ = python_main.result()
     assert rc == 0 and "CHILD-FAILED 1" in out, err
     # @record copied the worker's error file to the launcher's TORCHELASTIC_ERROR_FILE, as torchrun does.
+    error_file = Path(python_main.env["TORCHELASTIC_ERROR_FILE"])
     assert "boom-in-worker" in json.loads(error_file.read_text())["message"]["message"]
-    rc, out, err, _ = run_cli([str(BIN / "elastic-run"), "--nproc-per-node", "1", "--monitor-interval", "0.1",
-                               "--event-log-handler", "console", str(failing)], timeout=60)
+    rc, out, err, _ = short_runs["console-failed"].result()
     assert rc == 1 and "elastic-run: the job failed" in err and "boom-in-worker" in err
     # Our events went to torch's event handler too, next to torch's own worker events.
     torch_events = [json.loads(line) for line in (out + err).splitlines() if line.startswith('{"name": ')]

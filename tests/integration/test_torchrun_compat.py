@@ -117,12 +117,6 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def etcd_for_compat() -> Iterator[EtcdServer]:
-    with EtcdServer() as server:
-        yield server
-
-
 def _cases(root: Path, etcd: EtcdServer) -> list[Case]:
     w = str(root / "worker.py")
     logs = root / "logs"
@@ -155,8 +149,8 @@ def _cases(root: Path, etcd: EtcdServer) -> list[Case]:
 
 
 @pytest.fixture(scope="module")
-def results(workspace: Path, etcd_for_compat: EtcdServer) -> Iterator[dict[str, tuple[Job, Job]]]:
-    cases = _cases(workspace, etcd_for_compat)
+def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tuple[Job, Job]]]:
+    cases = _cases(workspace, etcd_server)  # the session's etcd: its run id is unique
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(workspace / "pkg"), str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     env.pop("OMP_NUM_THREADS", None)
