@@ -200,12 +200,12 @@ def claim_shared_prefix(
     and the claim is tried again before the tier's first use (`shared.pending_claim`); a conflict
     found then fences the tier, so saves stop.
     """
-    read, write, remove, where = shared.owner_io()
+    io = shared.object_io(OWNER_FILE)
     owner = SharedOwner(
-        read=read,
-        write=write,
-        remove=remove,
-        where=where,
+        read=io.read,
+        write=io.write,
+        remove=io.remove,
+        where=io.where,
         job=job_id(),
         run_name=run_name,
         interval=shared.config.owner_heartbeat.total_seconds(),

@@ -41,7 +41,7 @@ from core.events import emit
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Restored:
     """A loaded checkpoint."""
 
@@ -246,7 +246,9 @@ class Restorer:
                 timeout=self._timeout,
             )
         where = copy.tier.describe_rank(step, rank)
-        return Restored(step, state, rank, rank == self.rank, copy.tier.name, where, init_from)
+        return Restored(
+            step=step, state=state, rank=rank, own=rank == self.rank, tier=copy.tier.name, path=where, init_from=init_from
+        )
 
     def _unusable(self, tier: Tier, step: int, rank: int, exc: CheckpointError, *, init_from: bool) -> None:
         if init_from:  # another run's: not ours to mark or report

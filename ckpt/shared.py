@@ -35,6 +35,7 @@ import threading
 import uuid
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,6 +71,16 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MARKER_RE = re.compile(r"rank_(\d{5,})\.done")
+
+
+@dataclass(frozen=True)
+class ObjectIO:
+    """The calls on one small object of the prefix, and its URL (for messages)."""
+
+    read: Callable[[], bytes | None]
+    write: Callable[[bytes], None]
+    remove: Callable[[], None]
+    where: str
 
 
 class SharedTier:
@@ -303,17 +314,15 @@ class SharedTier:
                 f"the shared tier is used once it is"
             )
 
-    def owner_io(self) -> tuple[Callable[[], bytes | None], Callable[[bytes], None], Callable[[], None], str]:
-        """read, write, remove and the URL of <prefix>/OWNER.json (ckpt/owner.py)."""
-        from ckpt.owner import OWNER_FILE
-
-        path = f"{self.root}/{OWNER_FILE}"
+    def object_io(self, name: str) -> ObjectIO:
+        """Read, write and remove <prefix>/`name` (with retries), e.g. OWNER.json (ckpt/owner.py)."""
+        path = f"{self.root}/{name}"
         where = self.describe(path)
-        return (
-            lambda: self.call(f"read of {where}", self._cat, path),
-            lambda data: self.call(f"write of {where}", self._put_bytes, path, data),
-            lambda: self.call(f"removal of {where}", self._rm, path),
-            where,
+        return ObjectIO(
+            read=lambda: self.call(f"read of {where}", self._cat, path),
+            write=lambda data: self.call(f"write of {where}", self._put_bytes, path, data),
+            remove=lambda: self.call(f"removal of {where}", self._rm, path),
+            where=where,
         )
 
     def committed(self, steps: list[int] | None = None) -> dict[int, CommitMarker]:
