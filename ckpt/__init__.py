@@ -5,7 +5,7 @@ snapshot, and any fsspec URL (tier 2, "shared") replicated in the background, ea
 marker written last. `Checkpointer` (ckpt/checkpointer.py) is a facade over the parts; its
 docstring maps them.
 
-Public surface: `Checkpointer` (with `PendingSave`, `Restored`, `SaveMetrics`), its configs
+Public surface: `Checkpointer` (with `PendingSave`, `Restored`, `SaveMetrics`, `TierName`), its configs
 (`CheckpointConfig`, `SharedConfig`, `RetryConfig`), `check_compatible` and the error classes.
 """
 
@@ -26,6 +26,7 @@ from ckpt.errors import (
 )
 from ckpt.metrics import SaveMetrics
 from ckpt.restore import Restored
+from ckpt.tiers import TierName
 
 __all__ = [
     "CheckpointConfig",
@@ -45,5 +46,6 @@ __all__ = [
     "SaveMetrics",
     "SharedConfig",
     "SharedStorageError",
+    "TierName",
     "check_compatible",
 ]
