@@ -154,3 +154,34 @@ def test_a_round_whose_rank_0_is_gone_before_publishing_its_store_is_abandoned(r
     assert (info.rank, info.world_size) == (0, 1)
     state = run.state()
     assert state is not None and state.generation == 2 and state.participants == ("b",)
+
+
+def test_a_healthy_round_survives_an_unreachable_store_in_degraded_mode(run: Run) -> None:
+    a = run.handler("a", min_nodes=1, max_nodes=1)
+    a.view.RESYNC = timedelta(milliseconds=100)  # the view re-reads this often: it finds the outage sooner
+    run.start(a).result(timeout=15)
+    run.store.unavailable = True
+    try:
+        assert eventually(lambda: a.degraded, timeout=3 * a.view.RESYNC.total_seconds() + 5)
+        assert a.num_nodes_waiting() == 0, "healthy workers keep running while the store cannot be reached"
+    finally:
+        run.store.unavailable = False
+    assert eventually(lambda: not a.degraded, timeout=3 * a.view.RESYNC.total_seconds() + 5)
+
+
+def test_the_fakes_leases_expire_on_its_clock_and_watchers_hear_of_it() -> None:
+    clock = FakeClock()
+    store = MemoryRunStore(RunKeys.of(RUN), clock=clock)
+    events: list[Exception | None] = []
+    store.watch(events.append, store.read().revision + 1)
+    lease = store.grant_lease(5)
+    assert store.create(store.keys.node("a"), "{}", lease=lease) == (True, None)
+    clock.advance(4)
+    assert store.refresh_lease(lease) is True  # a refresh restarts the TTL
+    clock.advance(4)
+    assert store.get(store.keys.node("a")) == b"{}"
+    seen = len(events)
+    clock.advance(2)
+    assert store.get(store.keys.node("a")) is None, "the key outlived its lease's TTL"
+    assert len(events) > seen, "the expiry was not reported to the watcher"
+    assert store.refresh_lease(lease) is False
