@@ -12,9 +12,11 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from core.events import EVENTS_DIR_ENV, read_events
 from elastic.etcd_server import EtcdCluster, EtcdServer, EtcdServerConfig
 from elastic.proctree import descendants
 from tests.conftest import REPO, TINY, Procs
@@ -30,8 +32,8 @@ STEP = re.compile(r"step=(\d+) world=(\d+) t=([\d.]+)")
 class Node:
     """An elastic-run agent whose output is collected by a thread."""
 
-    def __init__(self, procs: Procs, *args: str) -> None:
-        self.proc = procs.elastic_run(*args, env={"LOGLEVEL": "INFO"})
+    def __init__(self, procs: Procs, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = procs.elastic_run(*args, env={"LOGLEVEL": "INFO", **(env or {})})
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -43,6 +45,12 @@ class Node:
     @property
     def text(self) -> str:
         return "".join(self.lines)
+
+
+def of(events_dir: Path, event: str, **match: object) -> list[dict[str, Any]]:
+    """The events named `event` under `events_dir` (core.events files) whose fields match `match`."""
+    return [e for e in read_events(str(events_dir))
+            if e["event"] == event and all(e.get(k) == v for k, v in match.items())]
 
 
 def steps(nodes: list[Node]) -> list[tuple[int, int, float]]:
@@ -189,38 +197,38 @@ def test_etcd_down_then_back_keeps_healthy_workers_training(procs: Procs, tmp_pa
 
 @pytest.mark.timeout(150)
 def test_sigstopped_worker_is_detected_and_the_job_recovers(procs: Procs, tmp_path: Path) -> None:
+    events_dir = tmp_path / "events"
     proc = procs.elastic_run("--nproc-per-node", "2", "--max-restarts", "2", "--hang-timeout", "3", str(TINY),
-                             "--steps", "40", "--ckpt-dir", str(tmp_path), "--ckpt-every", "5", "--step-sleep", "0.05",
-                             env={"LOGLEVEL": "INFO"})
-    assert proc.stdout is not None
-    lines: list[str] = []
-    stopped = None
-    for line in proc.stdout:
-        lines.append(line)
-        if stopped is None and (m := re.match(r"step=(\d+) ", line)) and int(m[1]) >= 12:
-            pid = next(
-                int(x[1]) for x in (re.match(r"worker rank=1 world=2 pid=(\d+) restart=0", ln) for ln in lines) if x
-            )
-            os.kill(pid, signal.SIGSTOP)
-            stopped = pid
-    proc.wait(timeout=30)
-    out = "".join(lines)
-    assert proc.returncode == 0, out[-3000:]
-    assert stopped is not None
-    assert re.search(rf'"event": "hang_detected".*"pid": {stopped}', out), out[-3000:]
-    assert re.search(r"resumed from step (10|15)\b", out)
-    assert "final_digest=" in out
+                             "--steps", "40", "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "5",
+                             "--step-sleep", "0.05", env={"LOGLEVEL": "INFO", EVENTS_DIR_ENV: str(events_dir)})
+    out_lines: list[str] = []
+    threading.Thread(target=lambda: out_lines.extend(proc.stdout or []), daemon=True).start()
 
+    def first_worker(rank: int) -> int | None:
+        started = of(events_dir, "worker_started", rank=rank, restart=0)
+        return int(started[0]["pid"]) if started else None
+
+    wait_until(lambda: any(e["step"] >= 12 for e in of(events_dir, "step")), 90, "step 12", [])
+    stopped = first_worker(1)
+    assert stopped is not None
+    os.kill(stopped, signal.SIGSTOP)
+    proc.wait(timeout=60)
+    out = "".join(out_lines)
+    assert proc.returncode == 0, out[-3000:]
+    assert stopped in [e["pid"] for e in of(events_dir, "hang_detected")], out[-3000:]
+    assert {e["step"] for e in of(events_dir, "resumed")} & {10, 15}, out[-3000:]
+    assert of(events_dir, "final_digest")
 
 
 @pytest.mark.timeout(90)
 def test_workers_end_themselves_when_their_agent_is_sigkilled(procs: Procs, tmp_path: Path) -> None:
     # torch starts workers in sessions of their own: killing only the agent used to leave them as
     # orphans hanging in their next collective. Resumable's parent watch ends them.
+    events_dir = tmp_path / "events"
     node = Node(procs, "--standalone", "--nproc-per-node", "2", str(TINY), "--steps", "100000",
-                "--ckpt-dir", str(tmp_path / "ckpt"), "--step-sleep", "0.05")
-    wait_until(lambda: "step=3 " in node.text, 60, "training to start", [node])
-    workers = [int(m) for m in re.findall(r"worker rank=\d+ world=2 pid=(\d+)", node.text)]
+                "--ckpt-dir", str(tmp_path / "ckpt"), "--step-sleep", "0.05", env={EVENTS_DIR_ENV: str(events_dir)})
+    wait_until(lambda: any(e["step"] >= 3 for e in of(events_dir, "step")), 60, "training to start", [node])
+    workers = [int(e["pid"]) for e in of(events_dir, "worker_started", world=2)]
     assert len(workers) == 2
     os.kill(node.proc.pid, signal.SIGKILL)  # the agent alone; its workers keep running for now
     try:
