@@ -1,7 +1,9 @@
 """A small GPT-style transformer on synthetic tokens, with AMP, resumable, elastic.
 
 It uses `trainer.train_loop` (you write the step, the loop is written once): restore at start,
-the data position and the RNG streams included, a checkpoint every --ckpt-every steps.
+the data position and the RNG streams included, a checkpoint every --ckpt-every steps and of the
+last step. `--ckpt-mode overlapped` hides the device-to-host copy of a save behind the next
+forward/backward (the optimizer's step waits for it by itself).
 
     # CPU, a few steps (fp32; --dtype bf16/fp16 autocast also works on CPU)
     python examples/train_gpt.py --steps 20 --ckpt-dir /tmp/gpt --device cpu
@@ -43,16 +45,15 @@ from trainer import (
     Resumable,
     ResumeConfig,
     train_loop,
-    training_digest,
     wrap_ddp,
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def say(line: str) -> None:
-    """Print one whole line in one write: ranks share the launcher's stdout, and print() writes the
-    text and the newline separately, so two ranks' lines could interleave."""
+def show(line: str) -> None:
+    """Print a line for people, in one write: ranks share the launcher's stdout, and print() writes
+    the text and the newline separately, so two ranks' lines could interleave."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -62,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (node-local tier)")
     p.add_argument("--ckpt-every", type=int, default=50, help="save every K steps")
+    p.add_argument("--ckpt-mode", choices=["staged", "overlapped"], default="staged",
+                   help="overlapped: the copy of the state to host overlaps the next forward/backward")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="autocast dtype: bf16 (default on CUDA), fp16 (with a GradScaler), fp32 (default on CPU)")
@@ -80,7 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--log-every", type=int, default=1)
     p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels where torch has them (always on for CPU); needed for bitwise resume on CUDA")
+                   help="deterministic kernels where torch has them (always on for CPU); "
+                        "needed for bitwise resume on CUDA")
     args = p.parse_args()
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
@@ -184,7 +188,8 @@ def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:
 def main() -> None:
     args = parse_args()
     rank, world, device = setup(args)
-    say(f"worker rank={rank} world={world} pid={os.getpid()} restart={os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+    show(f"worker rank={rank} world={world} pid={os.getpid()} restart={restart}")
     torch.manual_seed(args.seed)
     model = GPT(args).to(device)
     # wrap_ddp (one gradient-bucket layout) for bitwise resume; plain DDP rebuilds its buckets for speed.
@@ -193,33 +198,37 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
     warm, total = args.warmup, args.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if s < warm else
-                                                  0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm))))
+
+    def lr_factor(s: int) -> float:  # linear warm-up, then cosine decay to 0.1
+        if s < warm:
+            return min(1.0, (s + 1) / warm)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     amp_dtype = DTYPES[args.dtype]
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch, seed=args.seed,
-                                        max_micro_batch=args.max_micro_batch), rank=rank, world_size=world)
+                                        max_micro_batch=args.max_micro_batch))
     loader = sampler.loader(ProgressionTokens(args.dataset_size, args.seq_len, args.vocab, args.seed),
                             num_workers=args.num_workers, pin_memory=device.type == "cuda")
-    run = Resumable(ResumeConfig(ckpt_dir=args.ckpt_dir, save_every=args.ckpt_every), model=ddp, optimizer=optimizer,
-                    scheduler=scheduler, scaler=scaler, sampler=sampler, extras={"tokens": 0})
+    config = ResumeConfig.at(args.ckpt_dir, save_every=args.ckpt_every, mode=args.ckpt_mode)
+    run = Resumable(config, model=ddp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
+                    extras={"tokens": 0})
     meter = Throughput(tokens_per_step=args.global_batch * args.seq_len)
 
     def train_step(step: int, micro_batches: list[torch.Tensor]) -> None:
         if meter.first_step < 0:
             if rank == 0 and run.resumed_from is not None:
-                say(f"resumed from step {step}")
+                show(f"resumed from step {step}")
             meter.first_step = step
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
-        for i, tokens in enumerate(micro_batches):
+        for tokens, weight, sync in run.accumulate(micro_batches):
             tokens = tokens.to(device, non_blocking=True)
-            sync = ddp.no_sync() if ddp is not model and i < len(micro_batches) - 1 else nullcontext()
             with sync:  # gradients are all-reduced once per step, on the last micro-batch
                 with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
                     logits = ddp(tokens[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-                loss = loss * sampler.loss_weight(len(tokens))
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * weight
                 scaler.scale(loss).backward()
             loss_sum += loss.detach()
         scaler.unscale_(optimizer)
@@ -235,7 +244,7 @@ def main() -> None:
             mean = loss_sum.item() / world  # .item() waits for the GPU, so the timing is honest
             rate = meter.tick(done)
             if rank == 0:
-                say(f"step={done} loss={mean:.6f} lr={scheduler.get_last_lr()[0]:.3e} tok/s={rate:.0f}")
+                show(f"step={done} loss={mean:.6f} lr={scheduler.get_last_lr()[0]:.3e} tok/s={rate:.0f}")
 
     # Flash and memory-efficient attention have no deterministic backward: --deterministic on CUDA
     # uses the math kernel (slower), so that a resumed run can match an uninterrupted one bitwise.
@@ -243,16 +252,13 @@ def main() -> None:
     with attention:
         step = train_loop(train_step, run, args.steps, loader=loader)
     if rank == 0 and run.resumed_from == step:
-        say(f"resumed from step {step}")
+        show(f"resumed from step {step}")
     if rank == 0 and meter.timed_steps > 0:
-        say(f"tokens_per_s={meter.overall():.0f} over {meter.timed_steps} steps on {world} x {device.type} "
+        show(f"tokens_per_s={meter.overall():.0f} over {meter.timed_steps} steps on {world} x {device.type} "
             f"({args.dtype})")
-    digest = training_digest(model, optimizer)
+    digest = run.teardown()  # train_loop saved the last step and closed: digest, then the process group
     if rank == 0:
-        say(f"final_digest={digest}")
-    if dist.is_initialized():
-        del ddp  # before the process group: see trainer.wrap_ddp ("Teardown")
-        dist.destroy_process_group()
+        show(f"final_digest={digest}")
 
 
 if __name__ == "__main__":

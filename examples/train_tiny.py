@@ -3,7 +3,8 @@
     elastic-run --nproc-per-node 2 examples/train_tiny.py --steps 60 --ckpt-dir /tmp/ckpt --ckpt-every 10
 
 Rank 0 prints `step=<n> loss=<x>` after every step and `final_digest=<hex>` (sha256 of the model and
-optimizer state) at the end. Killed and restarted, it resumes from its newest checkpoint, and the
+optimizer state) at the end; the last step is saved too, so the job restarted once finished trains
+nothing again. Killed and restarted, it resumes from its newest checkpoint, and the
 final digest equals that of a run that was never interrupted. Restarted with another
 --nproc-per-node on the same --ckpt-dir, it continues from the same global data position with the
 same global batch (see trainer/data.py for how the batch is split).
@@ -19,7 +20,6 @@ import argparse
 import os
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,9 @@ from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, wrap_dd
 from trainer.samples import SAMPLE_LOG_ENV
 
 
-def say(line: str) -> None:
-    """Print one whole line in one write: ranks share the launcher's stdout, and print() writes the
-    text and the newline separately, so two ranks' lines could interleave."""
+def show(line: str) -> None:
+    """Print a line for people, in one write: ranks share the launcher's stdout, and print() writes
+    the text and the newline separately, so two ranks' lines could interleave."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -83,59 +83,46 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    say(f"worker rank={rank} world={world} pid={os.getpid()} restart={restart}")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+    show(f"worker rank={rank} world={world} pid={os.getpid()} restart={restart}")
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(32, 1))
     ddp = wrap_ddp(model)  # one gradient-bucket layout for the whole run: bitwise resume at any world size
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dataset = Samples(args.dataset_size, args.seed)
+    # Rank and world size come from the process group; the split follows trainer/data.py's rule.
     sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch,
-                                        seed=args.seed, max_micro_batch=args.max_micro_batch),
-                             rank=rank, world_size=world)
-    run = Resumable(ResumeConfig(ckpt_dir=args.ckpt_dir, save_every=args.ckpt_every,
-                                 shared_url=args.shared_url, run_name=args.run_name),
-                    model=ddp, optimizer=optimizer, sampler=sampler)
-    step = run.restore()
-    if run.restored is not None:
-        r = run.restored
-        whose = "its own" if r.own else f"rank {r.rank}'s"
-        say(f"rank {rank} restored step {r.step} from {whose} {r.tier} copy {r.path}")
-    if rank == 0 and run.resumed_from is not None:
-        say(f"resumed from step {step}")
-    batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # starts at the restored position
-
-    while step < args.steps:
-        optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for i in range(sampler.accum_steps):
-            idx, x, y = next(batches)
-            if args.augment:
-                x = x + args.augment * torch.randn_like(x)
-            # Gradients are all-reduced once per step, on the last micro-batch.
-            with ddp.no_sync() if i < sampler.accum_steps - 1 else nullcontext():
-                loss = nn.functional.mse_loss(ddp(x), y) * sampler.loss_weight(len(idx))
-                loss.backward()
-            total += loss.detach()
-        optimizer.step()
-        step += 1
-        # The mean loss over the global batch, for the log (each rank's total is weighted by W / G).
-        dist.all_reduce(total)
-        mean = total.item() / world
-        if rank == 0:
-            say(f"step={step} loss={mean:.6f}")
-        run.step_done(step, loss=mean)
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
-
-    del batches  # stops the DataLoader workers before the process group goes
-    run.close()
-    digest = run.final_digest()
+                                        seed=args.seed, max_micro_batch=args.max_micro_batch))
+    config = ResumeConfig.at(args.ckpt_dir, save_every=args.ckpt_every, shared_url=args.shared_url,
+                             run_name=args.run_name)
+    with Resumable(config, model=ddp, optimizer=optimizer, sampler=sampler) as run:
+        step = run.restore()
+        if rank == 0 and run.resumed_from is not None:
+            show(f"resumed from step {step}")
+        batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # starts at the restored position
+        while step < args.steps:
+            optimizer.zero_grad(set_to_none=True)
+            total = torch.zeros(())
+            for (_, x, y), weight, sync in run.accumulate(batches):
+                if args.augment:
+                    x = x + args.augment * torch.randn_like(x)
+                with sync:  # no_sync on all but the last micro-batch: one all-reduce per step
+                    loss = nn.functional.mse_loss(ddp(x), y) * weight
+                    loss.backward()
+                total += loss.detach()
+            optimizer.step()
+            step += 1
+            dist.all_reduce(total)  # each rank's weighted losses sum to world x the global batch's mean loss
+            mean = total.item() / world
+            if rank == 0:
+                show(f"step={step} loss={mean:.6f}")
+            run.step_done(step, loss=mean)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+        digest = run.teardown(batches)  # saves the last step, closes, digest, ends the process group
     if rank == 0:
-        say(f"final_digest={digest}")
-    del ddp  # before the process group: see trainer.wrap_ddp ("Teardown")
-    dist.destroy_process_group()
+        show(f"final_digest={digest}")
 
 
 if __name__ == "__main__":

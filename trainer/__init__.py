@@ -1,18 +1,19 @@
 """trainer: make a user's own training loop resumable, exactly.
 
-Public surface: `Resumable` and `ResumeConfig` (restore at start, save every N steps), `train_loop`
-(the same loop written once: you write the step), `ElasticSampler` and `DataConfig` (the global
-data position, the per-rank batch and gradient accumulation), `training_digest` / `state_digest`,
-`Topology`, `wrap_ddp` (DDP with one gradient-bucket layout, for bitwise resume at any world
-size), and the errors.
+Public surface: `Resumable` and `ResumeConfig` (restore at start, save every N steps, the
+micro-batch loop, teardown), `train_loop` (the same loop written once: you write the step),
+`ElasticSampler` and `DataConfig` (the global data position, the per-rank batch and gradient
+accumulation), `training_digest` / `state_digest`, `Topology`, `wrap_ddp` (DDP with one
+gradient-bucket layout, for bitwise resume at any world size), and the errors.
 """
 
+from trainer.config import ResumeConfig
 from trainer.data import DataConfig, ElasticSampler
 from trainer.ddp import wrap_ddp
 from trainer.digest import state_digest, training_digest
 from trainer.errors import StateMismatchError, TrainerError
 from trainer.loop import train_loop
-from trainer.resumable import Resumable, ResumeConfig
+from trainer.resumable import Resumable
 from trainer.topology import Topology
 
 __all__ = [

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from trainer.errors import StateMismatchError
 from trainer.samples import SampleLog
+from trainer.topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,10 +80,15 @@ class ElasticSampler:
     """Hands each rank its share of each step's global batch and tracks the global position.
 
     `epoch` and `position` are the committed position: `advance()` (called by
-    `Resumable.step_done`) moves them one global batch on.
+    `Resumable.step_done`) moves them one global batch on. `rank` and `world_size` default to this
+    process's place in the job (the initialised process group, else torchrun's RANK/WORLD_SIZE).
     """
 
-    def __init__(self, config: DataConfig, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, config: DataConfig, *, rank: int | None = None, world_size: int | None = None) -> None:
+        if rank is None or world_size is None:  # where this process sits: the process group, else torchrun's env
+            here = Topology.from_env()
+            rank = here.rank if rank is None else rank
+            world_size = here.world_size if world_size is None else world_size
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not valid for world size {world_size}")
         g = config.global_batch
@@ -118,6 +124,11 @@ class ElasticSampler:
     @property
     def steps_per_epoch(self) -> int:
         return self.config.dataset_size // self.config.global_batch
+
+    @property
+    def micro_batch_sizes(self) -> list[int]:
+        """The sizes of this rank's `accum_steps` micro-batches of every step."""
+        return [b - a for a, b in self._micro]
 
     def loss_weight(self, n: int) -> float:
         """Factor for the mean loss of a micro-batch of `n` samples (see the module docstring)."""

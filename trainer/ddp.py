@@ -15,7 +15,8 @@ cost is one walk of the autograd graph per step, and torch prints a one-time war
 Teardown: `del` the DDP model before `dist.destroy_process_group()`. Otherwise DDP's reducer holds
 the last reference to the gloo process group, and freeing it joins gloo's worker threads while
 holding the GIL; a worker thread still releasing the tensors of its last collective needs the GIL,
-and the process hangs at exit (seen under load with torch 2.13; pytorch#56297). The examples do this.
+and the process hangs at exit (seen under load with torch 2.13; pytorch#56297). `Resumable.teardown`
+does it for you (`release_process_group`), and the examples use that.
 """
 
 from __future__ import annotations
@@ -44,3 +45,12 @@ def layout_is_stable(model: torch.nn.Module) -> bool:
     if not isinstance(model, DistributedDataParallel):
         return True
     return bool(model.find_unused_parameters) and not bool(getattr(model, "static_graph", False))
+
+
+def release_process_group(ddp: DistributedDataParallel) -> None:
+    """Drop `ddp`'s references to its process group, as `del ddp` would (see "Teardown" above), while
+    the caller still holds `ddp`. The wrapper is unusable afterwards; its module is not touched."""
+    # The attributes torch's own DistributedDataParallel.__getstate__ leaves out for the same reason:
+    # the logger holds the reducer, the reducer and `process_group` hold the group.
+    for name in ("logger", "reducer", "process_group"):
+        ddp.__dict__.pop(name, None)

@@ -2,16 +2,17 @@
 
     def train_step(step: int, micro_batches: list) -> None:
         optimizer.zero_grad(set_to_none=True)
-        for i, batch in enumerate(micro_batches):   # sampler.accum_steps of them
-            with ddp.no_sync() if i < len(micro_batches) - 1 else nullcontext():
-                loss = loss_fn(ddp(batch.x), batch.y) * sampler.loss_weight(len(batch.x))
+        for (x, y), weight, sync in run.accumulate(micro_batches):   # sampler.accum_steps of them
+            with sync:                                               # ddp.no_sync() but for the last
+                loss = loss_fn(ddp(x), y) * weight
                 loss.backward()
         optimizer.step()
         scheduler.step()
 
-    run = Resumable(ResumeConfig(ckpt_dir=..., save_every=100), model=ddp, optimizer=optimizer,
+    run = Resumable(ResumeConfig.at(ckpt_dir, save_every=100), model=ddp, optimizer=optimizer,
                     scheduler=scheduler, sampler=sampler)
     train_loop(train_step, run, total_steps, loader=sampler.loader(dataset, num_workers=2))
+    run.teardown()   # digest, frees the process group
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ def train_loop(
     *,
     loader: Iterable[Any] | None = None,
 ) -> int:
-    """Restore, run `train_step` for every step up to `total_steps`, then close; return the step reached.
+    """Restore, run `train_step` for every step up to `total_steps`, save the last step, then close;
+    return the step reached.
 
     `train_step(step, micro_batches)` does one optimizer step. `step` counts the steps completed
     before it (0 on a fresh start); `micro_batches` holds this rank's `sampler.accum_steps`
     micro-batches of the step: items of `loader` (build it with `sampler.loader(dataset)`; it is
     iterated only after the restore, so it starts at the restored data position), or lists of
     sample ids when `loader` is None. After each step `resumable.step_done` advances the data
-    position and saves every `save_every` steps. Its return value is ignored.
+    position and saves every `save_every` steps. Its return value is ignored. The last step is
+    saved too (`Resumable.save_final`), so that the job restarted once finished does not redo it.
     """
     sampler = resumable.sampler
     if sampler is None:
@@ -55,6 +58,7 @@ def train_loop(
             train_step(step, micro)
             step += 1
             resumable.step_done(step)
+        resumable.save_final()
     finally:
         # Stop DataLoader workers now, not at interpreter exit (where they can outlive the process group).
         del batches

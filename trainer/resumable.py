@@ -1,26 +1,33 @@
 """`Resumable`: the small object a user's own training loop calls to restore at start and save at
 step boundaries.
 
-    run = Resumable(ResumeConfig(ckpt_dir=..., save_every=50), model=ddp, optimizer=opt,
-                    scheduler=sched, scaler=scaler, sampler=sampler, extras={"tokens": 0})
-    step = run.restore()                 # 0 on a fresh start
-    batches = iter(sampler.loader(dataset, num_workers=2))   # after restore: starts at the position
-    while step < total_steps:
-        for i in range(sampler.accum_steps):
-            batch = next(batches)        # this rank's micro-batch of the step's global batch
-            ...loss = loss_fn(batch) * sampler.loss_weight(len(batch)); loss.backward()...
-        optimizer.step(); scheduler.step()
-        step += 1
-        run.step_done(step)              # advances the data position; saves every `save_every` steps
-    run.close()
+    sampler = ElasticSampler(DataConfig(dataset_size=len(ds), global_batch=256, max_micro_batch=32))
+    with Resumable(ResumeConfig.at("/nvme/ckpt", save_every=100), model=ddp, optimizer=opt,
+                   scheduler=sched, sampler=sampler) as run:
+        step = run.restore()                              # 0 on a fresh start
+        batches = iter(sampler.loader(ds, num_workers=2))  # after restore: starts at the position
+        while step < total_steps:
+            opt.zero_grad(set_to_none=True)
+            for (x, y), weight, sync in run.accumulate(batches):  # no_sync but on the last one
+                with sync:
+                    loss = loss_fn(ddp(x), y) * weight
+                    loss.backward()
+            opt.step(); sched.step()
+            step += 1
+            run.step_done(step)        # advances the data position; saves every `save_every` steps
+        run.teardown(batches)          # saves the last step, closes, digest, frees the process group
 
 What a checkpoint holds: model, optimizer (and the model's name of each of its parameters), LR
 scheduler, GradScaler, the RNG states (python, numpy, torch CPU, every CUDA device), the data
 position and JSON-able user extras (the caller's own dict, read at each save).
 
 A restore checks the whole tree before it changes anything (trainer/validate.py): a malformed
-tree is skipped like a damaged file, in favour of an older step; one that does not fit this run
-raises StateMismatchError.
+tree is skipped like a damaged file, in favour of an older step (trainer/agree.py); one that does
+not fit this run raises StateMismatchError.
+
+Events (core/events.py): `worker_started`, `restored`, `resumed`, `step`, `ckpt_failed`,
+`final_digest` (and `ckpt_skipped` from the agreement). Fault points (core/faults.py): `step`
+after each completed step (and after the restore), `save` once this rank's files are written.
 """
 
 from __future__ import annotations
@@ -29,30 +36,27 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from datetime import timedelta
+from types import TracebackType
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-from ckpt import (
-    CheckpointConfig,
-    Checkpointer,
-    CheckpointError,
-    CheckpointSaveError,
-    CheckpointVersionError,
-    Restored,
-    SharedConfig,
-)
+from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
 from core import faults
 from core.events import emit
 from elastic import worker
 from trainer import rng
+from trainer.accumulate import accumulate
+from trainer.agree import agree_on_checkpoint
+from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
-from trainer.ddp import layout_is_stable
+from trainer.ddp import layout_is_stable, release_process_group
 from trainer.digest import training_digest
-from trainer.errors import InvalidStateError, StateMismatchError
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
 
@@ -64,45 +68,21 @@ class _Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
-@dataclass(frozen=True, kw_only=True)
-class ResumeConfig:
-    ckpt_dir: str
-    """Tier-1 checkpoint directory (node-local, e.g. NVMe)."""
-    save_every: int
-    """Save after every N-th completed step."""
-    keep_last: int = 3
-    """Committed checkpoints kept in ckpt_dir."""
-    shared_url: str | None = None
-    """Tier 2: fsspec URL of shared storage (a mounted path, s3://bucket/prefix, ...), or None."""
-    run_name: str = "default"
-    """The run's identity (recorded in every checkpoint, its prefix under shared_url); the same on every rank and restart."""
-    shared_storage_options: dict[str, Any] | None = None
-    """fsspec options of shared_url, e.g. {"endpoint_url": ...}."""
-    keep_last_shared: int = 3
-    """Committed checkpoints kept under shared_url."""
-    keep_every: int | None = None
-    """Steps that are multiples of this are kept under shared_url forever."""
-    init_from: str | None = None
-    """Path or fsspec URL of another run's checkpoints to start from when this run has none (fine-tuning)."""
-    max_failed_saves: int | None = 3
-    """Saves failing in a row before the job stops with CheckpointSaveError (None: never; only logged)."""
-
-    def __post_init__(self) -> None:
-        if self.save_every <= 0:
-            raise ValueError(f"save_every must be positive, got {self.save_every}")
-        if not self.ckpt_dir:
-            raise ValueError("ckpt_dir must be a directory path")
-
-
 class Resumable:
     """Restores the newest good checkpoint at start and saves every `save_every` steps.
 
+    `model` may be the DDP wrapper (its module is what is saved; `accumulate` uses its no_sync).
     `scheduler` and `scaler` are anything with state_dict/load_state_dict (an LR scheduler, a
     `torch.amp.GradScaler`). `extras` is the caller's own dict of JSON-able values, kept, not
     copied (`run.extras` is the same object): every save stores its contents at that moment, and
     `restore()` updates it in place with the checkpoint's (keys the checkpoint lacks are kept).
-    `on_rank_saved(step)` is a fault-injection point for tests: it
-    runs right after this rank's files of `step` are written and before the group commits it.
+    `topology` defaults to this process's place in the job; a `sampler` must agree with it.
+
+    With `ResumeConfig.ckpt.mode == "overlapped"` a save returns before its copy of the state is
+    done; the optimizer's step (and the model's forward, when it has buffers a forward may update)
+    waits for it through hooks registered here, so the loop needs nothing extra.
+
+    Use it as a context manager: leaving the block closes it (flushes the save in flight).
     """
 
     def __init__(
@@ -116,52 +96,43 @@ class Resumable:
         sampler: ElasticSampler | None = None,
         extras: dict[str, Any] | None = None,
         topology: Topology | None = None,
-        on_rank_saved: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self.topology = topology or Topology.from_env()
-        worker.bootstrap()  # parent watch and peer-loss hook under an elastic agent
-        if self.topology.world_size >= 3 and not layout_is_stable(model):
-            log.info("this DDP rebuilds its gradient buckets after its first iteration, so with %d ranks the first "
-                     "step after a resume rounds differently from an uninterrupted run (resume stays correct, "
-                     "not bitwise); wrap the model with trainer.wrap_ddp for bitwise resume", self.topology.world_size)
+        worker.bootstrap()  # parent watch and peer-loss hook, under an elastic agent
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
         # Save the unwrapped module so a checkpoint does not depend on DDP's "module." prefix.
-        self.model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self.model: torch.nn.Module = self.ddp.module if self.ddp is not None else model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
-        self.sampler = sampler
-        if extras is not None and not isinstance(extras, dict):
-            raise ValueError(f"extras must be a dict (it is kept and updated in place), got {type(extras).__name__}")
-        self.extras: dict[str, Any] = extras if extras is not None else {}  # the caller's dict itself
-        _check_json_able(self.extras)
-        self.on_rank_saved = on_rank_saved
-        shared = None
-        if config.shared_url:
-            shared = SharedConfig(url=config.shared_url, storage_options=config.shared_storage_options or {},
-                                  keep_last=config.keep_last_shared, keep_every=config.keep_every)
-        self.checkpointer = Checkpointer(
-            CheckpointConfig(local_dir=config.ckpt_dir, keep_last=config.keep_last, shared=shared,
-                             run_name=config.run_name, init_from=config.init_from,
-                             max_failed_saves=config.max_failed_saves),
-            rank=self.topology.rank,
-            world_size=self.topology.world_size,
-            # fault injection: once this rank's files are fsynced, before publish and commit
-            on_written=self._rank_saved,
-        )
+        self.sampler = _checked_sampler(sampler, self.topology)
+        self.extras: dict[str, Any] = _own_extras(extras)  # the caller's dict itself
+        _hint_unstable_layout(model, self.topology.world_size)
+        self.checkpointer = Checkpointer(config.ckpt, rank=self.topology.rank, world_size=self.topology.world_size,
+                                         on_written=_rank_saved)
+        self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
         self.step = 0
         self.resumed_from: int | None = None
         self.restored: Restored | None = None
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
+        self._saved_step = -1
+        self._closed = False
         t = self.topology
         emit("worker_started", rank=t.rank, world=t.world_size, local_rank=t.local_rank,
              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
-    def _rank_saved(self, step: int) -> None:
-        # On the writer thread, once this rank's files of `step` are written, before the commit.
-        faults.fire("save", step)
-        if self.on_rank_saved is not None:
-            self.on_rank_saved(step)
+    def __enter__(self) -> Resumable:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # the loop's own error is the one to see; a failure to flush is only logged
+            self.close()
+        except Exception as close_error:
+            log.error("rank %d: closing the checkpointer after the loop failed: %s", self.topology.rank, close_error)
 
     # -- restore ---------------------------------------------------------------------------------
 
@@ -175,97 +146,34 @@ class Resumable:
         # One token per incarnation: commits never count a rank directory a crashed earlier
         # incarnation left behind (all_min of random numbers is a random number all ranks share).
         self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
-        step, restored = self._agree_on_checkpoint()
+        restored = agree_on_checkpoint(
+            self.checkpointer, self.topology, where=self.config.ckpt_dir,
+            check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler))
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self.checkpointer.prepare(self.state())  # staging buffer allocated before the loop
-            self._started(0)
-            return 0
-        state = restored.state
-        self._apply(state, own_rank=restored.own)
+            return self._started(0)
+        self._apply(restored.state, own_rank=restored.own)
         self.restored = restored
         emit("restored", step=restored.step, tier=restored.tier, source_rank=restored.rank, path=restored.path)
         self.checkpointer.prepare(self.state())
-        self.step = self.resumed_from = step
-        saved_world = state.get("world_size")
+        self.step = self.resumed_from = self._saved_step = restored.step
+        saved_world = restored.state.get("world_size")
         if saved_world != self.topology.world_size and self.sampler is not None:
             s = self.sampler
             log.info("world size %s -> %d: rank %d takes %d of the global batch %d in %d micro-batch(es)",
                      saved_world, self.topology.world_size, self.topology.rank, s.local_batch,
                      s.config.global_batch, s.accum_steps)
-        log.info("resumed from step %d (%s)", step, self.config.ckpt_dir)
-        self._started(step)
-        return step
+        log.info("resumed from step %d (%s)", restored.step, self.config.ckpt_dir)
+        return self._started(restored.step)
 
-    def _started(self, step: int) -> None:
+    def _started(self, step: int) -> int:
         emit("resumed", step=step)
         faults.fire("step", step)  # the fault point before the first step this incarnation runs
-
-    def _agree_on_checkpoint(self) -> tuple[int, Restored | None]:
-        # Every rank must resume from the same step. Each proposes its newest readable checkpoint
-        # (local tier, else shared tier); the group takes the minimum, every rank loads that step
-        # and checks its whole state tree, and the group votes: all usable, done; any rank that
-        # cannot read it or finds it malformed, everyone tries older steps; a checkpoint of a newer
-        # format or one that does not fit this run stops the whole group.
-        cap: int | None = None
-        while True:
-            problem: Exception | None = None
-            try:
-                found = self.checkpointer.restore(max_step=cap)
-            except CheckpointVersionError as exc:
-                found, problem = None, exc
-            mine = found.step if found is not None else -1
-            agreed = self.topology.all_min(_NEWER_FORMAT if problem else mine)
-            if agreed == _NEWER_FORMAT:
-                self._raise_newer(problem)
-            if agreed < 0:
-                return -1, None
-            if agreed != mine:
-                try:
-                    found = self.checkpointer.restore(step=agreed)
-                except CheckpointVersionError as exc:
-                    found, problem = None, exc
-            vote, problem = self._judge(found, problem)
-            verdict = self.topology.all_min(vote)
-            if verdict == _NEWER_FORMAT:
-                self._raise_newer(problem)
-            if verdict == _MISMATCH:
-                if isinstance(problem, StateMismatchError):
-                    raise problem
-                raise StateMismatchError(f"another rank found that step {agreed} in {self.config.ckpt_dir} does not "
-                                         "fit its model, optimizer or data settings; its log says what differs")
-            if verdict == _USABLE:
-                assert found is not None
-                return agreed, found
-            cap = agreed - 1
-
-    def _judge(self, found: Restored | None, problem: Exception | None) -> tuple[int, Exception | None]:
-        """This rank's vote on the loaded checkpoint `found`, and the error behind it."""
-        if isinstance(problem, CheckpointVersionError):
-            return _NEWER_FORMAT, problem
-        if found is None:
-            return _UNREADABLE, None
-        try:
-            check_state(found.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler)
-        except InvalidStateError as exc:
-            log.warning("skipping checkpoint step %d: the %s copy %s holds a malformed state (damaged or not "
-                        "written by elastic-train): %s; trying an older step", found.step, found.tier, found.path, exc)
-            emit("ckpt_skipped", step=found.step, reason=f"malformed state in the {found.tier} copy {found.path}: {exc}")
-            return _UNREADABLE, exc
-        except StateMismatchError as exc:
-            return _MISMATCH, exc
-        return _USABLE, None
-
-    def _raise_newer(self, exc: CheckpointVersionError | None) -> None:
-        # Falling back to an older step would silently throw away the newer run's progress.
-        what = str(exc) if exc else "another rank found a checkpoint written by a newer elastic-train"
-        raise CheckpointVersionError(
-            f"cannot resume from {self.config.ckpt_dir}: {what}. Older checkpoints are not used in its place: "
-            "run a newer elastic-train, or start from a fresh checkpoint directory",
-            path=exc.path if exc else self.config.ckpt_dir) from exc
+        return step
 
     def _apply(self, state: Mapping[str, Any], *, own_rank: bool) -> None:
-        # `state` passed check_state (in _judge): nothing below is expected to fail half-way.
+        # `state` passed check_state (in the agreement): nothing below is expected to fail half-way.
         if self.sampler is not None:
             self.sampler.load_state_dict(state["data"])
         self.model.load_state_dict(state["model"])
@@ -289,7 +197,14 @@ class Resumable:
                      "another node); its RNG streams are derived from rank 0's and its rank",
                      self.topology.rank, self.config.ckpt_dir)
 
-    # -- save ------------------------------------------------------------------------------------
+    # -- the step --------------------------------------------------------------------------------
+
+    def accumulate(self, batches: Iterable[Any]) -> Iterator[tuple[Any, float, AbstractContextManager[Any]]]:
+        """This step's micro-batches from `batches`, as (batch, loss weight, sync context): see
+        trainer/accumulate.py. Needs the sampler."""
+        if self.sampler is None:
+            raise ValueError("Resumable.accumulate needs a Resumable with a sampler (it knows the micro-batches)")
+        return accumulate(batches, self.sampler, self.ddp)
 
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None) -> bool:
         """Call after each completed optimizer step with the number of completed steps.
@@ -310,6 +225,8 @@ class Resumable:
             self.save(step)
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
+
+    # -- save ------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
         """The tree a checkpoint holds (this rank's part)."""
@@ -335,24 +252,50 @@ class Resumable:
         then CheckpointSaveError (naming the directory and the cause) stops the job."""
         try:
             self.checkpointer.save_async(step, self.state())
+            self._saved_step = step
         except CheckpointSaveError:
             raise
         except CheckpointError as exc:
             log.error("checkpoint of step %d failed on rank %d: %s", step, self.topology.rank, exc)
             emit("ckpt_failed", step=step, tier="local", error=str(exc))
 
+    def save_final(self) -> bool:
+        """Save the current step unless a save of it was made already or nothing ran since the restore,
+        so that a finished job, restarted, does not redo its tail. Returns whether it saved."""
+        if self.step == self._saved_step or self.step == 0:
+            return False
+        self.save(self.step)
+        return True
+
+    def _wait_for_copy_hooks(self) -> list[Any]:
+        # "overlapped" mode: the state must not change until the save's copy of it is consistent.
+        def wait(*_: Any) -> None:
+            self.checkpointer.wait_staged()
+
+        hooks = [self.optimizer.register_step_pre_hook(wait)] if self.optimizer is not None else []
+        if any(True for _ in self.model.buffers()):  # BatchNorm's running stats change in forward
+            hooks.append(self.model.register_forward_pre_hook(wait))
+        return hooks
+
+    # -- the end ---------------------------------------------------------------------------------
+
     def close(self) -> None:
         """Flush the save in flight and pending uploads (bounded), then stop the checkpointer's threads.
 
         Raises CheckpointSaveError when the last `max_failed_saves` saves failed (no later save
-        would have noticed)."""
+        would have noticed). A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
+        for hook in self._hooks:
+            hook.remove()
+        if self.sampler is not None and self.sampler.sample_log is not None:
+            self.sampler.sample_log.close()
         if not self.checkpointer.close(timedelta(minutes=5)):
             log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
                         self.checkpointer.last_error)
         self.checkpointer.check()
-        if self.sampler is not None and self.sampler.sample_log is not None:
-            self.sampler.sample_log.close()
 
     def final_digest(self) -> str:
         """The digest of the model's and optimizer's state (trainer.training_digest), also emitted as
@@ -361,12 +304,50 @@ class Resumable:
         emit("final_digest", step=self.step, digest=digest)
         return digest
 
+    def teardown(self, batches: Iterable[Any] | None = None, *, destroy_process_group: bool = True) -> str:
+        """End a finished run in the one order that cannot hang, and return the final digest: stop the
+        DataLoader workers of `batches` (the loader's iterator), save the last step (`save_final`),
+        close, digest, drop DDP's hold on the process group (trainer/ddp.py, "Teardown": the wrapper is
+        unusable afterwards), then destroy the process group (unless told not to)."""
+        shutdown = getattr(batches, "_shutdown_workers", None)  # what the iterator's __del__ would do
+        if callable(shutdown):
+            shutdown()
+        self.save_final()
+        self.close()
+        digest = self.final_digest()
+        if self.ddp is not None:
+            release_process_group(self.ddp)
+        if destroy_process_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        return digest
 
-# all_min votes on a checkpoint; the smallest wins.
-_USABLE = 1
-_UNREADABLE = 0  # this rank cannot read it, or its state is malformed: try an older step
-_NEWER_FORMAT = -2  # written by a newer elastic-train: stop
-_MISMATCH = -3  # does not fit this run's model, optimizer or data settings: stop
+
+def _rank_saved(step: int) -> None:
+    # On the writer thread, once this rank's files of `step` are written, before the commit.
+    faults.fire("save", step)
+
+
+def _checked_sampler(sampler: ElasticSampler | None, topology: Topology) -> ElasticSampler | None:
+    if sampler is not None and (sampler.rank, sampler.world_size) != (topology.rank, topology.world_size):
+        raise ValueError(f"the sampler is for rank {sampler.rank} of {sampler.world_size}, but this process is rank "
+                         f"{topology.rank} of {topology.world_size}; build ElasticSampler without rank and "
+                         "world_size (they default to this process's) or pass Resumable the same topology")
+    return sampler
+
+
+def _own_extras(extras: dict[str, Any] | None) -> dict[str, Any]:
+    if extras is not None and not isinstance(extras, dict):
+        raise ValueError(f"extras must be a dict (it is kept and updated in place), got {type(extras).__name__}")
+    extras = extras if extras is not None else {}
+    _check_json_able(extras)
+    return extras
+
+
+def _hint_unstable_layout(model: torch.nn.Module, world_size: int) -> None:
+    if world_size >= 3 and not layout_is_stable(model):
+        log.info("this DDP rebuilds its gradient buckets after its first iteration, so with %d ranks the first "
+                 "step after a resume rounds differently from an uninterrupted run (resume stays correct, "
+                 "not bitwise); wrap the model with trainer.wrap_ddp for bitwise resume", world_size)
 
 
 def _check_json_able(extras: dict[str, Any]) -> None:

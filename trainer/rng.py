@@ -22,8 +22,9 @@ except ImportError:  # numpy is optional
 def capture() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.uint32).view(np.int32)).clone(),
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        words = np.asarray(keys, dtype=np.uint32).view(np.int32)
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(words).clone(),
                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     if torch.cuda.is_available():
         state["cuda"] = list(torch.cuda.get_rng_state_all())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -64,8 +64,7 @@ def check_state(
                                      "resume without one, or start from a fresh --ckpt-dir")
         sampler.check_state(state["data"])
     if optimizer is not None:
-        saved = state.get("optimizer")
-        _check_optimizer_fits(optimizer, saved)
+        saved = _check_optimizer_fits(optimizer, state.get("optimizer"))
         saved_names = state.get("param_names")
         if saved_names is not None:
             _check_param_order(param_names(model, optimizer), saved_names)
@@ -138,7 +137,8 @@ def _check_optimizer_structure(saved: Any) -> None:
                                     "not a mapping")
 
 
-def _check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: Any) -> None:
+def _check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: Any) -> Mapping[str, Any]:
+    """`saved`, once it is known to fit `optimizer` (its structure was checked before)."""
     if saved is None:
         raise StateMismatchError("the checkpoint has no optimizer state but this run has an optimizer; "
                                  "start from a fresh --ckpt-dir")
@@ -156,7 +156,9 @@ def _check_optimizer_fits(optimizer: torch.optim.Optimizer, saved: Any) -> None:
                             f"{sorted(saved_keys - keys)}, only now {sorted(keys - saved_keys)}")
     if problems:
         raise StateMismatchError(f"the checkpoint's optimizer state does not fit this {type(optimizer).__name__}: "
-                                 + "; ".join(problems) + ". Resume with the same optimizer, or start from a fresh --ckpt-dir.")
+                                 + "; ".join(problems)
+                                 + ". Resume with the same optimizer, or start from a fresh --ckpt-dir.")
+    return saved
 
 
 def _check_param_order(names: list[list[str | None]], saved: Sequence[Sequence[str | None]]) -> None:
@@ -185,7 +187,7 @@ def _check_optimizer_tensors(optimizer: torch.optim.Optimizer, saved: Mapping[st
                     raise InvalidStateError(f"{where} has shape {tuple(value.shape)}, not one number")
 
 
-def _is_list(value: Any) -> bool:
+def _is_list(value: Any) -> TypeGuard[list[Any] | tuple[Any, ...]]:
     return isinstance(value, (list, tuple))
 
 

@@ -24,7 +24,7 @@ from tests.integration.tiny_job import TinyJob
 
 pytestmark = pytest.mark.integration
 
-STEPS, EVERY = 25, 5
+STEPS, EVERY = 23, 5  # not a multiple: the last step is saved at the end, not by the interval
 RNG_DEPENDENT = ("--dropout", "0.2", "--augment", "0.05")
 
 
@@ -34,22 +34,38 @@ def tiny(procs: Procs, work: Path, *extra: str, steps: int = STEPS, nproc: int =
                    *RNG_DEPENDENT, *extra, nproc=nproc, faults=faults, launcher=("--max-restarts", "2"))
 
 
-class Reference:
-    def __init__(self, job: TinyJob) -> None:
-        self.job = job
-        self.ckpt = job.events_dir.parent / "ckpt"
-        self.digest = job.digest()
+RANDOM_KILLS = [(0, 0), (1, 2)]
+"""(seed of the kill's random step and rank, DataLoader workers) of each run killed at a random step."""
+
+
+def random_kill(seed: int) -> Fault:
+    rng = random.Random(seed)
+    step, rank = rng.randrange(1, STEPS), rng.randrange(2)
+    return Fault(point="step", step=step, rank=rank)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinyJob]]:
+    """The uninterrupted reference run and the runs with injected faults, started side by side (each is
+    mostly start-up and rendezvous, not compute) and shared by the tests below."""
     procs = Procs()
     try:
-        job = tiny(procs, tmp_path_factory.mktemp("ref"))
-        job.finish()
-        yield Reference(job)
+        started = {
+            "reference": tiny(procs, tmp_path_factory.mktemp("ref")),
+            **{f"kill-{seed}": tiny(procs, tmp_path_factory.mktemp(f"kill{seed}"), "--num-workers", str(workers),
+                                    faults=(random_kill(seed),)) for seed, workers in RANDOM_KILLS},
+            "in-save": tiny(procs, tmp_path_factory.mktemp("insave"), faults=(Fault(point="save", step=15, rank=0),)),
+        }
+        for job in started.values():
+            job.finish(timeout=240)
+        yield started
     finally:
         procs.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference(jobs: dict[str, TinyJob]) -> str:
+    return jobs["reference"].digest()
 
 
 def assert_killed(job: TinyJob, *, point: str, step: int, rank: int) -> None:
@@ -58,21 +74,19 @@ def assert_killed(job: TinyJob, *, point: str, step: int, rank: int) -> None:
     assert job.events("worker_started", rank=rank, restart=1), job.out[-3000:]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("seed,workers", [(0, 0), (1, 2)])
+@pytest.mark.timeout(300)  # the first test waits for the shared jobs
+@pytest.mark.parametrize("seed,workers", RANDOM_KILLS)
 def test_worker_killed_at_a_random_step_resumes_bitwise(
-    procs: Procs, tmp_path: Path, reference: Reference, seed: int, workers: int
+    jobs: dict[str, TinyJob], reference: str, seed: int, workers: int
 ) -> None:
-    rng = random.Random(seed)
-    step, rank = rng.randrange(1, STEPS), rng.randrange(2)
-    job = tiny(procs, tmp_path, "--num-workers", str(workers), faults=(Fault(point="step", step=step, rank=rank),))
-    job.finish()
-    assert_killed(job, point="step", step=step, rank=rank)
-    committed = step - step % EVERY
+    job, fault = jobs[f"kill-{seed}"], random_kill(seed)  # it ran with --num-workers `workers`
+    assert fault.rank is not None
+    assert_killed(job, point="step", step=fault.step, rank=fault.rank)
+    committed = fault.step - fault.step % EVERY
     # Saves are asynchronous: a kill right after a save may land before that save is persisted,
     # and the run then resumes from the checkpoint before it (or starts fresh). Both end bitwise equal.
     assert job.resumed_from(restart=1) in {committed, max(committed - EVERY, 0)}, job.out[-3000:]
-    assert job.digest() == reference.digest
+    assert job.digest() == reference
 
 
 @pytest.mark.timeout(240)
@@ -90,20 +104,20 @@ def test_four_ranks_resume_bitwise(procs: Procs, tmp_path: Path) -> None:
     assert job.digest() == ref.digest()
 
 
-@pytest.mark.timeout(180)
-def test_kill_inside_a_checkpoint_write_resumes_bitwise(procs: Procs, tmp_path: Path, reference: Reference) -> None:
+@pytest.mark.timeout(300)
+def test_kill_inside_a_checkpoint_write_resumes_bitwise(jobs: dict[str, TinyJob], reference: str) -> None:
     # Rank 0 (the one that would write COMMIT) dies after its files of step 15 are on disk, before the commit.
-    job = tiny(procs, tmp_path, faults=(Fault(point="save", step=15, rank=0),))
-    job.finish()
+    job = jobs["in-save"]
     assert_killed(job, point="save", step=15, rank=0)
     assert job.resumed_from(restart=1) == 10  # the half-written step 15 was not restored
-    assert job.digest() == reference.digest
-    assert (tmp_path / "ckpt" / "step_000000000015" / "COMMIT").exists()  # written again, and committed, after the resume
+    assert job.digest() == reference
+    # Written again, and committed, after the resume.
+    assert (job.events_dir.parent / "ckpt" / "step_000000000015" / "COMMIT").exists()
 
 
 @pytest.mark.timeout(180)
 def test_external_sigkill_of_a_worker_resumes_to_identical_digest(
-    procs: Procs, tmp_path: Path, reference: Reference
+    procs: Procs, tmp_path: Path, reference: str
 ) -> None:
     job = tiny(procs, tmp_path, "--step-sleep", "0.05")
     assert job.proc.stdout is not None
@@ -125,15 +139,18 @@ def test_external_sigkill_of_a_worker_resumes_to_identical_digest(
     assert job.proc.returncode == 0, job.out[-3000:]
     assert killed_after is not None
     assert job.resumed_from(restart=1) in {5, 10, 15}, job.out[-3000:]
-    assert job.digest() == reference.digest
+    assert job.digest() == reference
 
 
-@pytest.mark.timeout(180)
-def test_restart_of_a_finished_job_resumes_at_the_end(procs: Procs, tmp_path: Path, reference: Reference) -> None:
+@pytest.mark.timeout(300)
+def test_restart_of_a_finished_job_resumes_at_the_end(
+    procs: Procs, tmp_path: Path, jobs: dict[str, TinyJob], reference: str
+) -> None:
     # The reference run is the finished job: it is restarted on a copy of its checkpoint directory.
-    shutil.copytree(reference.ckpt, tmp_path / "ckpt")
+    # Its last step (23, past the last interval save at 20) was saved at the end: nothing is redone.
+    shutil.copytree(jobs["reference"].events_dir.parent / "ckpt", tmp_path / "ckpt")
     job = tiny(procs, tmp_path)
     job.finish()
     assert job.resumed_from(restart=0) == STEPS
     assert not job.events("step")  # nothing is trained again
-    assert job.digest() == reference.digest
+    assert job.digest() == reference

@@ -1,12 +1,15 @@
-"""examples/train_gpt.py on CPU for 3 steps, then again on the same checkpoint directory.
+"""examples/train_gpt.py on CPU for 3 steps, resumed, and restarted once finished.
 
-The first run commits step 2 and ends after step 3 without saving it; the second resumes from
-step 2 and replays step 3. Both must end bit for bit the same: with fp16 autocast (GradScaler
-state), dropout (RNG), gradient accumulation and a DataLoader worker.
+With fp16 autocast (GradScaler state), dropout (RNG), gradient accumulation and a DataLoader worker:
+- an uninterrupted run of 3 steps (it saves step 2 and, at the end, step 3);
+- a run that fails once step 3 is done (step 2 committed, step 3 lost), then the same command again:
+  it resumes from step 2, replays step 3, and ends bit for bit like the uninterrupted run;
+- the finished uninterrupted run restarted: it resumes from step 3 and trains nothing again.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from core.events import EVENTS_DIR_ENV, read_events
+from core.faults import FAULTS_ENV, Fault, encode
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -21,24 +26,48 @@ pytestmark = pytest.mark.integration
 GPT = REPO / "examples" / "train_gpt.py"
 
 
-def gpt(ckpt: Path) -> str:
-    cmd = [sys.executable, str(GPT), "--device", "cpu", "--dtype", "fp16", "--steps", "3", "--ckpt-dir", str(ckpt),
-           "--ckpt-every", "2", "--global-batch", "8", "--max-micro-batch", "3", "--num-workers", "1",
-           "--layers", "1", "--d-model", "32", "--seq-len", "16", "--dataset-size", "64"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return done.stdout
+def gpt(work: Path, *, fail_after: int | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, str(GPT), "--device", "cpu", "--dtype", "fp16", "--steps", "3", "--ckpt-dir",
+           str(work / "ckpt"), "--ckpt-every", "2", "--global-batch", "8", "--max-micro-batch", "3",
+           "--num-workers", "1", "--layers", "1", "--d-model", "32", "--seq-len", "16", "--dataset-size", "64"]
+    env = {**os.environ, EVENTS_DIR_ENV: str(work / "events")}
+    if fail_after is not None:
+        env[FAULTS_ENV] = encode([Fault(point="step", step=fail_after, action="raise")])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def finish(proc: subprocess.Popen[str], *, ok: bool = True) -> str:
+    out, _ = proc.communicate(timeout=100)
+    assert (proc.returncode == 0) == ok, out[-3000:]
+    return out
+
+
+def events(work: Path, kind: str, *, since: float = 0.0) -> list[dict]:  # type: ignore[type-arg]
+    return [e for e in read_events(str(work / "events")) if e["event"] == kind and e["ts"] >= since]
 
 
 @pytest.mark.timeout(240)
 def test_gpt_example_runs_and_resumes_bitwise_on_cpu(tmp_path: Path) -> None:
-    first = gpt(tmp_path)
-    assert re.findall(r"^step=(\d+) loss=[\d.]+ lr=\S+ tok/s=\S+$", first, re.M) == ["1", "2", "3"]
-    assert re.search(r"^tokens_per_s=\d+ over 2 steps on 1 x cpu \(fp16\)$", first, re.M)
-    second = gpt(tmp_path)
-    assert "resumed from step 2" in second
-    assert re.findall(r"^step=(\d+) ", second, re.M) == ["3"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    first, failing = gpt(whole), gpt(cut, fail_after=3)  # side by side
+    out = finish(first)
+    assert re.findall(r"^step=(\d+) loss=[\d.]+ lr=\S+ tok/s=\S+$", out, re.M) == ["1", "2", "3"]
+    assert re.search(r"^tokens_per_s=\d+ over 2 steps on 1 x cpu \(fp16\)$", out, re.M)
+    (reference,) = [e["digest"] for e in events(whole, "final_digest")]
     loss3 = re.compile(r"^step=3 loss=(\S+) ", re.M)
-    assert loss3.findall(first) == loss3.findall(second)
-    digests = [re.findall(r"^final_digest=(\w+)$", out, re.M) for out in (first, second)]
-    assert digests[0] and digests[0] == digests[1]
+    assert loss3.findall(out)
+
+    finish(failing, ok=False)
+    assert [(e["point"], e["step"]) for e in events(cut, "fault")] == [("step", 3)]
+    assert not events(cut, "final_digest")
+    restarted = read_events(str(cut / "events"))[-1]["ts"]
+    second = finish(gpt(cut))
+    assert [e["step"] for e in events(cut, "resumed", since=restarted)] == [2]
+    assert re.findall(r"^step=(\d+) ", second, re.M) == ["3"]
+    assert loss3.findall(second) == loss3.findall(out)
+    assert [e["digest"] for e in events(cut, "final_digest")] == [reference]
+
+    again = finish(gpt(whole))  # the finished run restarted
+    assert [e["step"] for e in events(whole, "resumed")] == [0, 3]
+    assert not re.findall(r"^step=", again, re.M)
+    assert [e["digest"] for e in events(whole, "final_digest")] == [reference, reference]

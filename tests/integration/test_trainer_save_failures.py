@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, Procs
+from tests.conftest import Procs
+from tests.integration.tiny_job import TinyJob
 
 pytestmark = pytest.mark.integration
 
@@ -31,10 +32,8 @@ def test_unwritable_ckpt_dir_stops_the_job_naming_it(procs: Procs, tmp_path: Pat
                                                      block: Callable[[Path], str]) -> None:
     ckpt = tmp_path / "ckpt"
     cause = block(ckpt)
-    proc = procs.elastic_run("--nproc-per-node", "1", str(TINY), "--steps", "40", "--ckpt-dir", str(ckpt),
-                             "--ckpt-every", "2")
-    out, _ = proc.communicate(timeout=150)
-    assert proc.returncode != 0, out[-3000:]
-    assert "final_digest=" not in out, out[-3000:]  # stopped: did not train to the end uncheckpointed
+    job = TinyJob(procs, tmp_path, "--steps", "40", "--ckpt-dir", str(ckpt), "--ckpt-every", "2", nproc=1)
+    out = job.finish(timeout=150, ok=False)
+    assert not job.events("final_digest"), out[-3000:]  # stopped: did not train to the end uncheckpointed
     assert any(str(ckpt) in line and cause in line for line in out.splitlines()), out[-3000:]
     assert "free disk space" not in out.lower(), out[-3000:]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, Procs
+from core.faults import Fault
+from tests.conftest import Procs
+from tests.integration.tiny_job import TinyJob
 
 pytestmark = pytest.mark.integration
 
@@ -29,20 +30,11 @@ DATASET, BATCH, STEPS = 126, 12, 30  # 10 steps an epoch; 6 samples an epoch are
 RTOL = 1e-4
 
 
-def tiny(procs: Procs, nproc: int, steps: int, ckpt: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
-    return procs.elastic_run("--nproc-per-node", str(nproc), str(TINY), "--steps", str(steps), "--ckpt-dir", str(ckpt),
-                             "--ckpt-every", "5", "--dataset-size", str(DATASET), "--global-batch", str(BATCH),
-                             "--max-micro-batch", "4", "--dropout", "0", "--log-samples", str(log), *extra)
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-3000:]
-    return out
-
-
-def losses(out: str) -> dict[int, float]:
-    return {int(s): float(x) for s, x in re.findall(r"^step=(\d+) loss=(\S+)$", out, re.M)}  # a replayed step: the last
+def tiny(procs: Procs, nproc: int, steps: int, work: Path, ckpt: Path, *extra: str,
+         faults: tuple[Fault, ...] = (), launcher: tuple[str, ...] = ()) -> TinyJob:
+    return TinyJob(procs, work, "--steps", str(steps), "--ckpt-dir", str(ckpt), "--ckpt-every", "5",
+                   "--dataset-size", str(DATASET), "--global-batch", str(BATCH), "--max-micro-batch", "4",
+                   "--dropout", "0", *extra, nproc=nproc, faults=faults, samples=work / "samples", launcher=launcher)
 
 
 def batches(log: Path) -> dict[int, tuple[int, list[int]]]:
@@ -62,18 +54,30 @@ def batches(log: Path) -> dict[int, tuple[int, list[int]]]:
 
 
 @pytest.mark.timeout(240)
-def test_world_size_2_1_3_consumes_each_sample_once_and_follows_the_fixed_world_run(procs: Procs, tmp_path: Path) -> None:
-    reference = tiny(procs, 2, STEPS, tmp_path / "ref-ckpt", tmp_path / "ref-log")  # runs alongside phase 1
+def test_world_size_2_1_3_consumes_each_sample_once_and_follows_the_fixed_world_run(
+    procs: Procs, tmp_path: Path
+) -> None:
+    reference = tiny(procs, 2, STEPS, tmp_path / "ref", tmp_path / "ref-ckpt")  # runs alongside phase 1
     ckpt = tmp_path / "ckpt"
-    out1 = finish(tiny(procs, 2, 13, ckpt, tmp_path / "log1"))  # committed: 5, 10; steps 11-13 are lost
-    out2 = finish(tiny(procs, 1, 22, ckpt, tmp_path / "log2", "--num-workers", "2"))  # committed: 15, 20
-    assert "resumed from step 10" in out2 and "worker rank=0 world=1" in out2
-    out3 = finish(tiny(procs, 3, STEPS, ckpt, tmp_path / "log3"))
-    assert "resumed from step 20" in out3 and "worker rank=2 world=3" in out3
-    ref_out = finish(reference)
+    # A job that finishes saves its last step: phases 1 and 2 fail right after their last step instead,
+    # so that it is lost. Phase 1 commits 5, 10 and loses 11-13; phase 2 commits 15, 20 and loses 21-22.
+    stop = ("--max-restarts", "0")
+    phase1 = tiny(procs, 2, 13, tmp_path / "p1", ckpt, launcher=stop,
+                  faults=(Fault(point="step", step=13, action="raise"),))
+    phase1.finish(ok=False)
+    assert [e["step"] for e in phase1.events("fault")] == [13, 13]
+    phase2 = tiny(procs, 1, 22, tmp_path / "p2", ckpt, "--num-workers", "2", launcher=stop,
+                  faults=(Fault(point="step", step=22, action="raise"),))
+    phase2.finish(ok=False)
+    assert phase2.resumed_from(restart=0) == 10 and phase2.events("worker_started", rank=0, world=1)
+    phase3 = tiny(procs, 3, STEPS, tmp_path / "p3", ckpt)
+    phase3.finish()
+    assert phase3.resumed_from(restart=0) == 20 and phase3.events("worker_started", rank=2, world=3)
+    reference.finish()
 
     # The committed history: each phase up to where the next one resumed (later phases replace replays).
-    got = {**batches(tmp_path / "log1"), **batches(tmp_path / "log2"), **batches(tmp_path / "log3")}
+    got = {**batches(tmp_path / "p1" / "samples"), **batches(tmp_path / "p2" / "samples"),
+           **batches(tmp_path / "p3" / "samples")}
     assert sorted(got) == list(range(1, STEPS + 1))
     per_epoch: dict[int, list[int]] = defaultdict(list)
     for step, (epoch, ids) in got.items():
@@ -83,12 +87,13 @@ def test_world_size_2_1_3_consumes_each_sample_once_and_follows_the_fixed_world_
     for epoch, ids in per_epoch.items():
         assert len(ids) == len(set(ids)) == DATASET - DATASET % BATCH, f"epoch {epoch}: a sample twice or skipped"
         assert set(ids) <= set(range(DATASET))
-    assert got == batches(tmp_path / "ref-log")  # the same global batch at every step as the fixed-world run
+    assert got == batches(tmp_path / "ref" / "samples")  # the same global batch at every step as the fixed-world run
     # The lost steps 11-13 of phase 1 were replayed on the same samples by phase 2.
-    assert {s: b for s, b in batches(tmp_path / "log1").items() if s > 10} == {s: got[s] for s in (11, 12, 13)}
+    lost = {s: b for s, b in batches(tmp_path / "p1" / "samples").items() if s > 10}
+    assert lost == {s: got[s] for s in (11, 12, 13)}
 
-    curve = {**losses(out1), **losses(out2), **losses(out3)}
-    ref_curve = losses(ref_out)
+    curve = {**phase1.losses(), **phase2.losses(), **phase3.losses()}
+    ref_curve = reference.losses()
     assert sorted(curve) == sorted(ref_curve) == list(range(1, STEPS + 1))
     worst = max(abs(curve[s] - ref_curve[s]) / abs(ref_curve[s]) for s in ref_curve)
     assert worst <= RTOL, f"loss curve differs from the fixed-world run by rtol {worst:.2e}"

@@ -30,7 +30,7 @@ def make(tmp_path: Path, *, hidden: int = 8, every: int = 2) -> tuple[Resumable,
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     sampler = ElasticSampler(DataConfig(dataset_size=64, global_batch=8, seed=0))
-    run = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=every), model=model, optimizer=opt,
+    run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=every), model=model, optimizer=opt,
                     scheduler=sched, sampler=sampler, extras={"note": "x"})
     return run, model, opt, sampler
 
@@ -107,7 +107,7 @@ def test_model_mismatch_lists_the_keys(tmp_path: Path) -> None:
 
 def test_save_every_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="save_every"):
-        ResumeConfig(ckpt_dir=str(tmp_path), save_every=0)
+        ResumeConfig.at(str(tmp_path), save_every=0)
 
 
 def test_rng_dependent_model_resumes_bitwise_and_the_check_can_fail(tmp_path: Path) -> None:
@@ -144,12 +144,12 @@ def test_grad_scaler_and_extras_round_trip(tmp_path: Path) -> None:
     saved = {"scale": 77.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 2}
     scaler = torch.amp.GradScaler("cpu")
     scaler.load_state_dict(saved)
-    run = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=model, scaler=scaler,
+    run = Resumable(ResumeConfig.at(str(tmp_path), save_every=1), model=model, scaler=scaler,
                     extras={"tokens": 123, "phase": ["warmup", 1.5]})
     run.step_done(1)
     run.close()  # flush the asynchronous save
     fresh = torch.amp.GradScaler("cpu")
-    run2 = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=nn.Linear(2, 1), scaler=fresh)
+    run2 = Resumable(ResumeConfig.at(str(tmp_path), save_every=1), model=nn.Linear(2, 1), scaler=fresh)
     assert run2.restore() == 1
     assert fresh.state_dict() == saved
     assert run2.extras == {"tokens": 123, "phase": ["warmup", 1.5]}
@@ -157,8 +157,8 @@ def test_grad_scaler_and_extras_round_trip(tmp_path: Path) -> None:
 
 def test_extras_must_be_json_able(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="JSON-able"):
-        Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=nn.Linear(2, 1), extras={"t": torch.ones(1)})
-    run = Resumable(ResumeConfig(ckpt_dir=str(tmp_path), save_every=1), model=nn.Linear(2, 1))
+        Resumable(ResumeConfig.at(str(tmp_path), save_every=1), model=nn.Linear(2, 1), extras={"t": torch.ones(1)})
+    run = Resumable(ResumeConfig.at(str(tmp_path), save_every=1), model=nn.Linear(2, 1))
     run.extras["bad"] = {1, 2}
     with pytest.raises(ValueError, match="JSON-able"):
         run.step_done(1)
@@ -173,7 +173,7 @@ def test_other_data_settings_say_what_differs_and_change_nothing(tmp_path: Path,
     before = training_digest(other_model)
     settings = {"dataset_size": 64, "global_batch": 8, "seed": 0, field: value}
     sampler = ElasticSampler(DataConfig(**settings))
-    other = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2), model=other_model, sampler=sampler)
+    other = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=2), model=other_model, sampler=sampler)
     with pytest.raises(StateMismatchError, match=f"{field}: checkpoint .*, now {value}"):
         other.restore()
     assert training_digest(other_model) == before  # checked before anything was loaded
@@ -185,7 +185,7 @@ def test_other_optimizer_class_is_named(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model2 = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
     sgd = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
-    other = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2), model=model2, optimizer=sgd)
+    other = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=2), model=model2, optimizer=sgd)
     with pytest.raises(StateMismatchError, match="SGD.*betas.*momentum"):
         other.restore()
 
@@ -212,7 +212,7 @@ def test_new_rank_gets_derived_deterministic_rng(tmp_path: Path) -> None:
 
     def restored_stream(rank: int) -> torch.Tensor:
         torch.manual_seed(1234)
-        r = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2),
+        r = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=2),
                       model=nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1)),
                       topology=Topology(rank=rank, world_size=3, local_rank=rank))
         assert r.restore() == 2
@@ -230,7 +230,7 @@ def test_init_from_starts_from_another_runs_checkpoint(tmp_path: Path) -> None:
     run.close()
     torch.manual_seed(1)
     tuned_model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
-    config = ResumeConfig(ckpt_dir=str(tmp_path / "b"), save_every=2, run_name="fine-tune",
+    config = ResumeConfig.at(str(tmp_path / "b"), save_every=2, run_name="fine-tune",
                           init_from=str(tmp_path / "a" / "ckpt"))
     tuned = Resumable(config, model=tuned_model, optimizer=torch.optim.Adam(tuned_model.parameters(), lr=0.1))
     assert tuned.restore() == 4

@@ -88,7 +88,7 @@ def test_malformed_newest_checkpoint_is_skipped_for_the_older_one(
     with caplog.at_level(logging.WARNING, logger="trainer"):
         assert run2.restore() == 2
     assert state_digest(run2.state()) == at_step_2  # all of step 2, nothing of step 4
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "trainer.resumable"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "trainer.agree"]
     assert "malformed state" in warning
     assert str(tmp_path / "ckpt" / "step_000000000004" / "rank_00000") in warning
     train(run2, model2, opt2, 2, 3)  # the optimizer steps: no bad state got into it
@@ -116,7 +116,7 @@ def test_reordered_optimizer_is_a_mismatch_not_damage(tmp_path: Path) -> None:
     model2 = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
     opt2 = torch.optim.Adam(list(model2.parameters())[::-1], lr=0.1)  # same optimizer, other parameter order
     before = state_digest({"model": model2.state_dict(), "optimizer": opt2.state_dict()})
-    other = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "ckpt"), save_every=2), model=model2, optimizer=opt2)
+    other = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=2), model=model2, optimizer=opt2)
     with pytest.raises(StateMismatchError, match="parameter order differs: group 0 position 0 is '0.weight'"):
         other.restore()
     assert state_digest({"model": model2.state_dict(), "optimizer": opt2.state_dict()}) == before
@@ -124,7 +124,7 @@ def test_reordered_optimizer_is_a_mismatch_not_damage(tmp_path: Path) -> None:
 
 
 def test_extras_is_the_callers_dict_saved_as_it_is_at_each_save(tmp_path: Path) -> None:
-    config = ResumeConfig(ckpt_dir=str(tmp_path), save_every=1)
+    config = ResumeConfig.at(str(tmp_path), save_every=1)
     mine: dict[str, Any] = {}
     run = Resumable(config, model=nn.Linear(2, 1), extras=mine)
     assert run.extras is mine
@@ -156,7 +156,7 @@ def make():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    return model, opt, Resumable(ResumeConfig(ckpt_dir=sys.argv[1], save_every=2), model=model, optimizer=opt)
+    return model, opt, Resumable(ResumeConfig.at(sys.argv[1], save_every=2), model=model, optimizer=opt)
 
 model, opt, run = make()
 run.restore()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from core.faults import FAULTS_ENV, Fault, InjectedFault, encode
 from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, train_loop, training_digest
 
 DATA = torch.randn(48, 4, generator=torch.Generator().manual_seed(3))
@@ -18,7 +19,7 @@ def build(root: Path, *, max_micro: int | None = 2) -> tuple[Resumable, nn.Modul
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sampler = ElasticSampler(DataConfig(dataset_size=48, global_batch=6, seed=4, max_micro_batch=max_micro))
-    run = Resumable(ResumeConfig(ckpt_dir=str(root), save_every=2), model=model, optimizer=opt, sampler=sampler)
+    run = Resumable(ResumeConfig.at(str(root), save_every=2), model=model, optimizer=opt, sampler=sampler)
     return run, model, opt, sampler
 
 
@@ -33,18 +34,33 @@ def step_fn(model: nn.Module, opt: torch.optim.Optimizer, sampler: ElasticSample
     return train_step
 
 
-def test_train_loop_resumes_where_it_stopped_and_ends_bitwise_equal(tmp_path: Path) -> None:
+def test_train_loop_resumes_where_it_stopped_and_ends_bitwise_equal(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     run, model, opt, sampler = build(tmp_path / "ref")
     assert train_loop(step_fn(model, opt, sampler, []), run, 7) == 7
     reference = training_digest(model, opt)
 
     run, model, opt, sampler = build(tmp_path / "cut")
-    train_loop(step_fn(model, opt, sampler, []), run, 5)  # step 4 committed, step 5 lost
+    with monkeypatch.context() as env:  # the job fails once step 5 is done: step 4 committed, step 5 lost
+        env.setenv(FAULTS_ENV, encode([Fault(point="step", step=5, action="raise")]))
+        with pytest.raises(InjectedFault):
+            train_loop(step_fn(model, opt, sampler, []), run, 7)
     calls: list[int] = []
     run, model, opt, sampler = build(tmp_path / "cut")
     assert train_loop(step_fn(model, opt, sampler, calls), run, 7) == 7
     assert calls == [4, 5, 6] and run.resumed_from == 4
     assert training_digest(model, opt) == reference
+
+
+def test_a_finished_train_loop_restarted_does_not_redo_its_tail(tmp_path: Path) -> None:
+    run, model, opt, sampler = build(tmp_path)
+    assert train_loop(step_fn(model, opt, sampler, []), run, 5) == 5  # saves 2, 4 and the last step, 5
+    finished = training_digest(model, opt)
+    calls: list[int] = []
+    run, model, opt, sampler = build(tmp_path)
+    assert train_loop(step_fn(model, opt, sampler, calls), run, 5) == 5
+    assert calls == [] and run.resumed_from == 5
+    assert training_digest(model, opt) == finished
 
 
 def test_train_loop_with_a_loader_matches_the_index_lists(tmp_path: Path) -> None:
@@ -79,6 +95,6 @@ def test_train_loop_closes_on_error_and_needs_a_sampler(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         train_loop(boom, run, 3)
     assert closed == [True]
-    bare = Resumable(ResumeConfig(ckpt_dir=str(tmp_path / "b"), save_every=1), model=nn.Linear(1, 1))
+    bare = Resumable(ResumeConfig.at(str(tmp_path / "b"), save_every=1), model=nn.Linear(1, 1))
     with pytest.raises(ValueError, match="sampler"):
         train_loop(boom, bare, 3)

@@ -18,7 +18,7 @@ def blocked_run(tmp_path: Path, max_failed_saves: int | None) -> Resumable:
     ckpt.mkdir()
     for step in range(1, 11):
         (ckpt / f"step_{step:012d}").write_text("x")
-    run = Resumable(ResumeConfig(ckpt_dir=str(ckpt), save_every=1, max_failed_saves=max_failed_saves),
+    run = Resumable(ResumeConfig.at(str(ckpt), save_every=1, max_failed_saves=max_failed_saves),
                     model=nn.Linear(2, 1))
     assert run.restore() == 0
     return run
