@@ -1,0 +1,213 @@
+"""Resumable's surface: ResumeConfig around a CheckpointConfig, events, the sample log, overlapped
+mode's hooks, the context manager, accumulate, save_final and teardown."""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckpt import CheckpointConfig, SharedConfig
+from core.events import EVENTS_DIR_ENV, read_events
+from core.faults import FAULTS_ENV, Fault, InjectedFault, encode
+from trainer import (
+    DataConfig,
+    ElasticSampler,
+    Resumable,
+    ResumeConfig,
+    Topology,
+    training_digest,
+    wrap_ddp,
+)
+from trainer.accumulate import accumulate
+from trainer.samples import SAMPLE_LOG_ENV
+
+DATA = torch.randn(24, 4, generator=torch.Generator().manual_seed(5))
+
+
+def build(root: Path, **options: Any) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    sampler = ElasticSampler(DataConfig(dataset_size=24, global_batch=6, seed=1, max_micro_batch=4))
+    run = Resumable(ResumeConfig.at(root, save_every=2, **options), model=model, optimizer=opt, sampler=sampler)
+    return run, model, opt, sampler
+
+
+def train(run: Resumable, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> int:
+    step = run.restore()
+    batches = iter(run.sampler.loader(DATA)) if run.sampler else iter(())
+    while step < steps:
+        opt.zero_grad()
+        for x, weight, sync in run.accumulate(batches):
+            with sync:
+                loss = model(x).pow(2).mean() * weight
+                loss.backward()
+        opt.step()
+        step += 1
+        run.step_done(step, loss=loss.detach())
+    return step
+
+
+def test_resume_config_holds_a_checkpoint_config_and_reaches_every_option(tmp_path: Path) -> None:
+    config = ResumeConfig.at(tmp_path, save_every=5, shared_url=str(tmp_path / "pfs"), run_name="job-1",
+                             mode="overlapped", if_busy="skip", checksum="crc32", keep_every=100)
+    assert isinstance(config.ckpt, CheckpointConfig) and config.ckpt_dir == str(tmp_path)
+    assert (config.ckpt.mode, config.ckpt.if_busy, config.ckpt.checksum, config.ckpt.keep_every) == \
+        ("overlapped", "skip", "crc32", 100)
+    assert config.ckpt.shared == SharedConfig(url=str(tmp_path / "pfs"), run_name="job-1")
+    full = ResumeConfig(ckpt=CheckpointConfig(local_dir=str(tmp_path), keep_last=1), save_every=3)
+    assert full.ckpt.keep_last == 1
+    with pytest.raises(TypeError, match="keep_lats is not a CheckpointConfig option"):
+        ResumeConfig.at(tmp_path, save_every=5, keep_lats=2)
+    with pytest.raises(ValueError, match="ResumeConfig.ckpt must be a ckpt.CheckpointConfig"):
+        ResumeConfig(ckpt=str(tmp_path), save_every=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not both"):
+        ResumeConfig.at(tmp_path, save_every=5, shared_url="x", shared=SharedConfig(url="y"))
+
+
+def test_the_worker_events_of_a_run_and_of_its_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EVENTS_DIR_ENV, str(tmp_path / "events"))
+    run, model, opt, _ = build(tmp_path / "ckpt")
+    with run:
+        train(run, model, opt, 3)
+        digest = run.teardown()
+    assert digest == training_digest(model, opt)
+    run, model, opt, _ = build(tmp_path / "ckpt")
+    with run:
+        assert train(run, model, opt, 3) == 3  # saved at the end: nothing to redo
+    got = [(e["event"], e.get("step")) for e in read_events(str(tmp_path / "events"))
+           if e["event"] in ("worker_started", "restored", "resumed", "step", "final_digest")]
+    assert got == [("worker_started", None), ("resumed", 0), ("step", 1), ("step", 2), ("step", 3),
+                   ("final_digest", 3), ("worker_started", None), ("restored", 3), ("resumed", 3)]
+    events = read_events(str(tmp_path / "events"))
+    (restored,) = [e for e in events if e["event"] == "restored"]
+    assert (restored["tier"], restored["source_rank"]) == ("local", 0)
+    assert restored["path"].startswith(str(tmp_path / "ckpt" / "step_000000000003"))
+    assert all(isinstance(e["loss"], float) for e in events if e["event"] == "step")
+    assert [e["digest"] for e in events if e["event"] == "final_digest"] == [digest]
+
+
+def test_the_sample_log_records_each_steps_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SAMPLE_LOG_ENV, str(tmp_path / "samples"))
+    run, model, opt, sampler = build(tmp_path / "ckpt")
+    probe = ElasticSampler(sampler.config)
+    expected = []
+    for step in range(1, 6):
+        expected.append({"step": step, "epoch": probe.epoch, "rank": 0, "ids": probe.indices()})
+        probe.advance()
+    with run:
+        train(run, model, opt, 5)  # through the loader, which prefetches ahead of the steps
+    (log,) = (tmp_path / "samples").glob("samples-w1-r0-c0-p*.jsonl")
+    assert [json.loads(line) for line in log.read_text().splitlines()] == expected
+
+
+def test_overlapped_mode_waits_for_the_copy_before_the_optimizer_step(tmp_path: Path) -> None:
+    run, model, opt, _ = build(tmp_path / "over", mode="overlapped")
+    waits = []
+    wait_staged = run.checkpointer.wait_staged
+    run.checkpointer.wait_staged = lambda *a: (waits.append(run.step), wait_staged(*a))  # type: ignore[method-assign]
+    with run:
+        train(run, model, opt, 4)
+    assert waits == [0, 1, 2, 3]  # before every optimizer step
+    overlapped = training_digest(model, opt)
+    run, model, opt, _ = build(tmp_path / "staged")
+    with run:
+        train(run, model, opt, 4)
+    assert training_digest(model, opt) == overlapped
+    restored = []
+    for root in ("over", "staged"):  # the same checkpoints, bit for bit
+        run, model, opt, _ = build(tmp_path / root)
+        with run:
+            assert run.restore() == 4
+        restored.append(training_digest(model, opt))
+    assert restored == [overlapped, overlapped]
+
+
+def test_the_context_manager_closes_and_lets_the_loops_error_through(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    run, model, opt, _ = build(tmp_path)
+    monkeypatch.setenv(FAULTS_ENV, encode([Fault(point="step", step=3, action="raise")]))
+    with pytest.raises(InjectedFault), run:
+        train(run, model, opt, 5)
+    assert run._closed
+    monkeypatch.delenv(FAULTS_ENV)
+    run, model, opt, _ = build(tmp_path)
+    with run:
+        assert run.restore() == 2  # step 2 was flushed on the way out; step 3 is lost
+
+
+def test_accumulate_weights_each_micro_batch_and_syncs_only_the_last() -> None:
+    sampler = ElasticSampler(DataConfig(dataset_size=40, global_batch=10, max_micro_batch=3), rank=1, world_size=3)
+    assert sampler.micro_batch_sizes == [2, 1]  # rank 1 of 3 takes 3 of 10 (remainder rule), in 2 micro-batches
+
+    class FakeDDP:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def no_sync(self) -> nullcontext[None]:
+            self.calls += 1
+            return nullcontext()
+
+    fake = FakeDDP()
+    got = list(accumulate(iter(["a", "b", "c"]), sampler, fake))  # type: ignore[arg-type]
+    assert [(b, w) for b, w, _ in got] == [("a", 2 * 3 / 10), ("b", 1 * 3 / 10)]
+    assert fake.calls == 1 and isinstance(got[1][2], nullcontext)
+    with pytest.raises(ValueError, match="ran out after 1 of the 2 micro-batches"):
+        list(accumulate(iter(["a"]), sampler))
+
+
+def test_save_final_saves_the_tail_once(tmp_path: Path) -> None:
+    run, model, opt, _ = build(tmp_path)
+    with run:
+        train(run, model, opt, 3)
+        assert run.save_final() is True and run.save_final() is False
+    run, model, opt, _ = build(tmp_path)
+    with run:
+        assert run.restore() == 3 and run.save_final() is False
+
+
+def test_the_sampler_takes_its_place_from_the_job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sampler = ElasticSampler(DataConfig(dataset_size=24, global_batch=6))
+    assert (sampler.rank, sampler.world_size) == (1, 2)
+    with pytest.raises(ValueError, match="the sampler is for rank 0 of 1, but this process is rank 1 of 2"):
+        Resumable(ResumeConfig.at(tmp_path, save_every=2), model=nn.Linear(4, 1),
+                  sampler=ElasticSampler(DataConfig(dataset_size=24, global_batch=6), rank=0, world_size=1))
+    assert Topology.from_env() == Topology(rank=1, world_size=2, local_rank=0)
+
+
+def test_teardown_ends_the_process_group_after_the_digest(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        ddp = wrap_ddp(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = ElasticSampler(DataConfig(dataset_size=24, global_batch=6))
+        with Resumable(ResumeConfig.at(tmp_path / "ckpt", save_every=10), model=ddp, optimizer=opt,
+                       sampler=sampler) as run:
+            step = run.restore()
+            batches = iter(sampler.loader(DATA))
+            while step < 3:
+                for x, weight, sync in run.accumulate(batches):
+                    with sync:
+                        (ddp(x).pow(2).mean() * weight).backward()
+                opt.step()
+                step += 1
+                run.step_done(step)
+            digest = run.teardown(batches)
+        assert not dist.is_initialized()
+        assert "reducer" not in ddp.__dict__ and "process_group" not in ddp.__dict__
+        assert digest == training_digest(model, opt)
+        assert (tmp_path / "ckpt" / "step_000000000003" / "COMMIT").exists()  # the last step, saved at the end
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
