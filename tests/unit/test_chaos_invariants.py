@@ -286,7 +286,7 @@ def test_an_unfinished_run_fails() -> None:
 
 
 def _records(log: Log, data: DataConfig, *, tamper: dict[int, list[int]] | None = None) -> list[smp.SampleRecord]:
-    """What train_tiny --log-samples writes: per worker pid, per step, each rank's slice of the global batch."""
+    """What the trainer's sample log holds: per worker pid, per step, each rank's slice of the global batch."""
     from trainer.data import ElasticSampler
 
     runs = ln.attempts(log.events)
