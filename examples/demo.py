@@ -7,6 +7,7 @@
 3. A summary: the kill, the restart, the step it resumed from, and whether the final digest
    equals the reference's (it must: same state, bit for bit).
 
+What happened is read from the workers' structured events (core/events.py), not from their output.
 The full logs go to demo-out/.
 """
 
@@ -21,10 +22,13 @@ import sys
 import time
 from pathlib import Path
 
+from core.events import EVENTS_DIR_ENV, read_events
+
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "demo-out"
 STEPS, EVERY, KILL_AT = 60, 10, 25
-SHOWN = re.compile(r"^(worker |resumed from|final_digest=|step=\d*[05] |fault:)|rendezvous: node|embedded etcd at|Worker group|restart worker group")
+SHOWN = re.compile(r"^(worker |resumed from|final_digest=|step=\d*[05] )|rendezvous: node|embedded etcd at|Worker group"
+                   r"|restart worker group")
 
 
 def launch(name: str, ckpt_dir: Path, kill_at: int | None) -> dict[str, object]:
@@ -34,40 +38,44 @@ def launch(name: str, ckpt_dir: Path, kill_at: int | None) -> dict[str, object]:
         "--steps", str(STEPS), "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(EVERY), "--step-sleep", "0.05",
     ]
     print(f"\n=== {name}: elastic-run --nproc-per-node 2 examples/train_tiny.py --steps {STEPS} --ckpt-every {EVERY}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO"}
-    result: dict[str, object] = {"killed": None, "resumed_from": None, "digest": None, "restarts": 0}
-    workers: dict[int, int] = {}
+    events_dir = OUT / f"{name}-events"  # what happened, from the workers' structured events
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO", EVENTS_DIR_ENV: str(events_dir)}
+    killed: int | None = None
     started = time.monotonic()
     with open(OUT / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
-                text = line.strip()
-                if m := re.match(r"worker rank=(\d+) world=\d+ pid=(\d+) restart=(\d+)", text):
-                    workers[int(m[1])] = int(m[2])
-                    result["restarts"] = max(int(result["restarts"]), int(m[3]))  # type: ignore[call-overload]
-                if m := re.match(r"resumed from step (\d+)", text):
-                    result["resumed_from"] = int(m[1])
-                if m := re.match(r"final_digest=(\w+)", text):
-                    result["digest"] = m[1]
-                if SHOWN.search(text):
-                    print(f"  {text[:160]}")
-                step = re.match(r"step=(\d+) ", text)
-                if kill_at is not None and result["killed"] is None and step and int(step[1]) >= kill_at and 1 in workers:
-                    victim = workers[1]
-                    print(f"  >>> demo: SIGKILL worker rank 1 (pid {victim}) after step {step[1]}")
-                    os.kill(victim, signal.SIGKILL)
-                    result["killed"] = int(step[1])
+                if SHOWN.search(line.strip()):
+                    print(f"  {line.strip()[:160]}")
+                if kill_at is None or killed is not None:
+                    continue
+                events = read_events(str(events_dir))
+                victim = [e["pid"] for e in events if e["event"] == "worker_started" and e.get("rank") == 1]
+                done = max((e["step"] for e in events if e["event"] == "step"), default=0)
+                if victim and done >= kill_at:
+                    print(f"  >>> demo: SIGKILL worker rank 1 (pid {victim[-1]}) after step {done}")
+                    os.kill(victim[-1], signal.SIGKILL)
+                    killed = done
             proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    result["exit_code"] = proc.returncode
-    result["seconds"] = round(time.monotonic() - started, 1)
-    return result
+    events = read_events(str(events_dir))
+    resumed = [e["step"] for e in events if e["event"] == "resumed" and e.get("rank") == 0 and e.get("restart")]
+    digests = [e["digest"] for e in events if e["event"] == "final_digest" and e.get("rank") == 0]
+    return {
+        "killed": killed,
+        "resumed_from": resumed[0] if resumed else None,
+        "digest": digests[-1] if digests else None,
+        "restarts": max((e.get("restart", 0) for e in events if e["event"] == "worker_started"), default=0),
+        "exit_code": proc.returncode,
+        "seconds": round(time.monotonic() - started, 1),
+    }
 
 
 def main() -> int:
@@ -77,10 +85,12 @@ def main() -> int:
     faulty = launch("with-kill", OUT / "ckpt-with-kill", kill_at=KILL_AT)
     same = reference["digest"] is not None and reference["digest"] == faulty["digest"]
     print("\n=== summary")
-    print(f"  reference run : exit {reference['exit_code']}, {reference['seconds']}s, final_digest={reference['digest']}")
+    print(f"  reference run : exit {reference['exit_code']}, {reference['seconds']}s, "
+          f"final_digest={reference['digest']}")
     print(f"  killed run    : exit {faulty['exit_code']}, {faulty['seconds']}s, final_digest={faulty['digest']}")
     print(f"  fault         : SIGKILL of worker rank 1 after step {faulty['killed']}")
-    print(f"  recovery      : worker group restarted {faulty['restarts']} time(s), resumed from step {faulty['resumed_from']}")
+    print(f"  recovery      : worker group restarted {faulty['restarts']} time(s), "
+          f"resumed from step {faulty['resumed_from']}")
     print(f"  digests equal : {same}")
     print(f"  logs          : {OUT}/")
     ok = same and faulty["killed"] is not None and faulty["resumed_from"] is not None and faulty["exit_code"] == 0
