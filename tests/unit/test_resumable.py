@@ -24,7 +24,9 @@ from trainer import (
 )
 
 
-def make(tmp_path: Path, *, hidden: int = 8, every: int = 2) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
+def make(
+    tmp_path: Path, *, hidden: int = 8, every: int = 2
+) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, hidden), nn.Dropout(0.2), nn.Linear(hidden, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)

@@ -69,7 +69,9 @@ def test_partial_last_batch_is_skipped() -> None:
 
 @pytest.mark.parametrize("global_batch,world,max_micro", [(32, 3, None), (32, 3, 4), (12, 1, 4), (12, 2, 4),
                                                           (12, 3, 4), (13, 5, 2), (7, 7, None), (30, 4, 3)])
-def test_world_size_rule_splits_every_global_batch_exactly(global_batch: int, world: int, max_micro: int | None) -> None:
+def test_world_size_rule_splits_every_global_batch_exactly(
+    global_batch: int, world: int, max_micro: int | None
+) -> None:
     cfg = DataConfig(dataset_size=100, global_batch=global_batch, seed=2, max_micro_batch=max_micro)
     samplers = [ElasticSampler(cfg, rank=r, world_size=world) for r in range(world)]
     # Contiguous rank slices in rank order make up the global batch; the first G % W ranks get one more.

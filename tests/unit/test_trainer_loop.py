@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, train_l
 DATA = torch.randn(48, 4, generator=torch.Generator().manual_seed(3))
 
 
-def build(root: Path, *, max_micro: int | None = 2) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
+def build(
+    root: Path, *, max_micro: int | None = 2
+) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -23,8 +27,10 @@ def build(root: Path, *, max_micro: int | None = 2) -> tuple[Resumable, nn.Modul
     return run, model, opt, sampler
 
 
-def step_fn(model: nn.Module, opt: torch.optim.Optimizer, sampler: ElasticSampler, calls: list[int]):  # type: ignore[no-untyped-def]
-    def train_step(step: int, micro_batches: list) -> None:  # type: ignore[type-arg]
+def step_fn(
+    model: nn.Module, opt: torch.optim.Optimizer, sampler: ElasticSampler, calls: list[int]
+) -> Callable[[int, list[Any]], None]:
+    def train_step(step: int, micro_batches: list[Any]) -> None:
         calls.append(step)
         opt.zero_grad()
         for batch in micro_batches:
