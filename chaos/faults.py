@@ -55,8 +55,8 @@ CATALOG: dict[str, FaultKind] = {
         FaultKind(name="restart-etcd", summary="stop every etcd member, wait, start them again on the same data",
                   target="none", restarts=False),
         FaultKind(name="corrupt-checkpoint",
-                  summary="flip bytes in one node's newest committed checkpoint, then SIGKILL a worker of that "
-                          "node so that the group must restore",
+                  summary="SIGKILL a worker of one node so that the group must restore, then flip bytes in "
+                          "that node's newest committed checkpoint",
                   target="node", restarts=True, lost_bound=2),
         FaultKind(name="shared-storage-outage", summary="make the shared tier fail for a while, then bring it back",
                   target="none", restarts=False, needs_shared_tier=True),

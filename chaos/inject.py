@@ -27,6 +27,7 @@ from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
+from core.deadline import Deadline
 from core.procfs import alive
 
 SHARED_FLAGS = ("--shared-url", "--shared-dir", "--shared")
@@ -201,22 +202,36 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
     node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
         return _no_node(fault)
-    step, step_dir = newest_committed(node.local_dir)
-    if step_dir is None:
+    if newest_committed(node.local_dir)[1] is None:
         return Injection(node.name, f"group rank {fault.target}",
                          skipped=f"{node.local_dir} holds no committed checkpoint yet")
-    flipped = {str(f): flip_bytes(f) for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
-    if not flipped:
-        return Injection(node.name, f"group rank {fault.target}", skipped=f"{step_dir} holds no safetensors file")
-    # Nobody reads a checkpoint until the group restores: make it restore, from this node's side.
+    # Nobody reads a checkpoint until the group restores: make it restore, from this node's side. The
+    # worker dies first, so that no newer save commits on this node between choosing the step and the
+    # restore (on a loaded machine the next checkpoint step can be a few steps, and so tenths of a
+    # second, away); its replacement starts seconds later, long after the bytes are flipped.
     workers = node.workers()
     killed = None
     if workers:
         killed = workers[0].pid
         to.ledger.record(killed, f"worker rank {workers[0].rank} of {node.name}")
         os.kill(killed, signal.SIGKILL)
+        _wait_gone(killed)
+    step, step_dir = newest_committed(node.local_dir)
+    if step_dir is None:  # the killed worker's retention took it: a restart with nothing to corrupt
+        return Injection(node.name, f"group rank {fault.target}", details={"killed_worker_pid": killed},
+                         skipped=f"{node.local_dir} holds no committed checkpoint any more")
+    flipped = {str(f): flip_bytes(f) for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
+    if not flipped:
+        return Injection(node.name, f"group rank {fault.target}", skipped=f"{step_dir} holds no safetensors file",
+                         details={"killed_worker_pid": killed})
     return Injection(node.name, f"group rank {fault.target}: step {step}",
                      {"files": flipped, "killed_worker_pid": killed}, corrupted_step=step)
+
+
+def _wait_gone(pid: int, timeout_s: float = 5.0) -> None:
+    deadline = Deadline.after(timeout_s)
+    while alive(pid) and not deadline.expired():
+        time.sleep(0.01)
 
 
 def newest_committed(local_dir: Path) -> tuple[int | None, Path | None]:

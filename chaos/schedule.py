@@ -7,7 +7,8 @@ Faults fire in the order given. The steps between the first checkpoint and the e
 one equal slot per fault, and each fault fires at a step drawn inside its slot. A fault fires only
 once the job has recovered from the previous one, at the first step at or past its `at_step`.
 `corrupt-checkpoint` is drawn a little after a checkpoint step (never on one), so that the newest
-checkpoint is committed and the next save is still a few steps away when the bytes are flipped.
+checkpoint is committed and the next save is still a few steps away when the node's worker is killed
+(the bytes are flipped once it is gone).
 """
 
 from __future__ import annotations
