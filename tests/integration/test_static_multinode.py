@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from elastic.etcd_server import free_port
+from tests.conftest import Procs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -40,11 +42,34 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def worker(tmp_path: Path) -> Path:
-    path = tmp_path / "worker.py"
-    path.write_text(WORKER)
-    return path
+@dataclass
+class Job:
+    port: int
+    procs: list[subprocess.Popen[str]]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
+    """The module's jobs, all started at once so their start-up (a torch import per process) overlaps;
+    each test waits for its own."""
+    worker = tmp_path_factory.mktemp("static") / "worker.py"
+    worker.write_text(WORKER)
+    procs = Procs()
+    started: dict[str, Job] = {}
+    try:
+        for init in ("env", "tcp"):
+            port = free_port()
+            url = "env://" if init == "env" else f"tcp://127.0.0.1:{port}"
+            started[init] = Job(port, [procs.elastic_run(
+                "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--nproc-per-node", "1", "--monitor-interval", "0.1", str(worker), url) for rank in range(2)])
+        port = free_port()
+        started["single"] = Job(port, [procs.elastic_run("--master-port", str(port), "--nproc-per-node", "2",
+                                                         "--monitor-interval", "0.1", str(worker),
+                                                         f"tcp://127.0.0.1:{port}")])
+        yield started
+    finally:
+        procs.cleanup()
 
 
 def _done_lines(output: str) -> list[dict[str, str]]:
@@ -59,13 +84,9 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> tuple[list[in
 
 
 @pytest.mark.parametrize("init", ["env", "tcp"])
-def test_two_static_nodes_finish(procs, worker: Path, init: str) -> None:
-    port = free_port()
-    url = "env://" if init == "env" else f"tcp://127.0.0.1:{port}"
-    nodes = [procs.elastic_run("--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port), "--nproc-per-node", "1", "--monitor-interval", "0.1",
-                               str(worker), url) for rank in range(2)]
-    rcs, out = _finish(nodes, timeout=120)
+def test_two_static_nodes_finish(jobs: dict[str, Job], init: str) -> None:
+    port = jobs[init].port
+    rcs, out = _finish(jobs[init].procs, timeout=120)
     assert rcs == [0, 0], out
     done = _done_lines(out)
     assert sorted(d["rank"] for d in done) == ["0", "1"], out
@@ -77,11 +98,8 @@ def test_two_static_nodes_finish(procs, worker: Path, init: str) -> None:
     assert "embedded etcd" not in out
 
 
-def test_single_node_tcp_init_at_the_given_master_port(procs, worker: Path) -> None:
-    port = free_port()
-    node = procs.elastic_run("--master-port", str(port), "--nproc-per-node", "2", "--monitor-interval", "0.1",
-                             str(worker), f"tcp://127.0.0.1:{port}")
-    rcs, out = _finish([node], timeout=120)
+def test_single_node_tcp_init_at_the_given_master_port(jobs: dict[str, Job]) -> None:
+    rcs, out = _finish(jobs["single"].procs, timeout=120)
     assert rcs == [0], out
     done = _done_lines(out)
     assert len(done) == 2 and {d["sum"] for d in done} == {"3"}, out
