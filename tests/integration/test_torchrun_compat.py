@@ -156,8 +156,9 @@ def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tupl
     env.pop("OMP_NUM_THREADS", None)
     env["COMPAT_BASE_KEYS"] = json.dumps(sorted([*env, "COMPAT_OUT", "COMPAT_BASE_KEYS"]))
     futures: dict[str, tuple[Future[Job], Future[Job]]] = {}
+    first = ("static-2-nodes", "nnodes-min-max", "standalone")  # the longest jobs, so none is left to run alone
     with ThreadPoolExecutor(max_workers=3) as pool:
-        for case in cases:
+        for case in sorted(cases, key=lambda c: first.index(c.name) if c.name in first else len(first)):
             futures[case.name] = (
                 pool.submit(_run_job, case.elastic, workspace / "out" / case.name / "elastic", env, workspace),
                 pool.submit(_run_job, case.torchrun, workspace / "out" / case.name / "torchrun", env, workspace),
