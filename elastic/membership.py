@@ -1,6 +1,6 @@
-"""Node membership on etcd v3: one leased key per live agent.
+"""Node membership over a `RunStore` (etcd v3): one leased key per live agent.
 
-An agent registers `/<prefix>/<run_id>/nodes/<node_id>` under a lease and a keep-alive thread holds
+An agent registers `RunKeys.node(node_id)` (`elastic/keys.py`) under a lease and a keep-alive thread holds
 the lease. When the agent dies, the lease expires and etcd deletes the key, so "who is alive" is a
 range read (or a watch) away, never a guess based on timeouts of collectives. In a run with a join
 token the record carries this node's proof of the token (`elastic/admission.py`), bound to the lease.

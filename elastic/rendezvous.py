@@ -1,9 +1,12 @@
 """The `etcd-v3` rendezvous handler for torch.distributed.elastic (and so for torchrun and elastic-run).
 
 This module is the thin I/O shell around the pure protocol in `elastic/round.py`:
-read the run's keys, decide, compare-and-set on mod_revision, or wait on a watch, all under one
-deadline. Once a round closes, the rank-0 node hosts a fresh TCPStore for the round and publishes
-its address in etcd under its own lease; the agent and the workers use that store (torchrun's
+read the run's keys, decide, compare-and-set the round state on its token, or wait on a watch, all
+under one deadline. It speaks to a `RunStore` (`elastic/run_store.py`: etcd v3 in production, an
+in-memory fake in tests), never to etcd itself.
+
+Once a round closes, the rank-0 node hosts a fresh TCPStore for the round and publishes its address
+in the store under its own lease; the agent and the workers use that TCPStore (torchrun's
 `use_agent_store` contract), so worker scripts run unchanged.
 """
 
