@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from core.procfs import descendants, kill_tree
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer
 from elastic.membership import run_prefix
-from elastic.proctree import descendants, kill_tree
 from elastic.round import RoundState
 
 REPO = Path(__file__).resolve().parent.parent
