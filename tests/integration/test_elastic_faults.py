@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from core.events import EVENTS_DIR_ENV, read_events
+from core.procfs import alive, descendants  # a zombie (dead, not yet reaped) counts as gone
 from elastic.etcd_server import EtcdCluster, EtcdServer, EtcdServerConfig
-from elastic.proctree import descendants
 from tests.conftest import REPO, TINY, Procs
 
 pytestmark = pytest.mark.integration
@@ -68,15 +68,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, nodes: 
 
 def steps_at(nodes: list[Node], world: int, after: float = 0.0) -> int:
     return sum(1 for _, w, t in steps(nodes) if w == world and t > after)
-
-
-def alive(pid: int) -> bool:
-    """True for a live process; a zombie (dead, not yet reaped) counts as gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def agent(procs: Procs, endpoint: str, run_id: str, node: str, nnodes: str, *extra: str) -> Node:
