@@ -63,7 +63,10 @@ def test_strangers_get_no_rank_while_the_job_with_the_token_trains_on_and_a_node
         assert '"event": "round_closed"' not in stranger.text and '"event": "join"' not in stranger.text
     assert f"elastic-run: error: run '{run_id}' requires a join token; set $ELASTIC_JOIN_TOKEN or --rdzv-conf " \
            "join_token_file=PATH" in no_token.text
-    assert f"run '{run_id}' requires a join token, and this agent's is not the one the run was started with" in wrong_token.text
+    assert (
+        f"run '{run_id}' requires a join token, and this agent's is not the one the run was started with"
+        in wrong_token.text
+    )
     # They never registered, and the job did not notice them.
     nodes = run_prefix("elastic-train", run_id) + "nodes/"
     assert [m.key.decode()[len(nodes):] for _, m in client.raw.get_prefix(nodes)] == ["n0"]
@@ -93,7 +96,9 @@ def probe() -> Iterator[AcceptCounter]:
         p.close()
 
 
-def make_handler(etcd: EtcdServer, run_id: str, node: str, *, local_addr: str | None = "127.0.0.1") -> EtcdV3RendezvousHandler:
+def make_handler(
+    etcd: EtcdServer, run_id: str, node: str, *, local_addr: str | None = "127.0.0.1"
+) -> EtcdV3RendezvousHandler:
     params = RendezvousParameters(backend="etcd-v3", endpoint=etcd.endpoint, run_id=run_id, min_nodes=1, max_nodes=2,
                                   local_addr=local_addr, node_id=node, lease_ttl="2", join_timeout="20")
     return EtcdV3RendezvousHandler(RendezvousConfig.from_parameters(params))

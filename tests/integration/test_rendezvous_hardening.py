@@ -49,8 +49,8 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-KNOWN_KEYS = ("node_id", "prefix", "lease_ttl", "join_timeout", "last_call_timeout", "etcd_timeout", "cacert", "ca_cert",
-              "cert", "key", "user", "password", "password_file", "join_token_file")
+KNOWN_KEYS = ("node_id", "prefix", "lease_ttl", "join_timeout", "last_call_timeout", "etcd_timeout", "cacert",
+              "ca_cert", "cert", "key", "user", "password", "password_file", "join_token_file")
 READY = re.compile(r"READY node=(\S+) rank=(\d+) world=(\d+) restart=(\d+) pid=(\d+)")
 
 
@@ -259,9 +259,12 @@ def test_misspelled_rdzv_conf_key_exits_2_listing_the_known_keys_before_etcd_sta
 @pytest.mark.timeout(30)
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # torch's @record under pytest's capture
 @pytest.mark.parametrize(
-    "conf", ["lease_ttl=abc", "lease_ttl=-1", "lease_ttl=inf", "etcd_timeout=nan", "join_timeout=0", "last_call_timeout=1e999"]
+    "conf",
+    ["lease_ttl=abc", "lease_ttl=-1", "lease_ttl=inf", "etcd_timeout=nan", "join_timeout=0", "last_call_timeout=1e999"],
 )
-def test_bad_rdzv_conf_values_exit_2_naming_the_key(conf: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_rdzv_conf_values_exit_2_naming_the_key(
+    conf: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = tmp_path / "noop.py"
     script.write_text("pass\n")
     with pytest.raises(SystemExit) as exc:
