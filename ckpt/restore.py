@@ -247,7 +247,13 @@ class Restorer:
             )
         where = copy.tier.describe_rank(step, rank)
         return Restored(
-            step=step, state=state, rank=rank, own=rank == self.rank, tier=copy.tier.name, path=where, init_from=init_from
+            step=step,
+            state=state,
+            rank=rank,
+            own=rank == self.rank,
+            tier=copy.tier.name,
+            path=where,
+            init_from=init_from,
         )
 
     def _unusable(self, tier: Tier, step: int, rank: int, exc: CheckpointError, *, init_from: bool) -> None:

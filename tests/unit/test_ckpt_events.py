@@ -36,7 +36,10 @@ def test_a_commit_in_each_tier_is_a_ckpt_saved_event(tmp_path: Path, events: Pat
         c.save_async(3, {"x": torch.tensor(3)})
         c.wait_uploaded(WAIT)
     saved = ckpt_events(events)
-    assert [(e["event"], e["step"], e["tier"]) for e in saved] == [("ckpt_saved", 3, "local"), ("ckpt_saved", 3, "shared")]
+    assert [(e["event"], e["step"], e["tier"]) for e in saved] == [
+        ("ckpt_saved", 3, "local"),
+        ("ckpt_saved", 3, "shared"),
+    ]
     assert all(isinstance(e["seconds"], float) and e["seconds"] >= 0 for e in saved)
 
 
