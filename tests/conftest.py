@@ -16,7 +16,7 @@ import pytest
 from core.procfs import descendants, kill_tree
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer
-from elastic.membership import run_prefix
+from elastic.keys import RunKeys
 from elastic.round import RoundState
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
 
 
 def read_state(client: EtcdClient, run_id: str) -> RoundState | None:
-    value, _ = client.raw.get(run_prefix("elastic-train", run_id) + "rdzv/state")
+    value, _ = client.raw.get(RunKeys.of(run_id).state)
     return None if value is None else RoundState.from_json(value)
 
 
