@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml Makefile
 demo: venv
 	$(PY) examples/demo.py
 
+# One line-length rule (120, pyproject.toml) and a clean type check, enforced by `make test`.
 lint: venv
-	$(VENV)/bin/ruff check core elastic trainer ckpt tests examples bench
+	$(VENV)/bin/ruff check core elastic trainer ckpt chaos tests examples bench
+	$(VENV)/bin/mypy
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass.
 test: venv lint
@@ -38,4 +40,4 @@ bench: venv
 	$(PY) bench/ckpt_bench.py --device cpu --state-gb 1
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
