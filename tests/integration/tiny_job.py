@@ -47,9 +47,15 @@ class TinyJob:
         assert len({e["digest"] for e in found}) == 1, found
         return str(found[0]["digest"])
 
-    def resumed_from(self, *, restart: int) -> int:
-        """The step rank 0 of incarnation `restart` resumed from (0: a fresh start)."""
-        found = self.events("resumed", rank=0, restart=restart)
+    def resumed_from(self, *, restart: int | None = None) -> int:
+        """The step rank 0 of incarnation `restart` resumed from (0: a fresh start). None: the first
+        incarnation after a restart that got as far as its restore (under load a restarted group can
+        fail again before it, and the next one resumes)."""
+        found = self.events("resumed", rank=0)
+        if restart is None:
+            found = [e for e in found if e.get("restart", 0) >= 1][:1]
+        else:
+            found = [e for e in found if e.get("restart", 0) == restart]
         assert len(found) == 1, (found, self.out[-3000:])
         return int(found[0]["step"])
 
