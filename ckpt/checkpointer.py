@@ -45,7 +45,7 @@ from ckpt.errors import (
     CheckpointTimeoutError,
     SharedStorageError,
 )
-from ckpt.identity import DirectoryLock, RunIdentity, claim_directory, job_id
+from ckpt.identity import DirectoryLock, claim_directory, job_id
 from ckpt.local import LocalTier
 from ckpt.metrics import MetricsLog, SaveMetrics
 from ckpt.owner import SharedOwner, claim_shared_prefix
@@ -147,9 +147,15 @@ class Checkpointer:
             on_written=on_written,
         )
         self._staging = self._writer.staging
-        self._lock = DirectoryLock.acquire(self._local.root, run_name=config.run_name, job=job_id())
+        shared_uid = self._shared_uid()  # network I/O: before the guard, which other local ranks wait on
+        # The local ranks of one job share the directory lock: the identity in RUN.json is read or
+        # minted under the guard, so they all commit under one uid.
+        self._lock = DirectoryLock.acquire(
+            self._local.root, run_name=config.run_name, job=job_id(),
+            under_guard=lambda: self._claim_local(shared_uid),
+        )
         try:
-            self.identity = self._claim()
+            self._claim_shared()
         except BaseException:
             self._lock.release()
             raise
@@ -158,23 +164,27 @@ class Checkpointer:
             self._local, self._shared, rank=rank, identity=self.identity, config=config, pool=self._hash_pool
         )
 
-    def _claim(self) -> RunIdentity:
-        """This run's identity in tier 1 and (when reachable) tier 2; see ckpt/identity.py."""
-        shared_uid = None
-        if self._shared is not None:
-            try:
-                found = self._shared.read_identity()
-                shared_uid = found.uid if found is not None and found.name == self.config.run_name else None
-            except SharedStorageError as exc:
-                logger.warning("run identity of %s not read at start: %s", self._shared.url, exc)
-        identity = claim_directory(
+    # This run's identity in tier 1 and (when reachable) tier 2; see ckpt/identity.py.
+    def _shared_uid(self) -> str | None:
+        if self._shared is None:
+            return None
+        try:
+            found = self._shared.read_identity()
+        except SharedStorageError as exc:
+            logger.warning("run identity of %s not read at start: %s", self._shared.url, exc)
+            return None
+        return found.uid if found is not None and found.name == self.config.run_name else None
+
+    def _claim_local(self, shared_uid: str | None) -> None:
+        self.identity = claim_directory(
             self._local.root, self.config.run_name, committed=self._local.committed, shared_uid=shared_uid
         )
+
+    def _claim_shared(self) -> None:
         if self._shared is not None:
             self._owner = claim_shared_prefix(
-                self._shared, identity, run_name=self.config.run_name, writer=self.rank == 0, stop=self._stop
+                self._shared, self.identity, run_name=self.config.run_name, writer=self.rank == 0, stop=self._stop
             )
-        return identity
 
     @property
     def generation(self) -> str:

@@ -234,10 +234,17 @@ class DirectoryLock:
         self._fd: int | None = fd
 
     @staticmethod
-    def acquire(root: Path, *, run_name: str, job: str) -> DirectoryLock:
+    def acquire(
+        root: Path, *, run_name: str, job: str, under_guard: Callable[[], object] | None = None
+    ) -> DirectoryLock:
         """Lock `root` (created if missing) for this job. Raises CheckpointConflictError naming
         the other job when another live job holds it, CheckpointWriteError when `root` cannot
-        be a directory (the message says what to do)."""
+        be a directory (the message says what to do).
+
+        `under_guard()` runs once the lock is taken and before the guard is released: the local
+        ranks of one job share the lock, so anything they must not do at the same time (reading
+        or minting the run identity in RUN.json) belongs there. Keep it local and short: other
+        ranks wait for it on the guard."""
         if root.exists() and not root.is_dir():
             raise CheckpointWriteError(
                 f"{root} is a regular file, not a directory, so it cannot hold checkpoints: "
@@ -255,7 +262,10 @@ class DirectoryLock:
             _flock_with_deadline(guard, root)
             fd = _open_file(root / LOCK_FILE)
             try:
-                return DirectoryLock._take(root, fd, run_name=run_name, job=job)
+                lock = DirectoryLock._take(root, fd, run_name=run_name, job=job)
+                if under_guard is not None:
+                    under_guard()
+                return lock
             except BaseException:
                 os.close(fd)
                 raise

@@ -238,3 +238,50 @@ def test_two_live_jobs_cannot_share_a_shared_prefix(
         assert restored is not None and restored.step == 1
     fs.invalidate_cache()
     assert not fs.exists(f"{base}/run/{OWNER_FILE}")  # a clean close removes its own record
+
+
+def test_local_ranks_starting_together_share_one_run_identity(tmp_path, monkeypatch):
+    """The local ranks of one job share the directory lock; each reads RUN.json or mints the
+    identity. Unguarded, ranks that all find no RUN.json mint different uids, and the restarted
+    job then refuses its own checkpoints. A delay after the read (as on a loaded machine) makes
+    every rank read before any writes."""
+    import threading
+    import time
+
+    from ckpt import identity
+
+    read = identity.read_identity
+
+    def slow_read(root):
+        found = read(root)
+        time.sleep(0.2)
+        return found
+
+    monkeypatch.setattr(identity, "read_identity", slow_read)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    world = 4
+    start = threading.Barrier(world)
+    made: list[Checkpointer | BaseException] = [RuntimeError("not started")] * world
+
+    def rank(r: int) -> None:
+        start.wait(30)
+        try:
+            made[r] = Checkpointer(CheckpointConfig(local_dir=tmp_path, run_name="run"),
+                                   rank=r, world_size=world, local_world_size=world)
+        except BaseException as exc:  # reported by the assertion below
+            made[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    checkpointers = [c for c in made if isinstance(c, Checkpointer)]
+    try:
+        assert len(checkpointers) == world, made
+        assert len({c.identity.uid for c in checkpointers}) == 1
+        on_disk = json.loads((tmp_path / "RUN.json").read_text())
+        assert on_disk["run_uid"] == checkpointers[0].identity.uid
+    finally:
+        for c in checkpointers:
+            c.close()
