@@ -32,8 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from core.procfs import descendants, kill_tree  # noqa: E402
 from elastic.etcd_server import EtcdServer, free_port  # noqa: E402
-from elastic.proctree import descendants, kill_tree  # noqa: E402
 
 WORKER = REPO / "bench" / "recovery_worker.py"
 STEP = re.compile(r"step=(\d+) world=(\d+) t=([\d.]+)")

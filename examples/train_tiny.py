@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, wrap_ddp
-from trainer.samples import SAMPLE_LOG_ENV
 
 
 def show(line: str) -> None:
@@ -53,13 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--augment", type=float, default=0.0,
                    help="std of Gaussian noise added to the inputs, drawn from the torch RNG (0: none)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
-    # Deprecated: the chaos harness still passes it; it only sets the environment variable.
-    p.add_argument("--log-samples", default=None, metavar="DIR", help=f"deprecated: set {SAMPLE_LOG_ENV}=DIR instead")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows the demo down)")
-    args = p.parse_args()
-    if args.log_samples:
-        os.environ[SAMPLE_LOG_ENV] = args.log_samples
-    return args
+    return p.parse_args()
 
 
 class Samples(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
