@@ -18,8 +18,8 @@ Worker events (trainer/, ckpt/):
 - `restored`        step, tier ("local" | "shared"), source_rank (whose files), path
 - `resumed`         step (the first step this incarnation will run is step + 1; 0 = fresh start)
 - `step`            step (completed, 1-based), loss (float, optional)
-- `ckpt_saved`      step, tier ("local" | "shared"), seconds (optional)
-- `ckpt_skipped`    step, reason
+- `ckpt_saved`      step, tier ("local" | "shared"), seconds
+- `ckpt_skipped`    step, reason; from a restore that rejected a copy also tier, source_rank
 - `ckpt_failed`     step, tier, error
 - `fault`           point, step, action (the library fault injector, just before it acts)
 - `final_digest`    step, digest
