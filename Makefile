@@ -27,7 +27,7 @@ lint: venv
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass.
 test: venv lint
-	$(PY) -m pytest tests -q; rc=$$?; \
+	$(PY) -m pytest tests -q --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-unit: venv

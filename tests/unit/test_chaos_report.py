@@ -59,11 +59,11 @@ def test_a_failed_report_says_so(tmp_path: Path) -> None:
 
 
 def test_flipped_bytes_are_caught_by_the_checkpointer(tmp_path: Path) -> None:
-    ckpt = Checkpointer(CheckpointConfig(local_dir=str(tmp_path)), rank=0, world_size=1)
     state = {"w": torch.arange(256, dtype=torch.float32), "step": 5}
-    for step in (5, 10):
-        ckpt.save(step, state)
-        ckpt.commit(step)
+    with Checkpointer(CheckpointConfig(local_dir=str(tmp_path)), rank=0, world_size=1) as ckpt:
+        for step in (5, 10):
+            ckpt.save(step, state)
+            ckpt.commit(step)
     (tmp_path / "step_000000000015").mkdir()  # not committed: never the newest
     step, step_dir = newest_committed(tmp_path)
     assert step == 10 and step_dir is not None
