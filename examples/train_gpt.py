@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -58,8 +59,9 @@ def show(line: str) -> None:
     sys.stdout.flush()
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str | None) -> argparse.ArgumentParser:
+    """The flags of this example (examples/train_fsdp.py adds its own to them)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (node-local tier)")
     p.add_argument("--ckpt-every", type=int, default=50, help="save every K steps")
@@ -85,7 +87,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels where torch has them (always on for CPU); "
                         "needed for bitwise resume on CUDA")
-    args = p.parse_args()
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    p = build_parser(__doc__)
+    return checked_args(p, p.parse_args())
+
+
+def checked_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     if args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -110,19 +120,23 @@ class ProgressionTokens(Dataset[torch.Tensor]):
 
 
 class Block(nn.Module):
+    """Pre-norm attention + MLP. The rows of `qkv` are ordered (head, q|k|v, head dim), so that a
+    tensor-parallel shard of it (examples/train_fsdp.py) holds whole heads: the forward works on the
+    heads it has (`-1`), a full set or a TP rank's share."""
+
     def __init__(self, d: int, heads: int, dropout: float) -> None:
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.head_dim, self.dropout = d // heads, dropout
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -140,6 +154,16 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
+
+
+def lr_schedule(warm: int, total: int) -> Callable[[int], float]:
+    """The LR factor of step s: linear warm-up over `warm` steps, then cosine decay to 0.1 at `total`."""
+    def lr_factor(s: int) -> float:
+        if s < warm:
+            return min(1.0, (s + 1) / warm)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+
+    return lr_factor
 
 
 @dataclass
@@ -197,14 +221,7 @@ def main() -> None:
     ddp = wrap(model, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
-    warm, total = args.warmup, args.steps
-
-    def lr_factor(s: int) -> float:  # linear warm-up, then cosine decay to 0.1
-        if s < warm:
-            return min(1.0, (s + 1) / warm)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args.warmup, args.steps))
     amp_dtype = DTYPES[args.dtype]
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch, seed=args.seed,

@@ -7,10 +7,11 @@
             loss.backward()
     optimizer.step()
 
-Why: DDP all-reduces the gradients at every backward unless it runs under `no_sync()`; a step
-needs one all-reduce, on the last micro-batch. And each micro-batch's mean loss is weighted by
-`loss_weight(n) = n * W / G` (trainer/data.py), so that the gradient is the mean over the global
-batch whatever the world size, the micro-batch size and the remainder rule.
+Why: DDP all-reduces the gradients at every backward unless it runs under `no_sync()` (FSDP2
+reduce-scatters them unless told not to); a step needs one reduction, on the last micro-batch. And
+each micro-batch's mean loss is weighted by `loss_weight(n) = n * W / G` (trainer/data.py; W is the
+data-parallel degree), so that the gradient is the mean over the global batch whatever the world
+size, the micro-batch size and the remainder rule.
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.data import ElasticSampler
+from trainer.sharding import no_gradient_sync
 
 
-def accumulate(batches: Iterable[Any], sampler: ElasticSampler, ddp: DistributedDataParallel | None = None
-               ) -> Iterator[tuple[Any, float, AbstractContextManager[Any]]]:
+def accumulate(batches: Iterable[Any], sampler: ElasticSampler, ddp: DistributedDataParallel | None = None, *,
+               sharded: torch.nn.Module | None = None) -> Iterator[tuple[Any, float, AbstractContextManager[Any]]]:
     """Take this step's `sampler.accum_steps` micro-batches from `batches` (the loader's iterator, or
     a list of them) and yield each as (batch, loss weight, sync context). Run forward and backward of
-    a micro-batch inside its context: `ddp.no_sync()` for all but the last (nullcontext without DDP)."""
+    a micro-batch inside its context: `ddp.no_sync()` for all but the last (FSDP2's
+    `set_requires_gradient_sync(False)` for a `sharded` model; nullcontext without either)."""
     it = iter(batches)
     sizes = sampler.micro_batch_sizes
     for i, n in enumerate(sizes):
@@ -38,5 +42,9 @@ def accumulate(batches: Iterable[Any], sampler: ElasticSampler, ddp: Distributed
             raise ValueError(f"the batches ran out after {i} of the {len(sizes)} micro-batches of this step; "
                              "pass the iterator of sampler.loader(...), which never ends") from None
         last = i == len(sizes) - 1
-        sync: AbstractContextManager[Any] = ddp.no_sync() if ddp is not None and not last else nullcontext()
+        sync: AbstractContextManager[Any] = nullcontext()
+        if ddp is not None and not last:
+            sync = ddp.no_sync()
+        elif sharded is not None and not last:
+            sync = no_gradient_sync(sharded)
         yield batch, sampler.loss_weight(n), sync

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
 from trainer.errors import StateMismatchError
 from trainer.samples import SampleLog
+from trainer.sharding import Layout
 from trainer.topology import Topology
 
 
@@ -82,9 +84,19 @@ class ElasticSampler:
     `epoch` and `position` are the committed position: `advance()` (called by
     `Resumable.step_done`) moves them one global batch on. `rank` and `world_size` default to this
     process's place in the job (the initialised process group, else torchrun's RANK/WORLD_SIZE).
+    For a sharded model on a device mesh pass `mesh=` instead: `rank` and `world_size` are then this
+    process's data-parallel coordinate and degree (trainer/sharding.py), so that the ranks of one
+    tensor-parallel group read the same samples, and only one of them writes the sample log.
     """
 
-    def __init__(self, config: DataConfig, *, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, config: DataConfig, *, rank: int | None = None, world_size: int | None = None,
+                 mesh: DeviceMesh | None = None) -> None:
+        logs = True
+        if mesh is not None:
+            if rank is not None or world_size is not None:
+                raise ValueError("ElasticSampler: pass mesh= or rank=/world_size=, not both")
+            layout = Layout.of(mesh)
+            rank, world_size, logs = layout.dp_rank, layout.dp, layout.tp_rank == 0
         if rank is None or world_size is None:  # where this process sits: the process group, else torchrun's env
             here = Topology.from_env()
             rank = here.rank if rank is None else rank
@@ -113,8 +125,9 @@ class ElasticSampler:
         self._micro = [(start + a, start + b) for a, b in _split(stop - start, accum)]
         self.epoch = 0
         self.position = 0
-        self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size)
-        """The sample log (trainer/samples.py), when ELASTIC_SAMPLE_LOG_DIR turns it on."""
+        self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size) if logs else None
+        """The sample log (trainer/samples.py), when ELASTIC_SAMPLE_LOG_DIR turns it on (one writer per
+        data-parallel rank)."""
 
     @property
     def local_batch(self) -> int:

@@ -109,9 +109,27 @@ def derive(state: dict[str, Any], rank: int) -> None:
     """Seed every RNG of a rank that has no captured state of its own (it did not exist when the
     checkpoint was written) from `state` (another rank's capture) and `rank`: deterministic, and
     different for each rank."""
-    h = hashlib.sha256(state["torch"].numpy().tobytes())
-    h.update(rank.to_bytes(8, "little"))
-    seed = int.from_bytes(h.digest()[:8], "little") >> 1
+    _seed_all(_derived_seed(state["torch"].numpy().tobytes(), rank))
+
+
+def fingerprint(state: dict[str, Any]) -> int:
+    """A 63-bit number of a capture, for `derive_from`: the group agrees on one rank's."""
+    return int.from_bytes(hashlib.sha256(state["torch"].numpy().tobytes()).digest()[:8], "little") >> 1
+
+
+def derive_from(shared: int, index: int) -> None:
+    """Seed every RNG from `shared` (a capture's `fingerprint`, the same on every rank) and `index`: ranks
+    with the same index (the TP peers of one data-parallel rank) get the same streams, others different."""
+    _seed_all(_derived_seed(shared.to_bytes(8, "little"), index))
+
+
+def _derived_seed(source: bytes, index: int) -> int:
+    h = hashlib.sha256(source)
+    h.update(index.to_bytes(8, "little"))
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def _seed_all(seed: int) -> None:
     random.seed(seed)
     if np is not None:
         np.random.seed(seed % 2**32)

@@ -50,10 +50,15 @@ def check_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     sampler: ElasticSampler | None,
+    template: Mapping[str, Any] | None = None,
 ) -> None:
-    """Raise InvalidStateError or StateMismatchError (see the module docstring); change nothing."""
-    _check_structure(state)
-    model_state = model.state_dict()
+    """Raise InvalidStateError or StateMismatchError (see the module docstring); change nothing.
+
+    `template` (a sharded model's): this run's own state tree, to check against instead of `model`
+    and `optimizer` (its model and optimizer state are `get_state_dict`'s, keyed by parameter name;
+    a DTensor's shape is its global shape, which ckpt has checked against the saved one)."""
+    _check_structure(state, by_name=template is not None)
+    model_state = template["model"] if template is not None else model.state_dict()
     try:
         check_compatible(state["model"], model_state)
     except CheckpointMismatchError as exc:
@@ -63,7 +68,11 @@ def check_state(
             raise StateMismatchError("the checkpoint has no data position but this run has a sampler; "
                                      "resume without one, or start from a fresh --ckpt-dir")
         sampler.check_state(state["data"])
-    if optimizer is not None:
+    if optimizer is not None and template is not None:
+        saved = _check_optimizer_fits(optimizer, state.get("optimizer"))
+        _check_param_names(template["optimizer"]["param_groups"], saved["param_groups"])
+        _check_named_optimizer_tensors(model_state, saved)
+    elif optimizer is not None:
         saved = _check_optimizer_fits(optimizer, state.get("optimizer"))
         saved_names = state.get("param_names")
         if saved_names is not None:
@@ -71,7 +80,7 @@ def check_state(
         _check_optimizer_tensors(optimizer, saved)
 
 
-def _check_structure(state: Mapping[str, Any]) -> None:
+def _check_structure(state: Mapping[str, Any], *, by_name: bool = False) -> None:
     for key in ("model", "rng"):
         if key not in state:
             raise InvalidStateError(f"the state has no {key!r} entry")
@@ -95,9 +104,13 @@ def _check_structure(state: Mapping[str, Any]) -> None:
         if data["epoch"] < 0 or data["position"] < 0:
             raise InvalidStateError(f"'data' holds epoch {data['epoch']}, position {data['position']}: "
                                     "both must be >= 0")
+    layout = state.get("layout")
+    if layout is not None and not (_is_str_mapping(layout) and all(type(layout.get(k)) is int and layout[k] >= 1
+                                                                   for k in ("dp", "tp"))):
+        raise InvalidStateError(f"'layout' is {layout!r}, not a mapping of positive ints 'dp' and 'tp'")
     optimizer = state.get("optimizer")
     if optimizer is not None:
-        _check_optimizer_structure(optimizer)
+        _check_optimizer_structure(optimizer, by_name=by_name)
     names = state.get("param_names")
     if names is not None and not (_is_list(names) and all(
             _is_list(g) and all(n is None or isinstance(n, str) for n in g) for g in names)):
@@ -116,16 +129,18 @@ def _check_structure(state: Mapping[str, Any]) -> None:
             raise InvalidStateError(f"'extras' is not JSON-able: {exc}") from exc
 
 
-def _check_optimizer_structure(saved: Any) -> None:
+def _check_optimizer_structure(saved: Any, *, by_name: bool = False) -> None:
+    # by_name: get_state_dict's form, which keys parameters by name (str) instead of by position (int).
     if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping) \
             or not _is_list(saved.get("param_groups")):
         raise InvalidStateError("'optimizer' is not an optimizer state_dict (a mapping with 'state' and "
                                 "'param_groups')")
-    seen: set[int] = set()
+    key_type, what = (str, "names") if by_name else (int, "ids")
+    seen: set[int | str] = set()
     for i, group in enumerate(saved["param_groups"]):
         params = group.get("params") if _is_str_mapping(group) else None
-        if not _is_list(params) or not all(type(p) is int for p in params):
-            raise InvalidStateError(f"'optimizer' param_groups[{i}] has no list of int parameter ids")
+        if not _is_list(params) or not all(type(p) is key_type for p in params):
+            raise InvalidStateError(f"'optimizer' param_groups[{i}] has no list of parameter {what}")
         if seen & set(params) or len(set(params)) != len(params):
             raise InvalidStateError(f"'optimizer' param_groups[{i}] repeats a parameter id")
         seen |= set(params)
@@ -169,6 +184,32 @@ def _check_param_order(names: list[list[str | None]], saved: Sequence[Sequence[s
                     f"the optimizer's parameter order differs: group {i} position {j} is {then!r} in the "
                     f"checkpoint, {now!r} now. Build the optimizer's parameter groups in the same order, or "
                     "start from a fresh --ckpt-dir")
+
+
+def _check_param_names(groups: Sequence[Mapping[str, Any]], saved: Sequence[Mapping[str, Any]]) -> None:
+    for i, (group, saved_group) in enumerate(zip(groups, saved, strict=False)):
+        if list(group["params"]) != list(saved_group["params"]):
+            now, then = set(group["params"]), set(saved_group["params"])
+            detail = (f"only in the checkpoint {sorted(then - now)[:5]}, only now {sorted(now - then)[:5]}"
+                      if now != then else "the same names in another order")
+            raise StateMismatchError(f"the optimizer's parameter group {i} holds other parameters than the "
+                                     f"checkpoint's: {detail}. Build the optimizer's parameter groups as the saved "
+                                     "run did, or start from a fresh --ckpt-dir")
+
+
+def _check_named_optimizer_tensors(model_state: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    # Keyed by parameter name: state of the shape of its parameter (global shapes for DTensors).
+    for name, entry in saved["state"].items():
+        param = model_state.get(name)
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            where = f"'optimizer' state {key!r} of parameter {name!r}"
+            if key in _PARAM_SHAPED and isinstance(param, torch.Tensor) and value.shape != param.shape:
+                raise InvalidStateError(f"{where} has shape {tuple(value.shape)}; its parameter has "
+                                        f"{tuple(param.shape)}")
+            if key in _SCALAR and value.numel() != 1:
+                raise InvalidStateError(f"{where} has shape {tuple(value.shape)}, not one number")
 
 
 def _check_optimizer_tensors(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
