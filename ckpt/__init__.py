@@ -25,7 +25,9 @@ from ckpt.errors import (
     SharedStorageError,
 )
 from ckpt.metrics import SaveMetrics
+from ckpt.reshard import ShardMissingError
 from ckpt.restore import Restored
+from ckpt.sharding import ShardMismatchError
 from ckpt.tiers import TierName
 
 __all__ = [
@@ -45,6 +47,8 @@ __all__ = [
     "RetryConfig",
     "SaveMetrics",
     "SharedConfig",
+    "ShardMismatchError",
+    "ShardMissingError",
     "SharedStorageError",
     "TierName",
     "check_compatible",

@@ -371,7 +371,12 @@ class Checkpointer:
         return self._restorer.available_steps()
 
     def restore(
-        self, *, step: int | None = None, max_step: int | None = None, replicated: bool = True
+        self,
+        *,
+        step: int | None = None,
+        max_step: int | None = None,
+        replicated: bool = True,
+        into: Mapping[str, Any] | None = None,
     ) -> Restored | None:
         """Load the newest checkpoint this rank can read completely and intact; None if none.
 
@@ -381,9 +386,14 @@ class Checkpointer:
         shared one. A damaged copy is logged with the file's name and the next copy or older
         step is tried. CheckpointVersionError (written by a newer version) is raised. The
         policy in full: ckpt/restore.py.
+
+        Sharded states (DTensor leaves, ckpt/sharding.py) are resharded on load (ckpt/reshard.py):
+        each such leaf comes back as a new DTensor laid out like the DTensor at the same key path
+        of `into` (e.g. the state of the current model), or as the whole tensor when `into` has
+        none there. ShardMismatchError (another global shape) is raised, not skipped.
         """
         self._check_open()
-        return self._restorer.restore(step=step, max_step=max_step, replicated=replicated)
+        return self._restorer.restore(step=step, max_step=max_step, replicated=replicated, into=into)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CHUNK_BYTES = 64 << 20
@@ -28,6 +28,16 @@ CHUNK_BYTES = 64 << 20
 
 ALGORITHMS = ("sha256", "crc32")
 """Per-chunk digest algorithms this code writes and reads."""
+
+DIGEST_BYTES = {"sha256": 32, "crc32": 4}
+"""Size of one chunk digest."""
+
+RANGE_CHUNK_BYTES = 256 << 10
+"""Chunk size of the files of sharded states, whose manifests keep every chunk digest: a range read
+(resharding) reads at most one chunk more on each side of what it needs (ckpt/ranges.py)."""
+
+_CHUNKS_PER_TASK_BYTES = 16 << 20
+"""Small chunks are hashed in groups of about this many bytes per pool task."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,8 @@ class Checksum:
     algorithm: str
     chunk_bytes: int
     digest: str
+    chunks: bytes = field(default=b"", compare=False, repr=False)
+    """The chunk digests in order (their sha256 is `digest`); empty for a whole-file sha256."""
 
     @property
     def legacy(self) -> bool:
@@ -101,23 +113,39 @@ def digest_parts(
         return Checksum("sha256", 0, _chunk_digest("sha256", parts).hex())
     if chunk_bytes < 0:
         raise ValueError(f"chunk_bytes must be >= 0, got {chunk_bytes}")
-    chunks = _split(parts, chunk_bytes)
-    run: Callable[[list[memoryview]], bytes] = lambda pieces: _chunk_digest(algorithm, pieces)  # noqa: E731
-    if pool is None or len(chunks) == 1:
-        digests = [run(c) for c in chunks]
+    groups = _groups(_split(parts, chunk_bytes), chunk_bytes)
+    if pool is None or len(groups) == 1:
+        digests = [d for g in groups for d in _group_digests(algorithm, g)]
     else:
-        # `chunk_timeout` bounds the wait for each next chunk (raises TimeoutError): progress,
+        # `chunk_timeout` bounds the wait for each next group (raises TimeoutError): progress,
         # not the whole file, has a deadline, so a big file on a slow disk still verifies.
-        futures = [pool.submit(run, c) for c in chunks]
+        futures = [pool.submit(_group_digests, algorithm, g) for g in groups]
         try:
-            digests = [f.result(chunk_timeout) for f in futures]
+            digests = [d for f in futures for d in f.result(chunk_timeout)]
         finally:
             for f in futures:
                 f.cancel()
-    top = hashlib.sha256()
-    for d in digests:
-        top.update(d)
-    return Checksum(algorithm, chunk_bytes, top.hexdigest())
+    return _combine(algorithm, chunk_bytes, digests)
+
+
+def _groups(chunks: list[list[memoryview]], chunk_bytes: int) -> list[list[list[memoryview]]]:
+    """Consecutive chunks grouped into pool tasks of about _CHUNKS_PER_TASK_BYTES."""
+    per_task = max(1, _CHUNKS_PER_TASK_BYTES // chunk_bytes)
+    return [chunks[i : i + per_task] for i in range(0, len(chunks), per_task)]
+
+
+def _group_digests(algorithm: str, group: list[list[memoryview]]) -> list[bytes]:
+    return [_chunk_digest(algorithm, pieces) for pieces in group]
+
+
+def _combine(algorithm: str, chunk_bytes: int, digests: list[bytes]) -> Checksum:
+    chunks = b"".join(digests)
+    return Checksum(algorithm, chunk_bytes, hashlib.sha256(chunks).hexdigest(), chunks)
+
+
+def chunk_digest(algorithm: str, data: memoryview) -> bytes:
+    """The digest of one chunk (ckpt/ranges.py verifies range reads with it)."""
+    return _chunk_digest(algorithm, [data])
 
 
 class PendingDigest:
@@ -141,17 +169,13 @@ class PendingDigest:
             self._whole = pool.submit(digest_parts, parts, algorithm=algorithm, chunk_bytes=0)
             self._futures = [self._whole]
         else:
-            self._futures = [
-                pool.submit(_chunk_digest, algorithm, c) for c in _split(parts, chunk_bytes)
-            ]
+            groups = _groups(_split(parts, chunk_bytes), chunk_bytes)
+            self._futures = [pool.submit(_group_digests, algorithm, g) for g in groups]
 
     def result(self) -> Checksum:
         if self._whole is not None:
             return self._whole.result()
-        top = hashlib.sha256()
-        for f in self._futures:
-            top.update(f.result())
-        return Checksum(self._algorithm, self._chunk_bytes, top.hexdigest())
+        return _combine(self._algorithm, self._chunk_bytes, [d for f in self._futures for d in f.result()])
 
     def cancel(self) -> None:
         """Drop the chunks not started yet and wait for those running."""

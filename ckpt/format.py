@@ -15,11 +15,13 @@ Version 1 markers may carry the optional keys "generation", "run" and "manifests
 the asynchronous checkpointer); readers that predate them ignore them.
 """
 
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 """Newest manifest version this code reads. A manifest is written as version 1 when every file
 has a whole-file sha256 (the original format), as version 2 when a file carries a chunked
 checksum (`{"bytes", "checksum": {"algorithm", "chunk_bytes", "digest"}}`), so that an older
-reader says "upgrade" instead of "corrupt"."""
+reader says "upgrade" instead of "corrupt". Version 3 (sharded states, ckpt/sharding.py) adds a
+"shards" record, tensor "offset"s and the files' chunk digests ("checksum": {..., "chunks"}), so
+that a rank can read and verify only the byte ranges it needs."""
 
 
 def _reject_constant(name: str) -> Any:

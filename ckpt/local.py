@@ -27,9 +27,12 @@ from ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
+from ckpt.format import corrupt
 from ckpt.identity import RunIdentity, foreign
-from ckpt.layout import FETCH_PREFIX, TMP_PREFIX, Layout
-from ckpt.reader import load_rank_dir
+from ckpt.layout import FETCH_PREFIX, MANIFEST_FILE, TMP_PREFIX, Layout
+from ckpt.manifest import Manifest, resolve_file
+from ckpt.ranges import read_local_range
+from ckpt.reader import load_rank_dir, read_manifest
 from ckpt.safe_io import read_regular
 from ckpt.tiers import TierName, holds_rank
 
@@ -149,6 +152,18 @@ class LocalTier:
     @contextmanager
     def open_rank(self, step: int, rank: int, *, expected_manifest_sha256: str | None) -> Iterator[Path]:
         yield self.layout.rank_dir(step, rank)  # read in place
+
+    def read_manifest(self, step: int, rank: int, *, expected_sha256: str | None) -> Manifest:
+        path = self.layout.rank_dir(step, rank) / MANIFEST_FILE
+        return read_manifest(path, expected_sha256=expected_sha256, timeout=self._read_timeout)[0]
+
+    def read_range(self, step: int, rank: int, name: str, start: int, end: int) -> bytes:
+        rank_dir = self.layout.rank_dir(step, rank)
+        path = resolve_file(rank_dir, name, manifest_path=rank_dir / MANIFEST_FILE)
+        try:
+            return read_local_range(path, start, end, timeout=self._read_timeout)
+        except OSError as exc:
+            raise corrupt(path, f"file cannot be read ({exc})") from exc
 
     def load(self, step: int, rank: int, *, pool: Executor | None) -> dict[str, Any]:
         """Load rank `rank` of `step` committed here by this run, checking everything (see

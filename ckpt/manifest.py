@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import builtins
 import functools
+import hashlib
 import importlib.metadata
 import os
 import re
@@ -10,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt.checksum import ALGORITHMS, Checksum
+from ckpt.checksum import ALGORITHMS, DIGEST_BYTES, Checksum
 from ckpt.format import (
     MANIFEST_VERSION,
     check_format_version,
@@ -22,6 +26,7 @@ from ckpt.format import (
     get_str,
     loads_object,
 )
+from ckpt.sharding import ShardInfo, parse_shard_info
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _MAX_CHUNK_BYTES = 1 << 40
@@ -48,26 +53,29 @@ class FileEntry:
     bytes: int
     algorithm: str = "sha256"
     chunk_bytes: int = 0
+    chunk_digests: builtins.bytes = b""
+    """The chunk digests in order (sharded states, format 3): their sha256 is `digest`, and they let
+    a range read be verified chunk by chunk without reading the whole file (ckpt/ranges.py)."""
 
     @property
     def checksum(self) -> Checksum:
         return Checksum(self.algorithm, self.chunk_bytes, self.digest)
 
     @staticmethod
-    def of(checksum: Checksum, nbytes: int) -> FileEntry:
-        return FileEntry(checksum.digest, nbytes, checksum.algorithm, checksum.chunk_bytes)
+    def of(checksum: Checksum, nbytes: int, chunk_digests: builtins.bytes = b"") -> FileEntry:
+        return FileEntry(checksum.digest, nbytes, checksum.algorithm, checksum.chunk_bytes, chunk_digests)
 
     def to_json(self) -> dict[str, Any]:
         if self.checksum.legacy:
             return {"sha256": self.digest, "bytes": self.bytes}
-        return {
-            "bytes": self.bytes,
-            "checksum": {
-                "algorithm": self.algorithm,
-                "chunk_bytes": self.chunk_bytes,
-                "digest": self.digest,
-            },
+        checksum: dict[str, Any] = {
+            "algorithm": self.algorithm,
+            "chunk_bytes": self.chunk_bytes,
+            "digest": self.digest,
         }
+        if self.chunk_digests:
+            checksum["chunks"] = base64.b64encode(self.chunk_digests).decode("ascii")
+        return {"bytes": self.bytes, "checksum": checksum}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ class TensorEntry:
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int | None = None
+    """Where its bytes start in the file (format 3, sharded states: read by range)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,11 +105,16 @@ class Manifest:
     """The run name that wrote it (ckpt/identity.py); "" in manifests that predate run identity."""
     run_uid: str = ""
     """The run's uid in the tier-1 directory it was written to; "" when unknown."""
+    shards: dict[str, ShardInfo] = field(default_factory=dict)
+    """The DTensor leaves (ckpt/sharding.py), by tensor name; a leaf whose piece this rank wrote is
+    also in `tensors` under the same name."""
     format_version: int = 1
     package_version: str = field(default_factory=package_version)
 
     def to_bytes(self) -> bytes:
         needed = 1 if all(f.checksum.legacy for f in self.files.values()) else 2
+        if self.shards or any(f.chunk_digests for f in self.files.values()):
+            needed = 3
         obj: dict[str, Any] = {
             "format_version": max(self.format_version, needed),
             "package_version": self.package_version,
@@ -117,13 +132,18 @@ class Manifest:
             {
                 **obj,
                 "files": {name: f.to_json() for name, f in self.files.items()},
-                "tensors": {
-                    name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
-                    for name, t in self.tensors.items()
-                },
+                "tensors": {name: _tensor_json(t) for name, t in self.tensors.items()},
+                **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
                 "state": self.state,
             }
         )
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    obj: dict[str, Any] = {"file": t.file, "dtype": t.dtype, "shape": list(t.shape)}
+    if t.offset is not None:
+        obj["offset"] = t.offset
+    return obj
 
 
 def parse_manifest(data: bytes, *, path: Path) -> Manifest:
@@ -154,8 +174,12 @@ def parse_manifest(data: bytes, *, path: Path) -> Manifest:
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
             raise corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
-        tensors[name] = TensorEntry(file, get_str(entry, "dtype", path=path), tuple(shape))
+        offset = entry.get("offset")
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+            raise corrupt(path, f"tensor {name!r} has invalid offset {offset!r}")
+        tensors[name] = TensorEntry(file, get_str(entry, "dtype", path=path), tuple(shape), offset)
 
+    shards = _parse_shards(obj, tensors, path=path)
     optional = get_optional_strs(obj, "generation", "run", "run_uid", path=path)
     return Manifest(
         format_version=version,
@@ -166,8 +190,29 @@ def parse_manifest(data: bytes, *, path: Path) -> Manifest:
         world_size=world_size,
         files=files,
         tensors=tensors,
+        shards=shards,
         state=obj["state"],
     )
+
+
+def _parse_shards(obj: dict[str, Any], tensors: dict[str, TensorEntry], *, path: Path) -> dict[str, ShardInfo]:
+    shards: dict[str, ShardInfo] = {}
+    for name, entry in (get_object(obj, "shards", path=path) if "shards" in obj else {}).items():
+        info = shards[name] = parse_shard_info(name, entry, path=path)
+        stored = tensors.get(name)
+        if info.piece is None:
+            if stored is not None:
+                raise corrupt(path, f"sharded tensor {name!r} is stored but its piece is not described")
+            continue
+        if stored is None or stored.offset is None:
+            raise corrupt(path, f"the piece of sharded tensor {name!r} is not stored (or has no offset)")
+        if stored.shape != info.piece.sizes or stored.dtype != info.dtype:
+            raise corrupt(
+                path,
+                f"sharded tensor {name!r}: its piece is {info.dtype}{list(info.piece.sizes)} but the stored "
+                f"tensor is {stored.dtype}{list(stored.shape)}",
+            )
+    return shards
 
 
 def _parse_file_entry(name: str, entry: object, *, path: Path, version: int) -> FileEntry:
@@ -195,7 +240,27 @@ def _parse_file_entry(name: str, entry: object, *, path: Path, version: int) -> 
     digest = checksum.get("digest")
     if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
         raise corrupt(path, f"files entry {name!r} has invalid digest {digest!r}")
-    return FileEntry(digest, nbytes, algorithm, chunk_bytes)
+    chunks = b""
+    if "chunks" in checksum:
+        chunks = _parse_chunks(name, checksum["chunks"], entry=FileEntry(digest, nbytes, algorithm, chunk_bytes),
+                               path=path)
+    return FileEntry(digest, nbytes, algorithm, chunk_bytes, chunks)
+
+
+def _parse_chunks(name: str, value: object, *, entry: FileEntry, path: Path) -> bytes:
+    """The chunk digests of a files entry: as many as the file has chunks, and hashing to its digest."""
+    if not isinstance(value, str):
+        raise corrupt(path, f"files entry {name!r} has chunks {type(value).__name__}, expected base64")
+    try:
+        raw = base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise corrupt(path, f"files entry {name!r} has malformed chunk digests ({exc})") from exc
+    count = max(1, -(-entry.bytes // entry.chunk_bytes))
+    if len(raw) != count * DIGEST_BYTES[entry.algorithm]:
+        raise corrupt(path, f"files entry {name!r} has {len(raw)} bytes of chunk digests for {count} chunks")
+    if hashlib.sha256(raw).hexdigest() != entry.digest:
+        raise corrupt(path, f"files entry {name!r} has chunk digests that do not hash to its digest")
+    return raw
 
 
 def check_file_name(name: str, *, path: Path) -> None:

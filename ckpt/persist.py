@@ -39,6 +39,7 @@ from ckpt.identity import RunIdentity, foreign
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
 from ckpt.safe_io import read_regular
+from ckpt.sharding import ShardInfo
 
 _RECORD_TIMEOUT_S = 120.0
 
@@ -112,8 +113,12 @@ def persist_rank(
     chunk_bytes: int = CHUNK_BYTES,
     before_publish: Callable[[], None] | None = None,
     identity: RunIdentity | None = None,
+    shards: dict[str, ShardInfo] | None = None,
 ) -> WrittenRank:
     """Write the file bytes `parts` and a manifest as rank `rank` of `step`, durably, then publish.
+
+    With `shards` (a state with DTensor leaves, ckpt/sharding.py) the manifest also keeps every
+    chunk digest, so that resharding can verify the byte ranges it reads.
 
     `before_publish` runs once the files are fsynced, before the rename (fault injection).
     Raises CheckpointWriteError (after removing the partial directory) when the disk refuses.
@@ -158,8 +163,9 @@ def persist_rank(
             generation=generation,
             run=identity.name if identity else "",
             run_uid=identity.uid if identity else "",
-            files={STATE_FILE: FileEntry.of(result, nbytes)},
+            files={STATE_FILE: FileEntry.of(result, nbytes, result.chunks if shards else b"")},
             tensors=tensors,
+            shards=shards or {},
             state=skeleton,
         ).to_bytes()
         write_new_file(tmp / MANIFEST_FILE, manifest)

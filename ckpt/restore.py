@@ -22,7 +22,7 @@ The verified reading of one rank directory is ckpt/reader.py's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +34,9 @@ from ckpt.identity import RunIdentity
 from ckpt.init_source import open_source
 from ckpt.local import LocalTier
 from ckpt.reader import load_rank_dir
+from ckpt.reshard import StepFiles, load_sharded
 from ckpt.shared import SharedTier
-from ckpt.tiers import Tier, TierName
+from ckpt.tiers import Copy, Tier, TierName
 from core.events import emit
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,8 @@ class Restored:
     init_from: bool = False
     """Whether it came from CheckpointConfig.init_from (another run's checkpoint: a new run
     starts from its state) rather than from this run's own checkpoints."""
-
-
-@dataclass(frozen=True)
-class Copy:
-    """One tier's commit of one step."""
-
-    tier: Tier
-    marker: CommitMarker
+    bytes_read: int = 0
+    """Bytes of data files read (verified) for this restore; manifests and COMMITs excluded."""
 
 
 def ranks_to_try(
@@ -119,7 +114,9 @@ class Restorer:
                 logger.warning("shared tier not listed, restoring from the local tier only: %s", exc)
         return sorted(steps, reverse=True)
 
-    def restore(self, *, step: int | None, max_step: int | None, replicated: bool) -> Restored | None:
+    def restore(
+        self, *, step: int | None, max_step: int | None, replicated: bool, into: Mapping[str, Any] | None = None
+    ) -> Restored | None:
         """See Checkpointer.restore."""
         local = set(self.local.committed_steps())
         shared: dict[int, CommitMarker] = {}
@@ -145,7 +142,7 @@ class Restorer:
             if candidate in shared:
                 assert self.shared is not None
                 copies.append(Copy(self.shared, shared[candidate]))
-            restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False)
+            restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False, into=into)
             if restored is None:
                 continue
             if any(c.tier.name == restored.tier and c.marker.legacy for c in copies):
@@ -166,7 +163,7 @@ class Restorer:
         if candidates:
             logger.warning("no intact checkpoint among steps %s", candidates)
         elif self.config.init_from is not None and not (local or shared):
-            return self._restore_init(step=step, max_step=max_step, replicated=replicated)
+            return self._restore_init(step=step, max_step=max_step, replicated=replicated, into=into)
         return None
 
     def _local_commit(self, step: int) -> CommitMarker | None:
@@ -179,7 +176,9 @@ class Restorer:
             logger.warning("ignoring local step %d: %s", step, exc)
             return None
 
-    def _restore_init(self, *, step: int | None, max_step: int | None, replicated: bool) -> Restored | None:
+    def _restore_init(
+        self, *, step: int | None, max_step: int | None, replicated: bool, into: Mapping[str, Any] | None
+    ) -> Restored | None:
         """Load from config.init_from: this run has no checkpoint yet."""
         source, fixed = open_source(self.config)
         try:
@@ -194,7 +193,9 @@ class Restorer:
                 logger.warning("init_from %s: step %d is not committed there", source.url, fixed)
         for candidate in _select(candidates, step, max_step):
             marker = markers[candidate]
-            restored = self._restore_step(candidate, [Copy(source, marker)], replicated=replicated, init_from=True)
+            restored = self._restore_step(
+                candidate, [Copy(source, marker)], replicated=replicated, init_from=True, into=into
+            )
             if restored is not None:
                 logger.info(
                     "starting from another run's checkpoint: step %d (rank %d's part) of %s (run %r)",
@@ -207,12 +208,19 @@ class Restorer:
         return None
 
     def _restore_step(
-        self, step: int, copies: Sequence[Copy], *, replicated: bool, init_from: bool
+        self,
+        step: int,
+        copies: Sequence[Copy],
+        *,
+        replicated: bool,
+        init_from: bool,
+        into: Mapping[str, Any] | None,
     ) -> Restored | None:
         """Load `step` from the first intact copy, tiers in the order of `copies`; None if none is."""
         if not copies:
             return None
         nearby = sorted({r for c in copies for r in c.tier.ranks_here(step, c.marker)})
+        files = StepFiles(step, copies, run=None if init_from else self.identity.name)
         own = any(c.tier.has_rank(step, self.rank, c.marker) for c in copies)
         for rank in ranks_to_try(
             rank=self.rank,
@@ -225,12 +233,35 @@ class Restorer:
                 if not copy.tier.has_rank(step, rank, copy.marker):
                     continue
                 try:
+                    if files.is_sharded(rank):
+                        return self._load_sharded(files, step, rank, init_from=init_from, into=into)
                     return self._load(copy, step, rank, init_from=init_from)
                 except CheckpointVersionError:
                     raise
                 except CheckpointError as exc:
                     self._unusable(copy.tier, step, rank, exc, init_from=init_from)
+                    if files.is_sharded(rank):
+                        return None  # every tier was tried, and another part needs the same pieces
         return None
+
+    def _load_sharded(
+        self, files: StepFiles, step: int, rank: int, *, init_from: bool, into: Mapping[str, Any] | None
+    ) -> Restored:
+        """A sharded step (ckpt/reshard.py): rank `rank`'s part, every sharded leaf resharded into `into`."""
+        part = files.manifest(rank)
+        assert part is not None  # is_sharded read it
+        state = load_sharded(files, part, into=into)
+        holder = files.holders(rank)[0]
+        return Restored(
+            step=step,
+            state=state,
+            rank=rank,
+            own=rank == self.rank,
+            tier=holder.tier.name,
+            path=holder.tier.describe_rank(step, rank),
+            init_from=init_from,
+            bytes_read=files.bytes_read,
+        )
 
     def _load(self, copy: Copy, step: int, rank: int, *, init_from: bool) -> Restored:
         manifests = copy.marker.manifests

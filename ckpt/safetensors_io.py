@@ -59,6 +59,8 @@ for _name, _attr in (
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
 _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+DTYPES: Mapping[str, torch.dtype] = _DTYPES
+"""torch dtypes by safetensors name ("BF16", ...)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

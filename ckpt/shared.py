@@ -61,7 +61,8 @@ from ckpt.layout import (
     step_dir_name,
     temp_name,
 )
-from ckpt.manifest import parse_manifest
+from ckpt.manifest import Manifest, check_file_name, parse_manifest
+from ckpt.ranges import read_local_range
 from ckpt.reader import check_manifest_digest
 from ckpt.retry import call_with_retries
 from ckpt.safe_io import read_regular
@@ -391,18 +392,8 @@ class SharedTier:
         if self.is_local:
             yield Path(self.rank_path(step, rank))
             return
+        data, manifest = self._manifest(step, rank, expected_manifest_sha256)
         where = self.describe_rank(step, rank)
-        path = f"{self.rank_path(step, rank)}/{MANIFEST_FILE}"
-        data = self.call(f"read of {self.describe(path)}", self._cat, path)
-        manifest_url = Path(f"{where}/{MANIFEST_FILE}")
-        if data is None:
-            raise CheckpointCorruptError(
-                f"{manifest_url}: manifest is missing although step {step} is committed; "
-                f"restore an earlier step",
-                path=manifest_url,
-            )
-        check_manifest_digest(data, path=manifest_url, expected_sha256=expected_manifest_sha256)
-        manifest = parse_manifest(data, path=manifest_url)
         assert self.scratch is not None, "a SharedTier that downloads needs a scratch directory"
         self.scratch.mkdir(parents=True, exist_ok=True)
         fetch = self.scratch / f"{FETCH_PREFIX}{uuid.uuid4().hex}"
@@ -418,6 +409,32 @@ class SharedTier:
             yield fetch
         finally:
             remove_quietly(fetch)
+
+    def _manifest(self, step: int, rank: int, expected_sha256: str | None) -> tuple[bytes, Manifest]:
+        path = f"{self.rank_path(step, rank)}/{MANIFEST_FILE}"
+        data = self.call(f"read of {self.describe(path)}", self._cat, path)
+        manifest_url = Path(self.describe(path))
+        if data is None:
+            raise CheckpointCorruptError(
+                f"{manifest_url}: manifest is missing although step {step} is committed; "
+                f"restore an earlier step",
+                path=manifest_url,
+            )
+        check_manifest_digest(data, path=manifest_url, expected_sha256=expected_sha256)
+        return data, parse_manifest(data, path=manifest_url)
+
+    def read_manifest(self, step: int, rank: int, *, expected_sha256: str | None) -> Manifest:
+        return self._manifest(step, rank, expected_sha256)[1]
+
+    def read_range(self, step: int, rank: int, name: str, start: int, end: int) -> bytes:
+        path = f"{self.rank_path(step, rank)}/{name}"
+        check_file_name(name, path=Path(self.describe(f"{self.rank_path(step, rank)}/{MANIFEST_FILE}")))
+        if self.is_local:
+            try:
+                return read_local_range(Path(path), start, end, timeout=self._read_timeout)
+            except OSError as exc:
+                raise CheckpointCorruptError(f"{path}: file cannot be read ({exc})", path=path) from exc
+        return self.call(f"range read of {self.describe(path)}", self.fs.cat_file, path, start=start, end=end)
 
     def sweep_temp(self, committed: Collection[int]) -> None:
         """Nothing to sweep: objects are written whole by one PUT, and the temp file of a write on

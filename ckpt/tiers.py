@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
 from ckpt.commit import CommitMarker
+from ckpt.manifest import Manifest
 
 TierName = Literal["local", "shared"]
 """Tier 1 is "local", tier 2 "shared": the names in Restored.tier, logs and events."""
@@ -60,6 +62,16 @@ class Tier(Protocol):
         (the rank directory itself, or a verified download that is removed afterwards)."""
         ...
 
+    def read_manifest(self, step: int, rank: int, *, expected_sha256: str | None) -> Manifest:
+        """Rank `rank`'s manifest of `step`, checked against the COMMIT's sha256 of it. Raises
+        CheckpointCorruptError / CheckpointVersionError naming it."""
+        ...
+
+    def read_range(self, step: int, rank: int, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of rank `rank`'s data file `name` of `step` (unverified: see
+        ckpt/ranges.py). Raises CheckpointError (missing, timed out, tier 2 failing)."""
+        ...
+
     def describe_rank(self, step: int, rank: int) -> str:
         """Where rank `rank` of `step` lies, for messages and Restored.path."""
         ...
@@ -72,3 +84,11 @@ class Tier(Protocol):
         """Remove scratch left by crashed writes: inside the `committed` steps (never inside a
         step that may still be written) and at the root."""
         ...
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One tier's commit of one step."""
+
+    tier: Tier
+    marker: CommitMarker

@@ -24,6 +24,7 @@ from concurrent.futures import Executor
 from datetime import timedelta
 from typing import Any
 
+from ckpt.checksum import CHUNK_BYTES, RANGE_CHUNK_BYTES
 from ckpt.config import CheckpointConfig
 from ckpt.errors import (
     CheckpointError,
@@ -39,6 +40,7 @@ from ckpt.persist import WrittenRank, commit_if_complete, persist_rank
 from ckpt.replicator import Replicator, UploadJob
 from ckpt.safetensors_io import dtype_name
 from ckpt.save_policy import SaveFailures
+from ckpt.sharding import ShardInfo, split_sharded
 from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
 from ckpt.tree import flatten
 from core.deadline import Clock, Deadline
@@ -164,7 +166,8 @@ class LocalWriter:
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a Mapping, got {type(state).__name__}")
         self._check()
-        tensors, skeleton = flatten(state)
+        flat, skeleton = flatten(state)
+        tensors, shards = split_sharded(flat)  # a DTensor leaf: this rank's piece, if it writes one
         layout = self.staging.layout_for(tensors)
         replicated = self._replicator.last_replicated if self._replicator else None
         metrics = SaveMetrics(
@@ -195,10 +198,10 @@ class LocalWriter:
         pending = PendingSave(step, metrics, snapshot)
         if not overlapped:
             pending._staged.set()
-        entries = _tensor_entries(layout)
+        entries = _tensor_entries(layout, with_offsets=bool(shards))
         self._metrics.update(metrics, stall_s=time.monotonic() - started, status="persisting")
         self.last = pending
-        self.thread.submit(lambda: self._persist(pending, snapshot, entries, skeleton))
+        self.thread.submit(lambda: self._persist(pending, snapshot, entries, skeleton, shards))
         return pending
 
     def _busy_reason(self) -> str | None:
@@ -212,7 +215,7 @@ class LocalWriter:
 
     def prepare(self, state: Mapping[str, Any]) -> int:
         """See Checkpointer.prepare."""
-        tensors, _ = flatten(state)
+        tensors, _ = split_sharded(flatten(state)[0])
         if not self.thread.wait_idle(self.config.busy_timeout.total_seconds()):
             raise CheckpointTimeoutError(
                 f"a save still persists after busy_timeout {self.config.busy_timeout}; "
@@ -221,7 +224,12 @@ class LocalWriter:
         return self.staging.reserve(tensors).data_bytes
 
     def _persist(
-        self, pending: PendingSave, snapshot: HostSnapshot, entries: dict[str, TensorEntry], skeleton: Any
+        self,
+        pending: PendingSave,
+        snapshot: HostSnapshot,
+        entries: dict[str, TensorEntry],
+        skeleton: Any,
+        shards: dict[str, ShardInfo],
     ) -> None:
         metrics = pending.metrics
         try:
@@ -240,6 +248,8 @@ class LocalWriter:
                 tensors=entries,
                 skeleton=skeleton,
                 checksum=self.config.checksum,
+                chunk_bytes=RANGE_CHUNK_BYTES if shards else CHUNK_BYTES,
+                shards=shards,
                 pool=self._pool(),
                 before_publish=None if hook is None else lambda: hook(pending.step),
                 identity=self.identity,
@@ -298,9 +308,10 @@ class LocalWriter:
         return job
 
 
-def _tensor_entries(layout: StagingLayout) -> dict[str, TensorEntry]:
+def _tensor_entries(layout: StagingLayout, *, with_offsets: bool) -> dict[str, TensorEntry]:
+    prefix = len(layout.prefix)
     return {
-        s.name: TensorEntry(STATE_FILE, dtype_name(s.dtype), s.shape)
+        s.name: TensorEntry(STATE_FILE, dtype_name(s.dtype), s.shape, prefix + s.begin if with_offsets else None)
         for s in sorted(layout.slots, key=lambda s: s.name)
     }
 

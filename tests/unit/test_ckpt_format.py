@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 from ckpt.errors import CheckpointCorruptError, CheckpointVersionError
+from ckpt.format import MANIFEST_VERSION
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest, resolve_file
 from ckpt.safetensors_io import read_header, read_safetensors, write_safetensors
 
@@ -180,7 +181,7 @@ def test_manifest_roundtrip() -> None:
 
 
 def test_manifest_newer_format_version_raises_version_error() -> None:
-    data = json.dumps(_manifest(format_version=3, something_new=True)).encode()
+    data = json.dumps(_manifest(format_version=MANIFEST_VERSION + 1, something_new=True)).encode()
     with pytest.raises(CheckpointVersionError, match="manifest.json.*newer elastic-train.*upgrade"):
         parse_manifest(data, path=Path("manifest.json"))
 

@@ -1,0 +1,207 @@
+"""Sharded (DTensor) leaves of a state: what each rank writes of them and how it is described.
+
+A DTensor (FSDP2 `fully_shard`, tensor parallel, or both on a 2-D mesh) is a global tensor of which
+each rank holds one box: `compute_local_shape_and_global_offset` gives the box's global offsets
+and sizes, also for FSDP over TP (`_StridedShard`). A rank writes its box as a plain tensor under
+the leaf's name and records a `ShardInfo` in its manifest: the global shape, dtype, placements and
+mesh, and the box (`piece`). A box of a replicated mesh dim is held by several ranks; only the one
+whose coordinate is 0 on every Replicate dim writes it (`piece` None on the others), so replicated
+tensors are written once. Partial placements (pending reductions) cannot be saved.
+
+Restore (ckpt/reshard.py) rebuilds any other layout from the pieces of every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ckpt.format import corrupt
+from ckpt.safetensors_io import dtype_name
+
+
+class ShardMismatchError(ValueError):
+    """A sharded tensor of the checkpoint does not fit the state it is restored into (another
+    global shape): not a damaged checkpoint, so restore raises it instead of trying older steps."""
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box of a tensor in global coordinates."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common box, None when empty."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        hi = tuple(
+            min(a + s, b + t)
+            for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True)
+        )
+        if any(h <= low for low, h in zip(lo, hi, strict=True)) and lo:
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
+
+    def describe(self) -> str:
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes, strict=True)) + "]"
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"offsets": list(self.offsets), "sizes": list(self.sizes)}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """How one DTensor leaf was laid out when saved, and the piece this rank wrote (if any)."""
+
+    global_shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dims: tuple[str, ...]
+    piece: Box | None
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "global_shape": list(self.global_shape),
+            "dtype": self.dtype,
+            "placements": list(self.placements),
+            "mesh_shape": list(self.mesh_shape),
+            "mesh_dims": list(self.mesh_dims),
+        }
+        if self.piece is not None:
+            obj["piece"] = self.piece.to_json()
+        return obj
+
+
+def local_box(tensor: DTensor) -> Box:
+    """The box of `tensor` this rank holds (empty sizes are possible with uneven sharding)."""
+    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+
+def _writes_piece(tensor: DTensor, name: str) -> bool:
+    """Whether this rank is the one that writes its box (coordinate 0 on every Replicate dim)."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # not part of the mesh: holds nothing
+        return False
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            continue
+        if not isinstance(placement, Replicate):
+            raise TypeError(
+                f"tensor {name!r} has placement {placement} on mesh dim {dim}: a pending reduction "
+                f"cannot be checkpointed; reduce it first (e.g. redistribute to Replicate or Shard)"
+            )
+        if coordinate[dim] != 0:
+            return False
+    return True
+
+
+def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, ShardInfo]]:
+    """(the tensors this rank writes, the ShardInfo of every DTensor leaf).
+
+    Plain tensors pass through; a DTensor contributes its local box when this rank writes it and
+    it is not empty. Raises TypeError (naming the tensor) for a Partial placement."""
+    written: dict[str, torch.Tensor] = {}
+    shards: dict[str, ShardInfo] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, DTensor):
+            written[name] = tensor
+            continue
+        box = local_box(tensor)
+        mine = _writes_piece(tensor, name) and box.numel > 0
+        mesh = tensor.device_mesh
+        shards[name] = ShardInfo(
+            global_shape=tuple(int(s) for s in tensor.shape),
+            dtype=dtype_name(tensor.dtype),
+            placements=tuple(str(p) for p in tensor.placements),
+            mesh_shape=tuple(int(s) for s in mesh.shape),
+            mesh_dims=tuple(mesh.mesh_dim_names or ()),
+            piece=box if mine else None,
+        )
+        if mine:
+            written[name] = tensor.to_local()
+    return written, shards
+
+
+# -- the manifest's "shards" record ----------------------------------------------------------------
+
+
+def _ints(value: object, *, minimum: int, what: str, path: Path) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+    ):
+        raise corrupt(path, f"{what} is {value!r}, expected a list of ints >= {minimum}")
+    return tuple(value)
+
+
+def _strs(value: object, *, what: str, path: Path) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise corrupt(path, f"{what} is {value!r}, expected a list of strings")
+    return tuple(value)
+
+
+def parse_shard_info(name: str, entry: object, *, path: Path) -> ShardInfo:
+    """One "shards" entry of a manifest; raises CheckpointCorruptError naming `path` and the tensor."""
+    if not isinstance(entry, dict):
+        raise corrupt(path, f"shards entry {name!r} is not an object")
+    shape = _ints(entry.get("global_shape"), minimum=0, what=f"global_shape of {name!r}", path=path)
+    dtype = entry.get("dtype")
+    if not isinstance(dtype, str):
+        raise corrupt(path, f"shards entry {name!r} has dtype {dtype!r}, expected a string")
+    piece = None
+    if "piece" in entry:
+        raw = entry["piece"]
+        if not isinstance(raw, dict):
+            raise corrupt(path, f"piece of {name!r} is not an object")
+        offsets = _ints(raw.get("offsets"), minimum=0, what=f"piece offsets of {name!r}", path=path)
+        sizes = _ints(raw.get("sizes"), minimum=1, what=f"piece sizes of {name!r}", path=path)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise corrupt(path, f"piece of {name!r} has {len(offsets)}-d offsets for a {len(shape)}-d tensor")
+        if any(o + s > g for o, s, g in zip(offsets, sizes, shape, strict=True)):
+            raise corrupt(path, f"piece {Box(offsets, sizes).describe()} of {name!r} lies outside its global shape "
+                                f"{list(shape)}")
+        piece = Box(offsets, sizes)
+    return ShardInfo(
+        global_shape=shape,
+        dtype=dtype,
+        placements=_strs(entry.get("placements", []), what=f"placements of {name!r}", path=path),
+        mesh_shape=_ints(entry.get("mesh_shape", []), minimum=1, what=f"mesh_shape of {name!r}", path=path),
+        mesh_dims=_strs(entry.get("mesh_dims", []), what=f"mesh_dims of {name!r}", path=path),
+        piece=piece,
+    )
+
+
+def check_tiling(name: str, global_shape: tuple[int, ...], pieces: Sequence[tuple[int, Box]], *, where: str) -> None:
+    """Raise ValueError unless `pieces` (rank, box) cover `global_shape` exactly once (no overlap, no gap)."""
+    for i, (rank_a, a) in enumerate(pieces):
+        for rank_b, b in pieces[i + 1 :]:
+            common = a.intersect(b)
+            if common is not None:
+                raise ValueError(
+                    f"tensor {name!r} of {where}: the pieces of rank {rank_a} {a.describe()} and rank {rank_b} "
+                    f"{b.describe()} overlap at {common.describe()}"
+                )
+    covered = sum(box.numel for _, box in pieces)
+    total = math.prod(global_shape)
+    if covered != total:
+        raise ValueError(
+            f"tensor {name!r} of {where}: its pieces cover {covered} of its {total} elements "
+            f"(global shape {list(global_shape)}): a piece is missing"
+        )

@@ -1,0 +1,191 @@
+"""Sharded (DTensor) checkpoints through the Checkpointer: save on a 2-D mesh, restore resharded.
+
+Real processes (torch.multiprocessing), real gloo groups, real files. Four ranks on two simulated
+nodes (ranks 0-1 write tier-1 dir A, ranks 2-3 dir B) save a 2-D (dp 2 x tp 2) state and upload it
+to a shared tier; then node B's tier-1 dir is deleted and
+- 3 ranks on a 1-D mesh restore it (the pieces of ranks 2-3 come from tier 2),
+- 2 ranks on a TP-only mesh restore it, and a template of another global shape is refused,
+- one process with no process group restores it into a plain (unsharded) state;
+- crafted input: a piece missing from every tier, and overlapping pieces, are skipped in favour of
+  the older step, with messages that name the tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ckpt import CheckpointConfig, Checkpointer, ShardMismatchError, SharedConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+RUN = "sharded-test"
+SHAPES = {"w": (10, 6), "bias": (7,), "rep": (3, 3)}
+
+
+def _full(name: str, step: int) -> torch.Tensor:
+    shape = SHAPES[name]
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float32).reshape(shape) + 1000 * step + 100 * len(name))
+
+
+def _config(local: Path, shared: Path | None) -> CheckpointConfig:
+    return CheckpointConfig(
+        local_dir=str(local), run_name=RUN, shared=None if shared is None else SharedConfig(url=shared.as_uri())
+    )
+
+
+def _state(step: int, mesh: Any, placements: dict[str, Any], rank: int) -> dict[str, Any]:
+    from torch.distributed.tensor import distribute_tensor
+
+    model = {name: distribute_tensor(_full(name, step), mesh, placements[name]) for name in SHAPES}
+    return {"model": model, "optim": {"step": torch.tensor(float(step))}, "rng": torch.full((4,), rank),
+            "extras": {"rank": rank, "step": step}}
+
+
+def _run(world: int, fn: Callable[..., None], *args: Any) -> None:
+    mp.start_processes(fn, args=(world, *args), nprocs=world, join=True, start_method="spawn")
+
+
+def _init(rank: int, world: int, work: Path, tag: str) -> None:
+    os.environ["TORCHELASTIC_RUN_ID"] = f"{tag}-{work.name}"  # the ranks sharing a tier-1 dir: one job
+    dist.init_process_group("gloo", init_method=(work / f"init-{tag}").as_uri(), rank=rank, world_size=world)
+
+
+def _save_worker(rank: int, world: int, work: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    _init(rank, world, work, "save")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    placements = {"w": [Shard(0), Shard(1)], "bias": [Shard(0), Replicate()], "rep": [Replicate(), Replicate()]}
+    node = "A" if rank < 2 else "B"
+    with Checkpointer(_config(work / node, work / "shared"), rank=rank, world_size=world, local_world_size=2) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, _state(step, mesh, placements, rank))
+        ckpt.wait_uploaded()
+    dist.destroy_process_group()
+
+
+def _restore_worker(rank: int, world: int, work: Path, layout: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    _init(rank, world, work, layout)
+    if layout == "fsdp3":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        placements = {"w": [Shard(0)], "bias": [Shard(0)], "rep": [Replicate()]}
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        placements = {"w": [Shard(1)], "bias": [Replicate()], "rep": [Shard(0)]}
+    template = _state(0, mesh, placements, rank)
+    with Checkpointer(_config(work / "A", work / "shared"), rank=rank, world_size=world,
+                      local_world_size=world) as ckpt:
+        restored = ckpt.restore(into=template)
+        assert restored is not None and restored.step == 2, restored
+        for name in SHAPES:
+            got = restored.state["model"][name]
+            assert isinstance(got, DTensor) and got.placements == tuple(placements[name]), (name, got)
+            expected = distribute_tensor(_full(name, 2), mesh, placements[name]).to_local()
+            assert torch.equal(got.to_local(), expected), (layout, rank, name)
+        # the non-sharded leaves are this rank's own part (rank 2's from tier 2: its node is gone)
+        assert restored.state["extras"] == {"rank": rank, "step": 2}
+        assert torch.equal(restored.state["rng"], torch.full((4,), rank))
+        if layout == "tp2":
+            wrong = {"model": {"w": distribute_tensor(torch.zeros(11, 6), mesh, [Shard(1)])}}
+            with pytest.raises(ShardMismatchError, match=r"'model/w'.*\[10, 6\].*\[11, 6\]"):
+                ckpt.restore(into=wrong)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("sharded")
+    _run(4, _save_worker, work)
+    shutil.rmtree(work / "B")  # node B is lost: its ranks' pieces live on in tier 2 only
+    return work
+
+
+def _manifest(work: Path, step: int, rank: int) -> dict[str, Any]:
+    path = work / "shared" / RUN / f"step_{step:012d}" / f"rank_{rank:05d}" / "manifest.json"
+    return dict(json.loads(path.read_text()))
+
+
+def test_replicated_pieces_are_written_once_and_shards_describe_their_box(saved: Path) -> None:
+    pieces = {r: _manifest(saved, 2, r)["shards"] for r in range(4)}
+    assert [("piece" in pieces[r]["model/rep"]) for r in range(4)] == [True, False, False, False]
+    assert [("piece" in pieces[r]["model/bias"]) for r in range(4)] == [True, False, True, False]
+    assert pieces[3]["model/w"]["piece"] == {"offsets": [5, 3], "sizes": [5, 3]}
+    assert pieces[3]["model/w"]["global_shape"] == [10, 6] and pieces[3]["model/w"]["mesh_shape"] == [2, 2]
+
+
+@pytest.mark.parametrize(("layout", "world"), [("fsdp3", 3), ("tp2", 2)])
+def test_restore_reshards_into_another_layout(saved: Path, layout: str, world: int) -> None:
+    _run(world, _restore_worker, saved, layout)
+
+
+def test_restore_into_a_plain_state_gives_the_global_tensors(saved: Path, tmp_path: Path) -> None:
+    with Checkpointer(_config(tmp_path / "plain", saved / "shared"), rank=0, world_size=1) as ckpt:
+        restored = ckpt.restore()
+    assert restored is not None and restored.step == 2 and restored.tier == "shared"
+    for name in SHAPES:
+        assert torch.equal(restored.state["model"][name], _full(name, 2)), name
+    assert restored.bytes_read > 0
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    shutil.copytree(saved / "shared", tmp_path / "shared")
+    return tmp_path / "shared"
+
+
+def _rewrite_manifest(shared: Path, step: int, rank: int, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit a manifest and re-sign it in the COMMIT, as a crafted checkpoint would."""
+    step_dir = shared / RUN / f"step_{step:012d}"
+    path = step_dir / f"rank_{rank:05d}" / "manifest.json"
+    obj = json.loads(path.read_text())
+    edit(obj)
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    path.write_bytes(data)
+    commit = json.loads((step_dir / "COMMIT").read_text())
+    commit["manifests"][str(rank)] = hashlib.sha256(data).hexdigest()
+    (step_dir / "COMMIT").write_text(json.dumps(commit))
+
+
+def test_a_piece_missing_from_every_tier_falls_back_naming_the_tensor(
+    saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = _copy(saved, tmp_path)
+    shutil.rmtree(shared / RUN / f"step_{2:012d}" / f"rank_{3:05d}")
+    with caplog.at_level(logging.WARNING), Checkpointer(_config(tmp_path / "l", shared), rank=0, world_size=1) as c:
+        restored = c.restore()
+    assert restored is not None and restored.step == 1
+    assert torch.equal(restored.state["model"]["w"], _full("w", 1))
+    text = caplog.text
+    assert "skipping checkpoint step 2" in text and "'model/w'" in text and "box [0:10, 0:6]" in text
+    assert "searched tiers shared (" in text and "rank 3: shared:" in text and "manifest is missing" in text
+
+
+def test_overlapping_pieces_are_refused(saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    shared = _copy(saved, tmp_path)
+
+    def overlap(obj: dict[str, Any]) -> None:
+        obj["shards"]["model/w"]["piece"]["offsets"] = [0, 0]  # rank 1's piece moved onto rank 0's
+
+    _rewrite_manifest(shared, 2, 1, overlap)
+    with caplog.at_level(logging.WARNING), Checkpointer(_config(tmp_path / "l", shared), rank=0, world_size=1) as c:
+        restored = c.restore()
+    assert restored is not None and restored.step == 1
+    assert "skipping checkpoint step 2" in caplog.text and "overlap at [0:5, 0:3]" in caplog.text
