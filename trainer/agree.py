@@ -5,14 +5,19 @@ checkpointer looks in the local tier, else the shared tier); the group takes the
 loads that step and checks its whole state tree (trainer/validate.py), and the group votes: all
 usable, done; any rank that cannot read it or finds it malformed, everyone tries older steps; a
 checkpoint of a newer format, or one that does not fit this run, stops the whole group.
+
+A sharded run passes `into` (its own state tree: the layout its DTensors are restored into). A
+sharded tensor whose saved global shape differs from this run's (ckpt's ShardMismatchError) does not
+fit this run: StateMismatchError on every rank.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from ckpt import Checkpointer, CheckpointVersionError, Restored
+from ckpt import Checkpointer, CheckpointVersionError, Restored, ShardMismatchError
 from core.events import emit
 from trainer.errors import InvalidStateError, StateMismatchError
 from trainer.topology import Topology
@@ -30,22 +35,24 @@ Check = Callable[[Restored], None]
 
 
 def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: Check, *,
-                        where: str) -> Restored | None:
+                        where: str, into: Mapping[str, Any] | None = None) -> Restored | None:
     """The checkpoint every rank loaded and found usable, or None when the group has none.
 
-    `where` names the checkpoint directory in errors. Raises StateMismatchError or
-    CheckpointVersionError (on every rank) as the module docstring says."""
+    `where` names the checkpoint directory in errors; `into` goes to `Checkpointer.restore`. Raises
+    StateMismatchError or CheckpointVersionError (on every rank) as the module docstring says."""
     cap: int | None = None
     while True:
-        found, problem = _load(checkpointer, max_step=cap)
+        found, problem = _load(checkpointer, max_step=cap, into=into)
         mine = found.step if found is not None else -1
-        agreed = topology.all_min(NEWER_FORMAT if problem else mine)
+        agreed = topology.all_min(_first_vote(problem, mine))
+        if agreed == MISMATCH:
+            raise _mismatch(problem, where, cap)
         if agreed == NEWER_FORMAT:
             raise _newer(problem, where)
         if agreed < 0:
             return None
         if agreed != mine:
-            found, problem = _load(checkpointer, step=agreed)
+            found, problem = _load(checkpointer, step=agreed, into=into)
         vote, error = _judge(found, problem, check)
         verdict = topology.all_min(vote)
         if verdict == NEWER_FORMAT:
@@ -61,20 +68,45 @@ def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: C
         cap = agreed - 1
 
 
-def _load(checkpointer: Checkpointer, *, step: int | None = None,
-          max_step: int | None = None) -> tuple[Restored | None, CheckpointVersionError | None]:
+Problem = CheckpointVersionError | ShardMismatchError
+
+
+def _load(checkpointer: Checkpointer, *, step: int | None = None, max_step: int | None = None,
+          into: Mapping[str, Any] | None = None) -> tuple[Restored | None, Problem | None]:
     try:
+        if into is not None:  # only a sharded run passes it
+            return checkpointer.restore(step=step, max_step=max_step, into=into), None
         if step is not None:
             return checkpointer.restore(step=step), None
         return checkpointer.restore(max_step=max_step), None
-    except CheckpointVersionError as exc:
+    except (CheckpointVersionError, ShardMismatchError) as exc:
         return None, exc
+
+
+def _first_vote(problem: Problem | None, mine: int) -> int:
+    if isinstance(problem, ShardMismatchError):
+        return MISMATCH
+    return NEWER_FORMAT if problem is not None else mine
+
+
+def _mismatch(problem: Exception | None, where: str, cap: int | None) -> StateMismatchError:
+    which = f"the newest checkpoint in {where}" + (f" at or below step {cap}" if cap is not None else "")
+    if isinstance(problem, ShardMismatchError):
+        error = StateMismatchError(f"{which} does not fit this run's model: {problem}. Resume with the same model "
+                                   "sizes, or start from a fresh --ckpt-dir")
+    else:
+        error = StateMismatchError(f"another rank found that {which} does not fit its model (a sharded tensor of "
+                                   "another global shape); its error says which")
+    error.__cause__ = problem
+    return error
 
 
 def _judge(found: Restored | None, problem: Exception | None, check: Check) -> tuple[int, Exception | None]:
     """This rank's vote on the loaded checkpoint `found`, and the error behind it."""
     if isinstance(problem, CheckpointVersionError):
         return NEWER_FORMAT, problem
+    if isinstance(problem, ShardMismatchError):
+        return MISMATCH, _mismatch(problem, "the checkpoint directory", None)
     if found is None:
         return UNREADABLE, None
     try:

@@ -21,6 +21,13 @@ What a checkpoint holds: model, optimizer (and the model's name of each of its p
 scheduler, GradScaler, the RNG states (python, numpy, torch CPU, every CUDA device), the data
 position and JSON-able user extras (the caller's own dict, read at each save).
 
+A sharded model (FSDP2 `fully_shard`, tensor parallel `parallelize_module`, a 2-D mesh of both: any
+DTensor parameter) is saved by parameter name from `get_state_dict`, each rank its shards, with the
+layout ({"dp": D, "tp": T}); a restore reshards into this run's layout (`Checkpointer.restore(into=)`)
+and applies it with `set_state_dict`. The data position and the sample log are per data-parallel
+rank (trainer/sharding.py); the RNG streams are restored exactly when the layout is the saved one,
+else derived per data-parallel rank (the same for the TP peers of one). See `Resumable`'s `mesh`.
+
 A restore checks the whole tree before it changes anything (trainer/validate.py): a malformed
 tree is skipped like a damaged file, in favour of an older step (trainer/agree.py); one that does
 not fit this run raises StateMismatchError.
@@ -44,19 +51,21 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
 from core import faults
 from core.events import emit
 from elastic import worker
-from trainer import rng
+from trainer import rng, sharding
 from trainer.accumulate import accumulate
 from trainer.agree import agree_on_checkpoint
 from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable, release_process_group
-from trainer.digest import training_digest
+from trainer.digest import state_digests_on, training_digest
+from trainer.sharding import Layout
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
 
@@ -78,6 +87,12 @@ class Resumable:
     `restore()` updates it in place with the checkpoint's (keys the checkpoint lacks are kept).
     `topology` defaults to this process's place in the job; a `sampler` must agree with it.
 
+    A sharded `model` (DTensor parameters) needs `mesh`, the DeviceMesh it is laid out on, unless it
+    is 1-D FSDP over the whole world: the mesh's "dp" dim (or "dp_*" dims) is data-parallel, the
+    others (e.g. "tp") model-parallel, and the sampler must be for this rank's data-parallel
+    coordinate (`ElasticSampler(config, mesh=mesh)`). Seed every rank alike at start: the TP peers
+    of one data-parallel rank must draw the same random numbers (dropout on replicated activations).
+
     With `ResumeConfig.ckpt.mode == "overlapped"` a save returns before its copy of the state is
     done; the optimizer's step (and the model's forward, when it has buffers a forward may update)
     waits for it through hooks registered here, so the loop needs nothing extra.
@@ -96,6 +111,7 @@ class Resumable:
         sampler: ElasticSampler | None = None,
         extras: dict[str, Any] | None = None,
         topology: Topology | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.config = config
         self.topology = topology or Topology.from_env()
@@ -106,7 +122,10 @@ class Resumable:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
-        self.sampler = _checked_sampler(sampler, self.topology)
+        self.sharded = sharding.is_sharded(self.model)
+        self.layout = _layout(self.model, mesh, self.topology, sharded=self.sharded)
+        """This rank's data-parallel coordinate and the parallel degrees (trainer/sharding.py)."""
+        self.sampler = _checked_sampler(sampler, self.topology, self.layout)
         self.extras: dict[str, Any] = _own_extras(extras)  # the caller's dict itself
         _hint_unstable_layout(model, self.topology.world_size)
         self.checkpointer = Checkpointer(config.ckpt, rank=self.topology.rank, world_size=self.topology.world_size,
@@ -146,18 +165,27 @@ class Resumable:
         # One token per incarnation: commits never count a rank directory a crashed earlier
         # incarnation left behind (all_min of random numbers is a random number all ranks share).
         self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
+        # A sharded run's own tree is the layout its DTensors are restored into.
+        template = self.state() if self.sharded else None
         restored = agree_on_checkpoint(
-            self.checkpointer, self.topology, where=self.config.ckpt_dir,
-            check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler))
+            self.checkpointer, self.topology, where=self.config.ckpt_dir, into=template,
+            check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+                                        template=template))
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self.checkpointer.prepare(self.state())  # staging buffer allocated before the loop
+            if self.sharded:
+                sharding.forget_optimizer_state(self.optimizer)  # the template's, made by get_state_dict
             return self._started(0)
-        self._apply(restored.state, own_rank=restored.own)
+        if template is not None:
+            self._apply_sharded(restored, template)
+        else:
+            self._apply(restored.state, own_rank=restored.own)
         self.restored = restored
         emit("restored", step=restored.step, tier=restored.tier, source_rank=restored.rank, path=restored.path)
         self.checkpointer.prepare(self.state())
         self.step = self.resumed_from = self._saved_step = restored.step
+        self._emit_digest(restored.step, "restore")
         saved_world = restored.state.get("world_size")
         if saved_world != self.topology.world_size and self.sampler is not None:
             s = self.sampler
@@ -174,11 +202,37 @@ class Resumable:
 
     def _apply(self, state: Mapping[str, Any], *, own_rank: bool) -> None:
         # `state` passed check_state (in the agreement): nothing below is expected to fail half-way.
-        if self.sampler is not None:
-            self.sampler.load_state_dict(state["data"])
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        self._apply_rest(state)
+        if own_rank:
+            rng.restore(state["rng"])
+        else:
+            rng.derive(state["rng"], self.topology.rank)
+            log.info("rank %d has no checkpoint file of its own in %s (the world size grew, or it moved to "
+                     "another node); its RNG streams are derived from rank 0's and its rank",
+                     self.topology.rank, self.config.ckpt_dir)
+
+    def _apply_sharded(self, restored: Restored, template: Mapping[str, Any]) -> None:
+        state = restored.state
+        sharding.load(self.model, self.optimizer, state, template)
+        self._apply_rest(state)
+        saved = state.get("layout")
+        # The TP peers of one data-parallel rank must keep drawing alike: all ranks decide together.
+        if self.topology.all_min(int(restored.own and saved == self.layout.record())):
+            rng.restore(state["rng"])
+            return
+        t = self.topology
+        shared = t.all_min(rng.fingerprint(state["rng"]) if t.rank == 0 else 2**63 - 1)  # rank 0's, to all
+        rng.derive_from(shared, self.layout.dp_rank)
+        if t.rank == 0:
+            log.info("layout %s -> %s: RNG streams derived per data-parallel rank from rank 0's saved state",
+                     saved, self.layout.record())
+
+    def _apply_rest(self, state: Mapping[str, Any]) -> None:
+        if self.sampler is not None:
+            self.sampler.load_state_dict(state["data"])
         for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
             saved = state.get(name)
             if obj is None:
@@ -189,13 +243,6 @@ class Resumable:
                 continue
             obj.load_state_dict(saved)
         self.extras.update(state.get("extras") or {})  # in place: the caller's dict
-        if own_rank:
-            rng.restore(state["rng"])
-        else:
-            rng.derive(state["rng"], self.topology.rank)
-            log.info("rank %d has no checkpoint file of its own in %s (the world size grew, or it moved to "
-                     "another node); its RNG streams are derived from rank 0's and its rank",
-                     self.topology.rank, self.config.ckpt_dir)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -204,7 +251,7 @@ class Resumable:
         trainer/accumulate.py. Needs the sampler."""
         if self.sampler is None:
             raise ValueError("Resumable.accumulate needs a Resumable with a sampler (it knows the micro-batches)")
-        return accumulate(batches, self.sampler, self.ddp)
+        return accumulate(batches, self.sampler, self.ddp, sharded=self.model if self.sharded else None)
 
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None) -> bool:
         """Call after each completed optimizer step with the number of completed steps.
@@ -229,14 +276,23 @@ class Resumable:
     # -- save ------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """The tree a checkpoint holds (this rank's part)."""
+        """The tree a checkpoint holds (this rank's part; DTensor leaves of a sharded model)."""
         _check_json_able(self.extras)
+        if self.sharded:  # by parameter name, so that optimizer state reshards like the parameters
+            model_sd, optim_sd = sharding.model_state(self.model, self.optimizer)
+            names = None
+        else:
+            model_sd = self.model.state_dict()
+            optim_sd = self.optimizer.state_dict() if self.optimizer is not None else None
+            names = param_names(self.model, self.optimizer) if self.optimizer is not None else None
+        layout = {"layout": self.layout.record()} if self.sharded else {}
         return {
             "step": self.step,
             "world_size": self.topology.world_size,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "param_names": param_names(self.model, self.optimizer) if self.optimizer is not None else None,
+            **layout,
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "param_names": names,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "data": self.sampler.state_dict() if self.sampler is not None else None,
@@ -250,6 +306,7 @@ class Resumable:
 
         A failed save is logged and training goes on, until `max_failed_saves` fail in a row:
         then CheckpointSaveError (naming the directory and the cause) stops the job."""
+        self._emit_digest(step, "save")
         try:
             self.checkpointer.save_async(step, self.state())
             self._saved_step = step
@@ -304,6 +361,11 @@ class Resumable:
         emit("final_digest", step=self.step, digest=digest)
         return digest
 
+    def _emit_digest(self, step: int, point: str) -> None:
+        # ELASTIC_STATE_DIGESTS=1 (trainer/digest.py): a restore can be checked against the save it read.
+        if state_digests_on():
+            emit("state_digest", step=step, point=point, digest=training_digest(self.model, self.optimizer))
+
     def teardown(self, batches: Iterable[Any] | None = None, *, destroy_process_group: bool = True) -> str:
         """End a finished run in the one order that cannot hang, and return the final digest: stop the
         DataLoader workers of `batches` (the loader's iterator), save the last step (`save_final`),
@@ -327,12 +389,31 @@ def _rank_saved(step: int) -> None:
     faults.fire("save", step)
 
 
-def _checked_sampler(sampler: ElasticSampler | None, topology: Topology) -> ElasticSampler | None:
-    if sampler is not None and (sampler.rank, sampler.world_size) != (topology.rank, topology.world_size):
+def _layout(model: torch.nn.Module, mesh: DeviceMesh | None, topology: Topology, *, sharded: bool) -> Layout:
+    if mesh is not None:
+        layout = Layout.of(mesh)
+        if layout.dp * layout.tp != topology.world_size:
+            raise ValueError(f"the mesh {mesh} spans {layout.dp * layout.tp} ranks, the job {topology.world_size}; "
+                             "pass Resumable the mesh over every rank of the job")
+        return layout
+    if sharded:
+        return sharding.layout_of_model(model, rank=topology.rank, world_size=topology.world_size)
+    return Layout.data_parallel(topology.rank, topology.world_size)
+
+
+def _checked_sampler(sampler: ElasticSampler | None, topology: Topology, layout: Layout) -> ElasticSampler | None:
+    if sampler is None or (sampler.rank, sampler.world_size) == (layout.dp_rank, layout.dp):
+        if sampler is not None and layout.tp_rank != 0:
+            sampler.sample_log = None  # the first rank of its tensor-parallel group logs the samples they all read
+        return sampler
+    if layout.tp == 1:
         raise ValueError(f"the sampler is for rank {sampler.rank} of {sampler.world_size}, but this process is rank "
                          f"{topology.rank} of {topology.world_size}; build ElasticSampler without rank and "
                          "world_size (they default to this process's) or pass Resumable the same topology")
-    return sampler
+    raise ValueError(f"the sampler is for rank {sampler.rank} of {sampler.world_size}, but this process is "
+                     f"data-parallel rank {layout.dp_rank} of {layout.dp} (tensor-parallel degree {layout.tp}); "
+                     "build it with ElasticSampler(config, mesh=mesh) so that the ranks of one tensor-parallel "
+                     "group read the same samples")
 
 
 def _own_extras(extras: dict[str, Any] | None) -> dict[str, Any]:
