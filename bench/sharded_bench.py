@@ -806,6 +806,17 @@ def summarize(results: list[dict[str, Any]], job: Job) -> dict[str, Any]:
                 )
             }
             section[impl]["verified"] = sorted({str(r.get(phase, {}).get(impl, {}).get("verified")) for r in rs})
+            # what the restore held beyond the shard it returns (ours) or fills in place (DCP)
+            beyond = [
+                peak - r[phase]["shard_bytes"] if isinstance(peak, int) else None
+                for r in rs
+                for peak in [r.get(phase, {}).get(impl, {}).get("peak_extra_bytes")]
+            ]
+            section[impl]["peak_extra_minus_shard_bytes"] = (
+                None
+                if all(v is None for v in beyond)
+                else {"per_rank": beyond, "max": max(v for v in beyond if v is not None)}
+            )
         out[name] = section
     out["ratios"] = ratios(out, b)
     return out
