@@ -196,3 +196,21 @@ def test_overlapping_pieces_are_refused(saved: Path, tmp_path: Path, caplog: pyt
         restored = c.restore()
     assert restored is not None and restored.step == 1
     assert "skipping checkpoint step 2" in caplog.text and "overlap at [0:5, 0:3]" in caplog.text
+
+
+def test_a_damaged_piece_in_tier_1_is_read_from_tier_2(
+    saved: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shared = _copy(saved, tmp_path)
+    local = tmp_path / "A"
+    shutil.copytree(saved / "A", local)
+    data = local / f"step_{2:012d}" / f"rank_{1:05d}" / "state.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF  # the last byte lies in rank 1's piece of some tensor
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING), Checkpointer(_config(local, shared), rank=0, world_size=1) as ckpt:
+        restored = ckpt.restore()
+    assert restored is not None and restored.step == 2 and restored.tier == "local"
+    for name in SHAPES:
+        assert torch.equal(restored.state["model"][name], _full(name, 2)), name
+    assert "does not match its sha256 digest" in caplog.text and str(data) in caplog.text
