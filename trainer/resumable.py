@@ -178,7 +178,7 @@ class Resumable:
                 sharding.forget_optimizer_state(self.optimizer)  # the template's, made by get_state_dict
             return self._started(0)
         if template is not None:
-            self._apply_sharded(restored, template)
+            self._apply_sharded(restored)
         else:
             self._apply(restored.state, own_rank=restored.own)
         self.restored = restored
@@ -214,9 +214,9 @@ class Resumable:
                      "another node); its RNG streams are derived from rank 0's and its rank",
                      self.topology.rank, self.config.ckpt_dir)
 
-    def _apply_sharded(self, restored: Restored, template: Mapping[str, Any]) -> None:
+    def _apply_sharded(self, restored: Restored) -> None:
         state = restored.state
-        sharding.load(self.model, self.optimizer, state, template)
+        sharding.load(self.model, self.optimizer, state)
         self._apply_rest(state)
         saved = state.get("layout")
         # The TP peers of one data-parallel rank must keep drawing alike: all ranks decide together.
@@ -279,7 +279,7 @@ class Resumable:
         """The tree a checkpoint holds (this rank's part; DTensor leaves of a sharded model)."""
         _check_json_able(self.extras)
         if self.sharded:  # by parameter name, so that optimizer state reshards like the parameters
-            model_sd, optim_sd = sharding.model_state(self.model, self.optimizer)
+            model_sd, optim_sd = sharding.savable(sharding.model_state(self.model, self.optimizer))
             names = None
         else:
             model_sd = self.model.state_dict()

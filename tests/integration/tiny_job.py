@@ -1,4 +1,5 @@
-"""One elastic-run of examples/train_tiny.py, observed through the library's events (never its stdout).
+"""One elastic-run of examples/train_tiny.py (or another example), observed through the library's events
+(never its stdout).
 
 Each job gets its own event directory (ELASTIC_EVENTS_DIR); faults go in through ELASTIC_FAULTS and
 the sample log is turned on with ELASTIC_SAMPLE_LOG_DIR, as the chaos harness does.
@@ -6,7 +7,7 @@ the sample log is turned on with ELASTIC_SAMPLE_LOG_DIR, as the chaos harness do
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,17 @@ from trainer.samples import SAMPLE_LOG_ENV
 
 class TinyJob:
     def __init__(self, procs: Procs, work: Path, *args: str, nproc: int = 2, faults: Sequence[Fault] = (),
-                 samples: Path | None = None, launcher: Sequence[str] = ()) -> None:
+                 samples: Path | None = None, launcher: Sequence[str] = (), script: Path = TINY,
+                 env: Mapping[str, str] | None = None) -> None:
+        """elastic-run of `script` (examples/train_tiny.py by default) with `args`; `env` adds variables."""
         self.events_dir = work / "events"
-        env = {EVENTS_DIR_ENV: str(self.events_dir)}
+        env = {EVENTS_DIR_ENV: str(self.events_dir), **(env or {})}
         if faults:
             env[FAULTS_ENV] = encode(list(faults))
         if samples is not None:
             env[SAMPLE_LOG_ENV] = str(samples)
         self.nproc = nproc
-        self.proc = procs.elastic_run("--nproc-per-node", str(nproc), *launcher, str(TINY), *args, env=env)
+        self.proc = procs.elastic_run("--nproc-per-node", str(nproc), *launcher, str(script), *args, env=env)
         self.out = ""
 
     def finish(self, timeout: float = 120, *, ok: bool = True) -> str:
