@@ -3,6 +3,7 @@ side by side in one run, on FSDP-style Shard(0) DTensors spread over N real proc
 
     python bench/sharded_bench.py --state-gb 1 --ranks 4 --json /tmp/sharded.json     # CPU, gloo
     python bench/sharded_bench.py --device cuda --ranks 8 --state-gb 64                # NCCL, 1 GPU/rank
+    python bench/sharded_bench.py --state-gb 0.05 --saves 1 --restores 1               # a smoke run
 
 The state is a GPT-like model's parameters plus AdamW's two moments, all fp32, as
 `get_state_dict(model, optimizer)` gives them for a `fully_shard` model: {"model": {fqn: DTensor},
@@ -12,22 +13,22 @@ The state is a GPT-like model's parameters plus AdamW's two moments, all fp32, a
 row counts are uneven over N and N-1 ranks. Every element's value is a function of its tensor
 and global index, so a restore into any layout is checked element by element ("verified").
 
-Phases (N worker processes spawned once; seconds per rank, and the max over ranks):
-  A, N ranks, one process group:
+Phases (N worker processes started once; seconds per rank, and the max over ranks):
+  A, N ranks, one process group. Rounds (--saves timed ones after a warm-up round 0, reported as
+  *_first_s) of, one after the other, so that each ratio compares runs made under the same load:
     copy_limit_s          copy of this rank's own shards into preallocated host buffers (pinned
                           on cuda): the physical floor of a save stall
-    ours_stall_s          Checkpointer.save_async returning (default config), median over --saves
-                          saves after a warm-up save (the staging buffer exists, as in a loop);
-                          each timed save follows a timed copy limit under the same load
-    ours_persist_s        save_async until wait_persisted returned
+    ours_stall_s          Checkpointer.save_async returning (default config); round 0 allocates
+                          the staging buffer, as the first save of a training loop does
+    ours_persist_s        save_async until wait_persisted returned (ours_tier1_s: SaveMetrics)
     dcp_save_s            dcp.save, total
-    dcp_async_blocked_s   dcp.async_save until it returns (second call; the first: *_first_s);
-                          dcp_async_total_s until its future is done
-    restore (same layout) ours restore(into=template), then the copy of its DTensors into the
-                          template (copy_in_s; dcp.load fills the template in place, so the
-                          ratios compare ours + copy-in) vs dcp.load(template)
+    dcp_async_blocked_s   dcp.async_save until it returns; dcp_async_total_s until its future is done
+  Then restores into the same layout, --restores of each kind in ABBA order, each into a zeroed
+  template: ours restore(into=template), then the copy of its DTensors into the template
+  (copy_in_s; dcp.load fills the template in place, so the ratios compare ours + copy-in), vs
+  dcp.load(template) of the newest dcp.save.
   B, N-1 ranks (rank N-1 leaves; a fresh process group): both restore the N-rank checkpoints
-    into an N-1 layout (resharding): time, bytes read, peak extra host memory.
+    into an N-1 layout (resharding), the same way: time, bytes read, peak extra host memory.
 Measurement details:
   - Every timed section starts after a barrier, so all ranks run it under the same load.
   - Page cache: before every restore the checkpoint files are dropped from it (root: sync and
@@ -364,6 +365,7 @@ class Job:
     ranks: int
     state_bytes: int
     saves: int
+    restores: int
     work: str
     store_port: int
     timeout_s: float
@@ -460,94 +462,90 @@ class Worker:
         limit = CopyLimit(local_tensors(state), pinned=self.device.type == "cuda")
         out["shard_bytes"] = limit.nbytes
         out["host_shard_bytes"] = limit.nbytes if self.device.type == "cpu" else 0  # on cuda: on the GPU
-        out["copy_limit_first_s"] = self.timed(limit.copy)[0]  # page faults of the buffers
+        out["copy_limit_cold_s"] = self.timed(limit.copy)[0]  # page faults of the buffers
         ckpt = None
         if not job.skip_ours:
-            with self.section("ours_save"):
+            with self.section("ours_open"):
                 ckpt = self.checkpointer(job.ranks)
-                out.update(self.ours_saves(ckpt, state, limit.copy))
-        if "ours_stall_runs_s" not in out:  # ours did not run: the copy limit on its own
-            out["copy_limit_runs_s"] = [self.timed(limit.copy)[0] for _ in range(job.saves)]
+        with self.section("saves"):
+            out.update(self.save_rounds(ckpt, state, limit.copy))
         limit.close()
-        if not job.skip_dcp:
-            with self.section("dcp_save"):
-                out.update(self.dcp_saves(state))
         del state
         template = build_state(self.params, mesh, self.device, fill=False)
-        if ckpt is not None and "ours_save" not in self.errors:
-            with self.section("ours_restore_same"):
-                out["ours_restore"] = self.ours_restore(ckpt, template, mesh)
+        with self.section("restores_same_layout"):
+            out.update(self.restores(ckpt, template, mesh))
         if ckpt is not None:
             ckpt.close()
-        if not job.skip_dcp and "dcp_save" not in self.errors:
-            with self.section("dcp_load_same"):
-                out["dcp_load"] = self.dcp_load(template, mesh)
         del template
         dist.barrier()
         dist.destroy_process_group()
         self.dump()
 
-    def ours_saves(self, ckpt: Checkpointer, state: dict, copy: Callable[[], None]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        copies, stalls, persists, tier1 = [], [], [], []
-        for i in range(self.job.saves + 1):
-            copy_s = self.timed(copy)[0]
-            state["step"] = i
-            dist.barrier()
-            self.sync()
-            start = time.perf_counter()
-            pending = ckpt.save_async(i, state)
-            stall = time.perf_counter() - start
-            metrics = pending.wait_persisted(timedelta(seconds=self.job.timeout_s))
-            persist = time.perf_counter() - start
-            if pending.skipped:
-                raise RuntimeError(f"save of step {i} was skipped: {metrics.error}")
-            if i == 0:  # warm-up: allocates the staging buffer
-                out.update(ours_first_stall_s=stall, ours_first_persist_s=persist, copy_limit_warm_s=copy_s)
-                continue
-            copies.append(copy_s)
-            stalls.append(stall)
-            persists.append(persist)
-            tier1.append(metrics.tier1_s)
-        state["step"] = 7
-        out.update(
-            copy_limit_runs_s=copies,
-            ours_stall_runs_s=stalls,
-            ours_persist_runs_s=persists,
-            ours_tier1_runs_s=tier1,
-            ours_file_bytes=metrics.bytes,
-            ours_last_step=self.job.saves,
-        )
-        return out
-
-    def dcp_saves(self, state: dict) -> dict[str, Any]:
+    def save_rounds(self, ckpt: Checkpointer | None, state: dict, copy: Callable[[], None]) -> dict[str, Any]:
+        """Rounds of: copy limit, one save of ours (stall, then persist), dcp.save, dcp.async_save.
+        Round 0 warms everything up (page faults, our staging buffer, DCP's plan caches) and is
+        reported apart (*_first_s). Interleaving keeps each figure next to the ones it is compared
+        with on a machine whose load varies."""
         import torch.distributed.checkpoint as dcp
 
-        out: dict[str, Any] = {}
-        target = self.work / "dcp"
-        out["dcp_save_s"] = self.timed(lambda: dcp.save(state, checkpoint_id=str(target)))[0]
-        # DCP's advice for async_save: a separate gloo group for its background collectives.
-        group = dist.new_group(backend="gloo")
-        blocked, total = [], []
-        for k in range(2):
-            target = self.work / f"dcp_async{k}"
-            dist.barrier()
-            self.sync()
-            start = time.perf_counter()
-            future = dcp.async_save(state, checkpoint_id=str(target), process_group=group)
-            blocked.append(time.perf_counter() - start)
-            future.result()
-            total.append(time.perf_counter() - start)
-            dist.barrier()
-            if dist.get_rank() == 0:
-                shutil.rmtree(target, ignore_errors=True)
-        out.update(
-            dcp_async_blocked_first_s=blocked[0],
-            dcp_async_blocked_s=blocked[1],
-            dcp_async_total_first_s=total[0],
-            dcp_async_total_s=total[1],
-        )
+        runs: dict[str, list[float]] = {}
+        group = None if self.job.skip_dcp else dist.new_group(backend="gloo")  # DCP's advice for async_save
+        metrics = None
+        for i in range(self.job.saves + 1):
+            got: dict[str, float] = {"copy_limit": self.timed(copy)[0]}
+            if ckpt is not None:
+                state["step"] = i
+                dist.barrier()
+                self.sync()
+                start = time.perf_counter()
+                pending = ckpt.save_async(i, state)
+                got["ours_stall"] = time.perf_counter() - start
+                metrics = pending.wait_persisted(timedelta(seconds=self.job.timeout_s))
+                got["ours_persist"] = time.perf_counter() - start
+                got["ours_tier1"] = metrics.tier1_s or 0.0
+                if pending.skipped:
+                    raise RuntimeError(f"our save of step {i} was skipped: {metrics.error}")
+            if group is not None:
+                target = self.work / f"dcp_save{i}"
+                got["dcp_save"] = self.timed(lambda t=target: dcp.save(state, checkpoint_id=str(t)))[0]
+                dist.barrier()
+                self.sync()
+                start = time.perf_counter()
+                future = dcp.async_save(state, checkpoint_id=str(self.work / "dcp_async"), process_group=group)
+                got["dcp_async_blocked"] = time.perf_counter() - start
+                future.result()
+                got["dcp_async_total"] = time.perf_counter() - start
+                dist.barrier()
+                if dist.get_rank() == 0:  # keep the newest dcp.save (it is loaded below), as ours keeps its
+                    shutil.rmtree(self.work / "dcp_async", ignore_errors=True)
+                    if i > 0:
+                        shutil.rmtree(self.work / f"dcp_save{i - 1}", ignore_errors=True)
+            for key, value in got.items():
+                runs.setdefault(f"{key}_runs_s" if i else f"{key}_first_s", []).append(value)
+        state["step"] = 7
+        out: dict[str, Any] = {k: (v if k.endswith("_runs_s") else v[0]) for k, v in runs.items()}
+        if metrics is not None:
+            out["ours_file_bytes"] = metrics.bytes
         return out
+
+    def restores(self, ckpt: Checkpointer | None, template: dict, mesh: Any) -> dict[str, Any]:
+        """--restores rounds of ours and dcp.load, in ABBA order (ours first in even rounds), each
+        into a zeroed template with the page cache dropped first. Per rank: the median time and
+        bytes, the largest peak memory, "ok" only if every restore checked out."""
+        impls: dict[str, Callable[[dict, Any], dict[str, Any]]] = {}
+        if ckpt is not None and "saves" not in self.errors:
+            impls["ours_restore"] = lambda t, m: self.ours_restore(ckpt, t, m)
+        if not self.job.skip_dcp and "saves" not in self.errors:
+            impls["dcp_load"] = self.dcp_load
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in impls}
+        for k in range(self.job.restores):
+            for name in list(impls) if k % 2 == 0 else list(impls)[::-1]:
+                with torch.no_grad():
+                    for t in local_tensors(template):
+                        t.zero_()
+                with self.section(name):
+                    runs[name].append(impls[name](template, mesh))
+        return {name: merge_runs(got) for name, got in runs.items() if got}
 
     def ours_restore(self, ckpt: Checkpointer, template: dict, mesh: Any) -> dict[str, Any]:
         self.drop_cache()
@@ -567,10 +565,9 @@ class Worker:
         out["bytes_read"] = getattr(restored, "bytes_read", None)
         # dcp.load fills the template in place; ours returns new DTensors, which a loop copies in
         # (set_state_dict): that copy is timed too, and the target compares the sum.
-        with self.section("ours_copy_in"):
-            out["copy_in_s"] = self.copy_in(restored.state, template)
-            out["s_with_copy_in"] = seconds + out["copy_in_s"]
-        out["verified"] = verify(restored.state, self.params, mesh, self.device)
+        out["copy_in_s"] = self.copy_in(restored.state, template)
+        out["s_with_copy_in"] = seconds + out["copy_in_s"]
+        out["verified"] = verify(template, self.params, mesh, self.device)
         if restored.state.get("step") != self.job.saves:
             out["verified"] += f"; step leaf {restored.state.get('step')!r}"
         return out
@@ -586,6 +583,8 @@ class Worker:
                 src, dst = at(restored, leaf.path), at(template, leaf.path)
                 if not isinstance(src, DTensor):
                     raise TypeError(f"{'/'.join(leaf.path)} came back as a {type(src).__name__}, not a DTensor")
+                if src.device_mesh != dst.device_mesh or src.placements != dst.placements:
+                    raise ValueError(f"{'/'.join(leaf.path)} came back in another layout than the template's")
                 dst.to_local().copy_(src.to_local(), non_blocking=True)
         self.sync()
         return time.perf_counter() - start
@@ -598,17 +597,15 @@ class Worker:
         dist.barrier()
         with probe.measure() as mem:
             start = time.perf_counter()
-            dcp.load(template, checkpoint_id=str(self.work / "dcp"))
+            dcp.load(template, checkpoint_id=str(self.work / f"dcp_save{self.job.saves}"))
             self.sync()
             seconds = time.perf_counter() - start
         dist.barrier()
-        out = {"s": seconds, **mem, "verified": verify(template, self.params, mesh, self.device)}
-        return out
+        return {"s": seconds, **mem, "verified": verify(template, self.params, mesh, self.device)}
 
     # phase B: N-1 ranks restore the N-rank checkpoints (resharding)
     def phase_reshard(self) -> None:
-        job = self.job
-        world = job.ranks - 1
+        world = self.job.ranks - 1
         out: dict[str, Any] = {}
         self.result["B"] = out
         if self.rank >= world:
@@ -618,19 +615,36 @@ class Worker:
         template = build_state(self.params, mesh, self.device, fill=False)
         out["shard_bytes"] = nbytes(local_tensors(template))
         out["host_shard_bytes"] = out["shard_bytes"] if self.device.type == "cpu" else 0
-        saved = self.result.get("A", {})
-        if not job.skip_ours and "ours_save" not in self.errors:
-            with self.section("ours_restore_reshard"):
-                with self.checkpointer(world) as ckpt:
-                    out["ours_restore"] = self.ours_restore(ckpt, template, mesh)
-                gc.collect()
-        if not job.skip_dcp and "dcp_save" not in self.errors:
-            with self.section("dcp_load_reshard"):
-                out["dcp_load"] = self.dcp_load(template, mesh)
-        del template, saved
+        ckpt = None
+        if not self.job.skip_ours and "ours_open" not in self.errors:
+            with self.section("ours_open_reshard"):
+                ckpt = self.checkpointer(world)
+        with self.section("restores_reshard"):
+            out.update(self.restores(ckpt, template, mesh))
+        if ckpt is not None:
+            ckpt.close()
+        del template
         dist.barrier()
         dist.destroy_process_group()
         self.dump()
+
+
+def merge_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's restores of one kind: median time and bytes, largest memory, all verified."""
+    out: dict[str, Any] = {"s_runs": [r["s"] for r in runs]}
+    for key in {k for r in runs for k in r}:
+        got = [r[key] for r in runs if r.get(key) is not None]
+        if key == "verified":
+            out[key] = next((v for v in got if v != "ok"), "ok")
+        elif not got or not all(isinstance(v, (int, float)) for v in got):
+            out[key] = got[0] if got else None
+        elif "peak" in key or "sampled" in key:
+            out[key] = max(got)
+        elif all(isinstance(v, int) for v in got):
+            out[key] = statistics.median_low(got)
+        else:
+            out[key] = statistics.median(got)
+    return out
 
 
 def worker_main(job: Job, rank: int) -> None:
@@ -658,6 +672,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state-gb", type=float, default=1.0, help="global state size in GiB (fp32)")
     p.add_argument("--ranks", type=int, default=4, help="ranks of the save (the reshard uses ranks - 1)")
     p.add_argument("--saves", type=int, default=3, help="timed saves of ours after the warm-up save")
+    p.add_argument("--restores", type=int, default=2, help="restores of each kind per layout (ABBA order)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints are written (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds the whole run may take")
@@ -677,6 +692,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--ranks must be >= 1, got {args.ranks}")
     if args.saves < 1:
         p.error(f"--saves must be >= 1, got {args.saves}")
+    if args.restores < 1:
+        p.error(f"--restores must be >= 1, got {args.restores}")
     return args
 
 
@@ -778,26 +795,32 @@ def summarize(results: list[dict[str, Any]], job: Job) -> dict[str, Any]:
             "copy_limit_s": figure(a, "A", "copy_limit_runs_s"),
             "copy_limit_first_s": figure(a, "A", "copy_limit_first_s"),
             "ours_stall_s": figure(a, "A", "ours_stall_runs_s"),
-            "ours_first_stall_s": figure(a, "A", "ours_first_stall_s"),
-            "dcp_async_blocked_s": figure(a, "A", "dcp_async_blocked_s"),
+            "ours_first_stall_s": figure(a, "A", "ours_stall_first_s"),
+            "dcp_async_blocked_s": figure(a, "A", "dcp_async_blocked_runs_s"),
             "dcp_async_blocked_first_s": figure(a, "A", "dcp_async_blocked_first_s"),
-            "dcp_save_s": figure(a, "A", "dcp_save_s"),
+            "dcp_save_s": figure(a, "A", "dcp_save_runs_s"),
         },
         "persist": {
             "ours_persist_s": figure(a, "A", "ours_persist_runs_s"),
             "ours_tier1_s": figure(a, "A", "ours_tier1_runs_s"),
-            "ours_first_persist_s": figure(a, "A", "ours_first_persist_s"),
-            "dcp_save_s": figure(a, "A", "dcp_save_s"),
-            "dcp_async_total_s": figure(a, "A", "dcp_async_total_s"),
+            "ours_first_persist_s": figure(a, "A", "ours_persist_first_s"),
+            "dcp_save_s": figure(a, "A", "dcp_save_runs_s"),
+            "dcp_save_first_s": figure(a, "A", "dcp_save_first_s"),
+            "dcp_async_total_s": figure(a, "A", "dcp_async_total_runs_s"),
         },
     }
-    # per-rank ratio of each timed save to the copy limit just before it, worst rank
-    paired = []
-    for r in a:
-        stalls, copies = r["A"].get("ours_stall_runs_s"), r["A"].get("copy_limit_runs_s")
-        if stalls and copies:
-            paired.append(statistics.median(s / c for s, c in zip(stalls, copies, strict=True)))
-    out["save"]["paired_ours_stall_over_copy_limit_worst_rank"] = round(max(paired), 3) if paired else None
+    # per rank, the median over rounds of each round's ratio (figures of one round ran under the
+    # same load), then the worst rank
+    for key, num, den, worst in (
+        ("paired_ours_stall_over_copy_limit", "ours_stall_runs_s", "copy_limit_runs_s", max),
+        ("paired_dcp_async_blocked_over_ours_stall", "dcp_async_blocked_runs_s", "ours_stall_runs_s", min),
+    ):
+        paired = [
+            statistics.median(x / y for x, y in zip(r["A"][num], r["A"][den], strict=True))
+            for r in a
+            if r["A"].get(num) and r["A"].get(den)
+        ]
+        out["save"][f"{key}_worst_rank"] = round(worst(paired), 3) if paired else None
     for name, phase, rs in (("restore_same_layout", "A", a), ("restore_reshard", "B", b)):
         section: dict[str, Any] = {"ranks": len(rs), "shard_bytes": figure(rs, phase, "shard_bytes")}
         for impl in ("ours_restore", "dcp_load"):
@@ -897,6 +920,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ranks=args.ranks,
         state_bytes=int(args.state_gb * (1 << 30)),
         saves=args.saves,
+        restores=args.restores,
         work=str(work),
         store_port=store.port,
         timeout_s=args.timeout,
@@ -924,11 +948,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dir=str(work),
     )
     started = time.perf_counter()
+    load_before = os.getloadavg()
     try:
         results = spawn(job)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["wall_s"] = round(time.perf_counter() - started, 1)
+    # the machine's load (1-minute average) before and after: other work shares these cores
+    result["loadavg_1m"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     methods = {r.get(p, {}).get("page_cache") for r in results for p in ("A", "B")} | {
         r.get("page_cache") for r in results
     }

@@ -20,7 +20,7 @@ def test_sharded_bench_tiny(procs: Procs, tmp_path: Path) -> None:
     out = tmp_path / "sharded.json"
     # fadvise: drops only the bench's own files from the page cache, not the whole machine's
     proc = procs.start(
-        [sys.executable, str(BENCH), "--state-gb", "0.01", "--ranks", "2", "--saves", "1",
+        [sys.executable, str(BENCH), "--state-gb", "0.01", "--ranks", "2", "--saves", "1", "--restores", "1",
          "--drop-cache", "fadvise", "--timeout", "100", "--dir", str(tmp_path), "--json", str(out)],
     )
     stdout, _ = proc.communicate(timeout=110)
