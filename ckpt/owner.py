@@ -200,6 +200,7 @@ def claim_shared_prefix(
     and the claim is tried again before the tier's first use (`shared.pending_claim`); a conflict
     found then fences the tier, so saves stop.
     """
+    shared.writes_identity = writer
     io = shared.object_io(OWNER_FILE)
     owner = SharedOwner(
         read=io.read,

@@ -32,6 +32,7 @@ from ckpt.config import CheckpointConfig
 from ckpt.errors import CheckpointError, CheckpointVersionError, SharedStorageError
 from ckpt.identity import RunIdentity
 from ckpt.init_source import open_source
+from ckpt.layout import MANIFEST_FILE
 from ckpt.local import LocalTier
 from ckpt.reader import load_rank_dir
 from ckpt.reshard import StepFiles, load_sharded
@@ -276,15 +277,16 @@ class Restorer:
                 run=None if init_from else self.identity.name,
                 timeout=self._timeout,
             )
-        where = copy.tier.describe_rank(step, rank)
+            nbytes = sum(p.stat().st_size for p in rank_dir.iterdir() if p.name != MANIFEST_FILE)  # all verified
         return Restored(
             step=step,
             state=state,
             rank=rank,
             own=rank == self.rank,
             tier=copy.tier.name,
-            path=where,
+            path=copy.tier.describe_rank(step, rank),
             init_from=init_from,
+            bytes_read=nbytes,
         )
 
     def _unusable(self, tier: Tier, step: int, rank: int, exc: CheckpointError, *, init_from: bool) -> None:

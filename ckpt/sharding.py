@@ -13,6 +13,7 @@ Restore (ckpt/reshard.py) rebuilds any other layout from the pieces of every ran
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ckpt.format import corrupt
@@ -87,7 +89,13 @@ class ShardInfo:
 
 def local_box(tensor: DTensor) -> Box:
     """The box of `tensor` this rank holds (empty sizes are possible with uneven sharding)."""
-    sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return _box(tuple(int(s) for s in tensor.shape), tensor.device_mesh, tuple(tensor.placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _box(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Box:
+    # Cached: a save of a few hundred DTensors would otherwise spend milliseconds here every step.
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
 
 

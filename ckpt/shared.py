@@ -108,6 +108,8 @@ class SharedTier:
         self.run_name = config.run
         self.identity: RunIdentity | None = None
         """This run's identity in the shared tier, once claimed (see claim_identity)."""
+        self.writes_identity = True
+        """Whether this rank may write RUN.json (rank 0 only, see claim_identity)."""
         self.any_run = root_url is not None
         self.fence: CheckpointConflictError | None = None
         """Set when another live job writes the prefix (ckpt/owner.py): nothing more is uploaded."""
@@ -282,15 +284,24 @@ class SharedTier:
             logger.warning("ignoring %s", exc)
             return None
 
-    def claim_identity(self, candidate: RunIdentity) -> RunIdentity:
-        """This run's identity here: the one in RUN.json, else `candidate`, written there."""
+    def claim_identity(self, candidate: RunIdentity) -> RunIdentity | None:
+        """This run's identity here: the one in RUN.json, else (rank 0, `writes_identity`)
+        `candidate`, written there.
+
+        Only one rank writes: when every rank wrote its own node's uid, the last write won while
+        rank 0, which commits, could have read back another, and its COMMITs then named a uid
+        RUN.json did not hold (every later restore ignored them). The other ranks read; until
+        rank 0 wrote, their identity here is None (COMMITs are then checked by run name only,
+        and it is read again at each use, see ensure_identity).
+        """
         found = self.read_identity()
-        if found is None or found.name != self.run_name:
+        if (found is None or found.name != self.run_name) and self.writes_identity:
             path = f"{self.root}/{RUN_FILE}"
             self.call(f"write of {self.describe(path)}", self._put_bytes, path, candidate.to_bytes())
-            # Two nodes starting at once may both write; whichever landed last holds.
-            found = self.read_identity() or candidate
-        if found.uid != candidate.uid:
+            found = candidate
+        elif found is not None and found.name != self.run_name:
+            found = None
+        if found is not None and found.uid != candidate.uid:
             logger.info(
                 "run %r has uid %s in %s and %s in its tier-1 directory (minted apart); each "
                 "tier checks its own",
@@ -304,12 +315,12 @@ class SharedTier:
 
     def ensure_identity(self) -> None:
         """Claim the run identity now if that could not be done at start; raises
-        SharedStorageError while the store stays unreachable."""
+        SharedStorageError while the store stays unreachable (rank 0: while it is not written)."""
         if self.identity is not None or self.any_run:
             return
         if self.pending_claim is not None:
             self.pending_claim()
-        if self.identity is None:
+        if self.identity is None and self.writes_identity:
             raise SharedStorageError(
                 f"the run identity in {self.url} is not known yet (the store was unreachable); "
                 f"the shared tier is used once it is"

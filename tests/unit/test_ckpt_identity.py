@@ -285,3 +285,71 @@ def test_local_ranks_starting_together_share_one_run_identity(tmp_path, monkeypa
     finally:
         for c in checkpointers:
             c.close()
+
+
+def test_nodes_starting_together_agree_on_the_shared_run_identity(tmp_path, monkeypatch):
+    """Two nodes (tier-1 dirs A and B) mint their own uids; the shared tier's RUN.json must end up
+    holding the uid rank 0 commits with. When every rank wrote its node's uid, a rank that read
+    "none" before rank 0 wrote and wrote after it won, and rank 0's COMMITs named a uid RUN.json
+    did not hold: every later restore ignored them ("committed by ... not by this run")."""
+    import threading
+    import time
+
+    from ckpt.shared import SharedTier
+
+    read = SharedTier.read_identity
+    here = threading.local()
+
+    def late_read(self):
+        # Read 1 is Checkpointer._shared_uid (all ranks: "none"), read 2 the claim's. Rank 0 claims
+        # at 0.3 s; the others read "none" at once and act on it late (rank 1 at 0.4 s, 2-3 at 0.6 s).
+        r = getattr(here, "rank", 0)
+        here.reads = getattr(here, "reads", 0) + 1
+        if here.reads != 2:
+            return read(self)
+        if r == 0:
+            time.sleep(0.3)
+            return read(self)
+        found = read(self)
+        time.sleep(0.4 if r == 1 else 0.6)
+        return found
+
+    monkeypatch.setattr(SharedTier, "read_identity", late_read)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+    shared = SharedConfig(url=(tmp_path / "shared").as_uri())
+    world = 4
+    made: list[Checkpointer | BaseException] = [RuntimeError("not started")] * world
+
+    def rank(r: int) -> None:
+        here.rank = r
+        try:
+            node = tmp_path / ("A" if r < 2 else "B")
+            made[r] = Checkpointer(CheckpointConfig(local_dir=node, run_name="run", shared=shared),
+                                   rank=r, world_size=world, local_world_size=2)
+        except BaseException as exc:  # reported by the assertion below
+            made[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    checkpointers = [c for c in made if isinstance(c, Checkpointer)]
+    try:
+        assert len(checkpointers) == world, made
+        saves = [threading.Thread(target=c.save, args=(1, state(1.0))) for c in checkpointers]
+        for t in saves:
+            t.start()
+        for t in saves:
+            t.join(60)
+        for c in checkpointers:
+            c.wait_uploaded(WAIT)
+    finally:
+        for c in checkpointers:
+            c.close()
+    monkeypatch.setattr(SharedTier, "read_identity", read)
+    with Checkpointer(CheckpointConfig(local_dir=tmp_path / "C", run_name="run", shared=shared),
+                      rank=0, world_size=1) as fresh:
+        assert fresh.available_steps() == [1]
+        restored = fresh.restore()
+    assert restored is not None and restored.tier == "shared"
