@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
 
 from ckpt.checksum import DIGEST_BYTES, chunk_digest
@@ -50,12 +51,13 @@ def read_local_range(path: Path, start: int, end: int, *, timeout: float) -> byt
 class VerifiedFile:
     """Range reads of one data file, each checked against the manifest's chunk digests."""
 
-    def __init__(self, entry: FileEntry, fetch: Fetch, *, path: Path) -> None:
+    def __init__(self, entry: FileEntry, fetch: Fetch, *, path: Path, pool: Executor | None = None) -> None:
         if not entry.chunk_digests or entry.chunk_bytes <= 0:
             raise corrupt(path, "the file has no chunk digests, so it cannot be read by range (format < 3)")
         self.entry = entry
         self.path = path
         self._fetch = fetch
+        self._pool = pool
         self.bytes_read = 0
 
     def span(self, start: int, end: int) -> tuple[int, int]:
@@ -77,10 +79,16 @@ class VerifiedFile:
         view = memoryview(data)
         c = self.entry.chunk_bytes
         size = DIGEST_BYTES[self.entry.algorithm]
-        for offset in range(0, len(view), c):
+        offsets = range(0, len(view), c)
+        algorithm = self.entry.algorithm
+        if self._pool is not None and len(offsets) > 8:  # hashlib and zlib release the GIL
+            found = list(self._pool.map(lambda o: chunk_digest(algorithm, view[o : o + c]), offsets))
+        else:
+            found = [chunk_digest(algorithm, view[o : o + c]) for o in offsets]
+        for offset, digest in zip(offsets, found, strict=True):
             index = (lo + offset) // c
             want = self.entry.chunk_digests[index * size : (index + 1) * size]
-            if chunk_digest(self.entry.algorithm, view[offset : offset + c]) != want:
+            if digest != want:
                 raise corrupt(
                     self.path,
                     f"chunk {index} (bytes {lo + offset}..{min(lo + offset + c, hi)}) does not match its "

@@ -28,6 +28,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,9 @@ class ShardMissingError(CheckpointNotFoundError):
 class StepFiles:
     """The manifests and verified data files of every rank of one step, over the tiers holding it."""
 
-    def __init__(self, step: int, copies: Sequence[Copy], *, run: str | None) -> None:
+    def __init__(self, step: int, copies: Sequence[Copy], *, run: str | None, pool: Executor | None = None) -> None:
         self.step = step
+        self.pool = pool
         self.copies = list(copies)
         self.run = run
         self._manifests: dict[int, Manifest] = {}
@@ -118,7 +120,7 @@ class StepFiles:
             if manifest is None or name not in manifest.files:
                 return
             path = Path(f"{c.tier.describe_rank(self.step, rank)}/{name}")
-            yield VerifiedFile(manifest.files[name], _fetcher(c.tier, self.step, rank, name), path=path)
+            yield VerifiedFile(manifest.files[name], _fetcher(c.tier, self.step, rank, name), path=path, pool=self.pool)
 
 
 def _fetcher(tier: Tier, step: int, rank: int, name: str) -> Any:

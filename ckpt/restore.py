@@ -221,7 +221,7 @@ class Restorer:
         if not copies:
             return None
         nearby = sorted({r for c in copies for r in c.tier.ranks_here(step, c.marker)})
-        files = StepFiles(step, copies, run=None if init_from else self.identity.name)
+        files = StepFiles(step, copies, run=None if init_from else self.identity.name, pool=self._pool())
         own = any(c.tier.has_rank(step, self.rank, c.marker) for c in copies)
         for rank in ranks_to_try(
             rank=self.rank,
