@@ -945,7 +945,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         largest_shape=list(max((leaf.shape for leaf in leaves), key=math.prod)),
         chunk_bytes=CHUNK_BYTES,
         saves=args.saves,
+        restores=args.restores,
         dir=str(work),
+        code=code_version(),
     )
     started = time.perf_counter()
     load_before = os.getloadavg()
@@ -987,6 +989,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for key in sorted({k for r in results for k in r.get("section_s", {})})
     }
     return _emit(result, args.json)
+
+
+def code_version() -> dict[str, Any]:
+    """The commit measured, and which of ckpt's files differ from it (uncommitted edits)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip() or None,
+        "ckpt_uncommitted": git("status", "--porcelain", "--", "ckpt").splitlines(),
+    }
 
 
 def _emit(result: dict[str, Any], path: Path | None) -> dict[str, Any]:
