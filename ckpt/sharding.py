@@ -24,6 +24,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ckpt.format import corrupt
 from ckpt.safetensors_io import dtype_name
@@ -104,12 +105,14 @@ def full_box(shape: Sequence[int]) -> Box:
 
 
 def _writes_piece(tensor: DTensor, name: str) -> bool:
-    """Whether this rank is the one that writes its box (coordinate 0 on every Replicate dim)."""
-    coordinate = tensor.device_mesh.get_coordinate()
+    """Whether this rank is the one that writes its box: coordinate 0 on every Replicate dim of the
+    tensor's mesh, and on every dim of the root mesh the tensor's (sub-)mesh does not span."""
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
     if coordinate is None:  # not part of the mesh: holds nothing
         return False
     for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, _StridedShard)):  # _StridedShard (FSDP over TP) is no Shard
             continue
         if not isinstance(placement, Replicate):
             raise TypeError(
@@ -118,7 +121,21 @@ def _writes_piece(tensor: DTensor, name: str) -> bool:
             )
         if coordinate[dim] != 0:
             return False
-    return True
+    return _first_across_root(mesh)
+
+
+def _first_across_root(mesh: DeviceMesh) -> bool:
+    """For a sub-mesh (e.g. mesh["dp"] of a (dp, tp) mesh, where FSDP puts embeddings and norms),
+    the ranks that differ only on the root dims it lacks hold the same box: coordinate 0 there writes.
+    A flattened dim ("dp_cp") spans the root dims its name joins."""
+    root = mesh._get_root_mesh()
+    if root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
+        return True
+    spanned = {part for dim in mesh.mesh_dim_names for part in (dim, *dim.split("_"))}
+    where = root.get_coordinate()
+    if where is None:
+        return False
+    return all(where[i] == 0 for i, dim in enumerate(root.mesh_dim_names) if dim not in spanned)
 
 
 def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, ShardInfo]]:

@@ -31,7 +31,7 @@ from ckpt import CheckpointConfig, Checkpointer, ShardMismatchError, SharedConfi
 pytestmark = pytest.mark.timeout(240)
 
 RUN = "sharded-test"
-SHAPES = {"w": (10, 6), "bias": (7,), "rep": (3, 3)}
+SHAPES = {"w": (10, 6), "bias": (7,), "rep": (3, 3), "emb": (8, 4), "qkv": (12, 4)}
 
 
 def _full(name: str, step: int) -> torch.Tensor:
@@ -51,7 +51,10 @@ def _config(local: Path, shared: Path | None) -> CheckpointConfig:
 def _state(step: int, mesh: Any, placements: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
 
-    model = {name: distribute_tensor(_full(name, step), mesh, placements[name]) for name in SHAPES}
+    model = {}
+    for name in SHAPES:  # a placement entry is a list, or (sub-mesh, list)
+        on, where = placements[name] if isinstance(placements[name], tuple) else (mesh, placements[name])
+        model[name] = distribute_tensor(_full(name, step), on, where)
     return {"model": model, "optim": {"step": torch.tensor(float(step))}, "rng": torch.full((4,), rank),
             "extras": {"rank": rank, "step": step}}
 
@@ -71,10 +74,13 @@ def _init(rank: int, world: int, work: Path, tag: str) -> None:
 def _save_worker(rank: int, world: int, work: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     _init(rank, world, work, "save")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    placements = {"w": [Shard(0), Shard(1)], "bias": [Shard(0), Replicate()], "rep": [Replicate(), Replicate()]}
+    placements = {"w": [Shard(0), Shard(1)], "bias": [Shard(0), Replicate()], "rep": [Replicate(), Replicate()],
+                  "emb": (mesh["dp"], [Shard(0)]),  # FSDP's embeddings and norms: on the dp sub-mesh
+                  "qkv": [_StridedShard(0, split_factor=2), Shard(0)]}  # FSDP over TP on one dim
     node = "A" if rank < 2 else "B"
     with Checkpointer(_config(work / node, work / "shared"), rank=rank, world_size=world, local_world_size=2) as ckpt:
         for step in (1, 2):
@@ -90,10 +96,12 @@ def _restore_worker(rank: int, world: int, work: Path) -> None:
 
     _init(rank, world, work, "restore")
     fsdp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    _check_restore(rank, world, work, fsdp, {"w": [Shard(0)], "bias": [Shard(0)], "rep": [Replicate()]})
+    _check_restore(rank, world, work, fsdp, {"w": [Shard(0)], "bias": [Shard(0)], "rep": [Replicate()],
+                                             "emb": [Shard(0)], "qkv": [Shard(0)]})
     tp = DeviceMesh("cpu", [0, 1], mesh_dim_names=("tp",))  # every rank builds it; rank 2 is not in it
     if rank < 2:
-        _check_restore(rank, 2, work, tp, {"w": [Shard(1)], "bias": [Replicate()], "rep": [Shard(0)]})
+        _check_restore(rank, 2, work, tp, {"w": [Shard(1)], "bias": [Replicate()], "rep": [Shard(0)],
+                                           "emb": [Replicate()], "qkv": [Shard(1)]})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -136,6 +144,8 @@ def test_replicated_pieces_are_written_once_and_shards_describe_their_box(saved:
     pieces = {r: _manifest(saved, 2, r)["shards"] for r in range(4)}
     assert [("piece" in pieces[r]["model/rep"]) for r in range(4)] == [True, False, False, False]
     assert [("piece" in pieces[r]["model/bias"]) for r in range(4)] == [True, False, True, False]
+    assert [("piece" in pieces[r]["model/emb"]) for r in range(4)] == [True, False, True, False]  # sub-mesh
+    assert [pieces[r]["model/qkv"]["piece"]["offsets"] for r in range(4)] == [[0, 0], [6, 0], [3, 0], [9, 0]]
     assert pieces[3]["model/w"]["piece"] == {"offsets": [5, 3], "sizes": [5, 3]}
     assert pieces[3]["model/w"]["global_shape"] == [10, 6] and pieces[3]["model/w"]["mesh_shape"] == [2, 2]
 
