@@ -868,6 +868,8 @@ def ratios(out: dict[str, Any], b: list[dict[str, Any]]) -> dict[str, float | No
     r: dict[str, float | None] = {
         "ours_stall_over_copy_limit": _ratio(_max(save["ours_stall_s"]), _max(save["copy_limit_s"])),
         "dcp_async_blocked_over_ours_stall": _ratio(_max(save["dcp_async_blocked_s"]), _max(save["ours_stall_s"])),
+        # the most dcp_async_blocked_over_ours_stall can be while ours blocks at least the copy limit
+        "dcp_async_blocked_over_copy_limit": _ratio(_max(save["dcp_async_blocked_s"]), _max(save["copy_limit_s"])),
         "dcp_async_blocked_first_over_ours_stall": _ratio(
             _max(save["dcp_async_blocked_first_s"]), _max(save["ours_stall_s"])
         ),
