@@ -104,14 +104,13 @@ def full_box(shape: Sequence[int]) -> Box:
     return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
 
-def _writes_piece(tensor: DTensor, name: str) -> bool:
+def _writes(mesh: DeviceMesh, placements: tuple[Placement, ...], name: str) -> bool:
     """Whether this rank is the one that writes its box: coordinate 0 on every Replicate dim of the
     tensor's mesh, and on every dim of the root mesh the tensor's (sub-)mesh does not span."""
-    mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not part of the mesh: holds nothing
         return False
-    for dim, placement in enumerate(tensor.placements):
+    for dim, placement in enumerate(placements):
         if isinstance(placement, (Shard, _StridedShard)):  # _StridedShard (FSDP over TP) is no Shard
             continue
         if not isinstance(placement, Replicate):
@@ -149,20 +148,28 @@ def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
         if not isinstance(tensor, DTensor):
             written[name] = tensor
             continue
-        box = local_box(tensor)
-        mine = _writes_piece(tensor, name) and box.numel > 0
-        mesh = tensor.device_mesh
-        shards[name] = ShardInfo(
-            global_shape=tuple(int(s) for s in tensor.shape),
-            dtype=dtype_name(tensor.dtype),
-            placements=tuple(str(p) for p in tensor.placements),
-            mesh_shape=tuple(int(s) for s in mesh.shape),
-            mesh_dims=tuple(mesh.mesh_dim_names or ()),
-            piece=box if mine else None,
-        )
-        if mine:
-            written[name] = tensor.to_local()
+        shards[name] = info = _info(tuple(tensor.shape), tensor.dtype, tensor.device_mesh, tuple(tensor.placements),
+                                    name)
+        if info.piece is not None:
+            written[name] = tensor._local_tensor  # what to_local() returns, without an autograd call
     return written, shards
+
+
+@functools.lru_cache(maxsize=4096)
+def _info(
+    shape: tuple[int, ...], dtype: torch.dtype, mesh: DeviceMesh, placements: tuple[Placement, ...], name: str
+) -> ShardInfo:
+    # Cached per leaf: every save of the same layout describes it the same way (~1 ms a DTensor).
+    box = _box(shape, mesh, placements)
+    tensor_writes = box.numel > 0 and _writes(mesh, placements, name)
+    return ShardInfo(
+        global_shape=tuple(int(s) for s in shape),
+        dtype=dtype_name(dtype),
+        placements=tuple(str(p) for p in placements),
+        mesh_shape=tuple(int(s) for s in mesh.shape),
+        mesh_dims=tuple(mesh.mesh_dim_names or ()),
+        piece=box if tensor_writes else None,
+    )
 
 
 # -- the manifest's "shards" record ----------------------------------------------------------------

@@ -189,6 +189,8 @@ class StagingArea:
         self._pinned = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._layout: StagingLayout | None = None
+        self._views: tuple[StagingLayout, int, list[torch.Tensor]] | None = None
+        """The slot views of the last (layout, buffer): rebuilding ~250 of them cost ~40 ms a save."""
         self.allocations = 0
         """How many times a buffer was allocated (1 in steady state)."""
 
@@ -236,9 +238,8 @@ class StagingArea:
         sources: list[torch.Tensor] = []
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         with torch.no_grad():
-            for slot in layout.slots:
+            for slot, dst in zip(layout.slots, self._slot_views(layout), strict=True):
                 src = tensors[slot.name]
-                dst = _slot_view(self._buffer, slot)
                 if src.device.type == "cuda":
                     by_device.setdefault(src.device, []).append((dst, src))
                 elif src.device.type == "cpu" and overlapped:
@@ -260,6 +261,14 @@ class StagingArea:
         if not overlapped:
             snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot
+
+    def _slot_views(self, layout: StagingLayout) -> list[torch.Tensor]:
+        assert self._buffer is not None
+        cached = self._views
+        if cached is None or cached[0] is not layout or cached[1] != self._buffer.data_ptr():
+            views = [_slot_view(self._buffer, s) for s in layout.slots]
+            cached = self._views = (layout, self._buffer.data_ptr(), views)
+        return cached[2]
 
     def reserve(self, tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
         """Allocate (and fault in) the buffer for `tensors` now instead of at the first save."""
@@ -308,3 +317,4 @@ class StagingArea:
         if self._buffer is not None and self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
         self._buffer, self._registered, self._pinned = None, False, False
+        self._views = None
