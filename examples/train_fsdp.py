@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from train_gpt import GPT, ProgressionTokens, build_parser, checked_args, lr_schedule, show
+from train_gpt import setup as gpt_setup
 
 from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig
 
@@ -58,17 +61,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def setup(args: argparse.Namespace) -> tuple[DeviceMesh, torch.device]:
-    torch.use_deterministic_algorithms(True, warn_only=args.device == "cuda")
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ:  # under elastic-run / torchrun
-        dist.init_process_group(backend)
-    else:  # one process: a group of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    world = dist.get_world_size()
+    """train_gpt's setup (deterministic kernels on CPU or with --deterministic, the device, the process
+    group under elastic-run / torchrun), a group of one otherwise, then the device mesh."""
+    _, world, device = gpt_setup(args)
+    if not dist.is_initialized():  # one process: FSDP still needs a process group
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the world size {world}")
     if args.tp == 1:
@@ -119,12 +117,15 @@ def main() -> None:
                                         seed=args.seed, max_micro_batch=args.max_micro_batch), mesh=mesh)
     dataset = ProgressionTokens(args.dataset_size, args.seq_len, args.vocab, args.seed)
     config = ResumeConfig.at(args.ckpt_dir, save_every=args.ckpt_every, mode=args.ckpt_mode)
-    with Resumable(config, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                   mesh=mesh) as run:
+    # Flash and memory-efficient attention have no deterministic backward: --deterministic on CUDA uses
+    # the math kernel, as train_gpt.py does.
+    attention = sdpa_kernel(SDPBackend.MATH) if args.deterministic and device.type == "cuda" else nullcontext()
+    with attention, Resumable(config, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                              mesh=mesh) as run:
         step = run.restore()
         if rank == 0 and run.resumed_from is not None:
             show(f"resumed from step {step}")
-        batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # from the restored position
+        batches = iter(sampler.loader(dataset, num_workers=args.num_workers, pin_memory=device.type == "cuda"))
         while step < args.steps:
             optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), device=device)

@@ -134,7 +134,7 @@ def savable(state: Any) -> Any:
 
 def _on_root(t: DTensor) -> DTensor:
     mesh = t.device_mesh
-    root = mesh._get_root_mesh()
+    root = _root_of(mesh)
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if root is mesh or root.ndim == mesh.ndim or not names or not root_names or not set(names) <= set(root_names):
         return t
@@ -143,6 +143,15 @@ def _on_root(t: DTensor) -> DTensor:
         placements[root_names.index(name)] = placement
     with torch.no_grad():
         return DTensor.from_local(t.to_local(), root, placements, shape=t.shape, stride=t.stride())
+
+
+def _root_of(mesh: DeviceMesh) -> DeviceMesh:
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is not None:
+        return get_root()
+    from torch.distributed.device_mesh import _mesh_resources  # torch before 2.12
+
+    return _mesh_resources.get_root_mesh(mesh)
 
 
 def _without_strided(t: DTensor) -> DTensor:
