@@ -840,6 +840,9 @@ def summarize(results: list[dict[str, Any]], job: Job) -> dict[str, Any]:
                 )
             }
             section[impl]["verified"] = sorted({str(r.get(phase, {}).get(impl, {}).get("verified")) for r in rs})
+            runs = [r.get(phase, {}).get(impl, {}).get("s_runs") or [] for r in rs]
+            slowest = [_round(max(col)) for col in zip(*runs, strict=False)]  # a rank that failed has fewer
+            section[impl]["s_runs_slowest_rank"] = slowest if all(runs) else None
             # host memory the restore held beyond the shard it returns (ours) or fills in place (DCP);
             # on cuda the shard is on the GPU, so all of the peak is beyond it
             beyond = [
