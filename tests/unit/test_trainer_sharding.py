@@ -1,6 +1,7 @@
 """The sharded-state rules of trainer without processes: the mesh layout (data-parallel coordinate),
 the sampler and sample log per data-parallel rank, the RNG streams derived per data-parallel rank,
-and the whole-tree check of a by-name (get_state_dict) optimizer state."""
+the whole-tree check of a by-name (get_state_dict) optimizer state, and ckpt's ShardMismatchError
+turned into StateMismatchError."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from ckpt import ShardMismatchError
 from trainer import DataConfig, ElasticSampler, StateMismatchError, rng
+from trainer.agree import agree_on_checkpoint
 from trainer.errors import InvalidStateError
 from trainer.resumable import _checked_sampler
 from trainer.samples import SAMPLE_LOG_ENV
@@ -113,3 +116,25 @@ def test_a_by_name_optimizer_state_is_checked_whole() -> None:
     bad_layout = {**template, "layout": {"dp": 0, "tp": 1}}
     with pytest.raises(InvalidStateError, match="'layout'"):
         check_state(bad_layout, model=model, optimizer=optimizer, sampler=None, template=template)
+
+
+class ShardMismatchCheckpointer:
+    """A checkpointer whose newest step holds a sharded tensor of another global shape."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def restore(self, **kwargs: Any) -> None:
+        self.calls.append(kwargs)
+        raise ShardMismatchError("'model/tok.weight': saved global shape (64, 32), the state restored into has "
+                                 "(64, 64)")
+
+
+def test_a_sharded_tensor_of_another_global_shape_stops_the_restore_with_a_clear_error() -> None:
+    checkpointer = ShardMismatchCheckpointer()
+    template = {"model": {}}
+    expected = "the newest checkpoint in /ckpt does not fit this run's model: 'model/tok.weight': saved global shape"
+    with pytest.raises(StateMismatchError, match=expected + " \\(64, 32\\).* fresh --ckpt-dir"):
+        agree_on_checkpoint(checkpointer, Topology(rank=0, world_size=1, local_rank=0),  # type: ignore[arg-type]
+                            check=lambda r: None, where="/ckpt", into=template)
+    assert checkpointer.calls == [{"step": None, "max_step": None, "into": template}]  # not retried on older steps
