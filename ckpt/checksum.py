@@ -32,7 +32,7 @@ ALGORITHMS = ("sha256", "crc32")
 DIGEST_BYTES = {"sha256": 32, "crc32": 4}
 """Size of one chunk digest."""
 
-RANGE_CHUNK_BYTES = 256 << 10
+RANGE_CHUNK_BYTES = 64 << 10
 """Chunk size of the files of sharded states, whose manifests keep every chunk digest: a range read
 (resharding) reads at most one chunk more on each side of what it needs (ckpt/ranges.py)."""
 

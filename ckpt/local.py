@@ -27,11 +27,10 @@ from ckpt.errors import (
     CheckpointNotFoundError,
     CheckpointVersionError,
 )
-from ckpt.format import corrupt
 from ckpt.identity import RunIdentity, foreign
 from ckpt.layout import FETCH_PREFIX, MANIFEST_FILE, TMP_PREFIX, Layout
 from ckpt.manifest import Manifest, resolve_file
-from ckpt.ranges import read_local_range
+from ckpt.ranges import LocalRange
 from ckpt.reader import load_rank_dir, read_manifest
 from ckpt.safe_io import read_regular
 from ckpt.tiers import TierName, holds_rank
@@ -157,13 +156,10 @@ class LocalTier:
         path = self.layout.rank_dir(step, rank) / MANIFEST_FILE
         return read_manifest(path, expected_sha256=expected_sha256, timeout=self._read_timeout)[0]
 
-    def read_range(self, step: int, rank: int, name: str, start: int, end: int) -> bytes:
+    def range_source(self, step: int, rank: int, name: str) -> LocalRange:
         rank_dir = self.layout.rank_dir(step, rank)
         path = resolve_file(rank_dir, name, manifest_path=rank_dir / MANIFEST_FILE)
-        try:
-            return read_local_range(path, start, end, timeout=self._read_timeout)
-        except OSError as exc:
-            raise corrupt(path, f"file cannot be read ({exc})") from exc
+        return LocalRange(path, timeout=self._read_timeout)
 
     def load(self, step: int, rank: int, *, pool: Executor | None) -> dict[str, Any]:
         """Load rank `rank` of `step` committed here by this run, checking everything (see

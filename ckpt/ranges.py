@@ -3,62 +3,144 @@
 The manifest of a sharded state keeps the digest of every `chunk_bytes` chunk of each data file
 (ckpt/manifest.py, format 3; authenticated by the manifest's sha256 in the step's COMMIT). A
 range read widens the range to whole chunks, reads them with one request, and compares each
-chunk's digest before any byte is used: a read costs at most one chunk more on each side than
-asked for (ckpt/checksum.py RANGE_CHUNK_BYTES, 256 KiB).
+chunk's digest before any byte is used (ckpt/checksum.py RANGE_CHUNK_BYTES).
 
-Where the bytes come from is a `fetch(start, end)` callable of the tier (a local pread, an fsspec
-range request); which tier is asked first is ckpt/reshard.py's business.
+Where the bytes come from is a `RangeSource` of the tier: `LocalRange` (a file opened once, read
+with pread into one reusable buffer, every read within a deadline) or `RemoteRange` (fsspec range
+requests through the tier's bounded retries). `window` is the most bytes one read asks for: small
+for a local file (the read buffer is the only extra host memory), larger for object stores, where
+each request costs a round trip.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from typing import Protocol
 
 from ckpt.checksum import DIGEST_BYTES, chunk_digest
+from ckpt.errors import CheckpointTimeoutError
 from ckpt.format import corrupt
 from ckpt.manifest import FileEntry
 from ckpt.safe_io import open_regular, with_deadline
 
-Fetch = Callable[[int, int], bytes]
-"""Bytes [start, end) of one file (fewer only at the end of the file)."""
+LOCAL_WINDOW = 1 << 20
+"""Bytes per read of a local file."""
+
+REMOTE_WINDOW = 16 << 20
+"""Bytes per range request to an object store."""
+
+_reader: ThreadPoolExecutor | None = None
+_reader_lock = threading.Lock()
 
 
-def read_local_range(path: Path, start: int, end: int, *, timeout: float) -> bytes:
-    """Bytes [start, end) of the regular file `path` (a FIFO or device is refused unopened), within
-    `timeout` seconds (CheckpointTimeoutError otherwise)."""
+def _read_pool() -> ThreadPoolExecutor:
+    """Long-lived reader threads: a read gets a deadline without a thread started per read. A read
+    hung in the kernel keeps its thread; the others go on."""
+    global _reader
+    with _reader_lock:
+        if _reader is None:
+            _reader = ThreadPoolExecutor(4, thread_name_prefix="ckpt-range-read")
+        return _reader
 
-    def read() -> bytes:
-        fd = open_regular(path)
+
+class RangeSource(Protocol):
+    """Bytes of one file by range."""
+
+    window: int
+    where: Path
+
+    def read(self, start: int, end: int) -> memoryview:
+        """Bytes [start, end) (fewer only at the end of the file); valid until the next read."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalRange:
+    """A regular file on a local (or mounted) path, opened once (a FIFO or device is refused unopened)."""
+
+    def __init__(self, path: Path, *, timeout: float, window: int = LOCAL_WINDOW) -> None:
+        self.where = path
+        self.window = window
+        self._timeout = timeout
+        self._fd: int | None = None
+        self._buffer = bytearray()
+
+    def read(self, start: int, end: int) -> memoryview:
+        if self._fd is None:
+            try:
+                self._fd = with_deadline(lambda: open_regular(self.where), timeout=self._timeout, what="open",
+                                         path=self.where)
+            except OSError as exc:
+                raise corrupt(self.where, f"file cannot be read ({exc})") from exc
+        if len(self._buffer) < end - start:
+            self._buffer = bytearray(end - start)
+        view = memoryview(self._buffer)[: end - start]
+        fd = self._fd
+        future = _read_pool().submit(_pread_all, fd, view, start)
         try:
-            chunks = []
-            offset = start
-            while offset < end:
-                data = os.pread(fd, min(end - offset, 64 << 20), offset)
-                if not data:
-                    break
-                chunks.append(data)
-                offset += len(data)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
+            got = future.result(self._timeout)
+        except FutureTimeout as exc:
+            raise CheckpointTimeoutError(
+                f"a read of {self.where} did not finish within {self._timeout:.0f}s (a hung disk or mount?); "
+                f"this copy is skipped",
+                path=self.where,
+            ) from exc
+        except OSError as exc:
+            raise corrupt(self.where, f"file cannot be read ({exc})") from exc
+        return view[:got]
 
-    return with_deadline(read, timeout=timeout, what="range read", path=path)
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class RemoteRange:
+    """An object read by range requests (`fetch(start, end) -> bytes`, with the tier's retries)."""
+
+    def __init__(self, fetch: Callable[[int, int], bytes], *, where: Path, window: int = REMOTE_WINDOW) -> None:
+        self.where = where
+        self.window = window
+        self._fetch = fetch
+
+    def read(self, start: int, end: int) -> memoryview:
+        return memoryview(self._fetch(start, end))
+
+    def close(self) -> None:
+        pass
 
 
 class VerifiedFile:
     """Range reads of one data file, each checked against the manifest's chunk digests."""
 
-    def __init__(self, entry: FileEntry, fetch: Fetch, *, path: Path, pool: Executor | None = None) -> None:
+    def __init__(self, entry: FileEntry, source: RangeSource, *, pool: Executor | None = None) -> None:
+        self.path = source.where
         if not entry.chunk_digests or entry.chunk_bytes <= 0:
-            raise corrupt(path, "the file has no chunk digests, so it cannot be read by range (format < 3)")
+            raise corrupt(self.path, "the file has no chunk digests, so it cannot be read by range (format < 3)")
         self.entry = entry
-        self.path = path
-        self._fetch = fetch
+        self.source = source
         self._pool = pool
         self.bytes_read = 0
+
+    @property
+    def window(self) -> int:
+        return max(self.source.window, self.entry.chunk_bytes)
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The chunk-aligned range a read of [start, end) fetches."""
@@ -66,17 +148,17 @@ class VerifiedFile:
         return start - start % c, min(self.entry.bytes, -(-end // c) * c)
 
     def read(self, start: int, end: int) -> memoryview:
-        """Verified bytes [start, end) of the file. Raises CheckpointCorruptError naming the file."""
+        """Verified bytes [start, end) of the file (valid until the next read). Raises
+        CheckpointCorruptError naming the file."""
         if not 0 <= start <= end <= self.entry.bytes:
             raise corrupt(self.path, f"range [{start}, {end}) lies outside the file's {self.entry.bytes} bytes")
         if start == end:
             return memoryview(b"")
         lo, hi = self.span(start, end)
-        data = self._fetch(lo, hi)
-        self.bytes_read += len(data)
-        if len(data) != hi - lo:
-            raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {len(data)} bytes (truncated?)")
-        view = memoryview(data)
+        view = self.source.read(lo, hi)
+        self.bytes_read += len(view)
+        if len(view) != hi - lo:
+            raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {len(view)} bytes (truncated?)")
         c = self.entry.chunk_bytes
         size = DIGEST_BYTES[self.entry.algorithm]
         offsets = range(0, len(view), c)
@@ -87,11 +169,10 @@ class VerifiedFile:
             found = [chunk_digest(algorithm, view[o : o + c]) for o in offsets]
         for offset, digest in zip(offsets, found, strict=True):
             index = (lo + offset) // c
-            want = self.entry.chunk_digests[index * size : (index + 1) * size]
-            if digest != want:
+            if digest != self.entry.chunk_digests[index * size : (index + 1) * size]:
                 raise corrupt(
                     self.path,
                     f"chunk {index} (bytes {lo + offset}..{min(lo + offset + c, hi)}) does not match its "
-                    f"{self.entry.algorithm} digest in the manifest (bit rot or a partial write)",
+                    f"{algorithm} digest in the manifest (bit rot or a partial write)",
                 )
         return view[start - lo : end - lo]

@@ -42,7 +42,7 @@ from ckpt.manifest import Manifest
 from ckpt.ranges import VerifiedFile
 from ckpt.safetensors_io import DTYPES
 from ckpt.sharding import Box, ShardMismatchError, full_box, local_box
-from ckpt.tiers import Copy, Tier
+from ckpt.tiers import Copy
 from ckpt.tree import flatten, unflatten
 
 logger = logging.getLogger(__name__)
@@ -119,12 +119,7 @@ class StepFiles:
             manifest = self._manifests.get(rank)
             if manifest is None or name not in manifest.files:
                 return
-            path = Path(f"{c.tier.describe_rank(self.step, rank)}/{name}")
-            yield VerifiedFile(manifest.files[name], _fetcher(c.tier, self.step, rank, name), path=path, pool=self.pool)
-
-
-def _fetcher(tier: Tier, step: int, rank: int, name: str) -> Any:
-    return lambda start, end: tier.read_range(step, rank, name, start, end)
+            yield VerifiedFile(manifest.files[name], c.tier.range_source(self.step, rank, name), pool=self.pool)
 
 
 def _check_manifest(manifest: Manifest, *, step: int, rank: int, run: str | None, where: str) -> None:
@@ -159,14 +154,14 @@ def load_sharded(
     where = f"step {files.step}"
     pieces = _pieces(files, part, where=where)
     tensors: dict[str, torch.Tensor] = {}
+    copies: list[Copying] = []
     for name, entry in part.tensors.items():
         if name in part.shards:
             continue
         assert entry.offset is not None  # parse_manifest: format 3 records offsets
         dest = torch.empty(entry.shape, dtype=_dtype(entry.dtype, name, where))
         box = full_box(entry.shape)
-        own = Piece(part.rank, box, entry.file, entry.offset)
-        _copy_piece(files, own, box, dest, box, name=name)
+        copies.append(Copying(name, Piece(part.rank, box, entry.file, entry.offset), box, dest, box))
         tensors[name] = dest
     for name, info in part.shards.items():
         target = template.get(name)
@@ -182,7 +177,7 @@ def load_sharded(
             box = full_box(info.global_shape)
             device = torch.device("cpu")
         dest = torch.empty(box.sizes, dtype=_dtype(info.dtype, name, where), device=device)
-        _fill(files, name, pieces[name], box, dest)
+        copies.extend(_covering(files, name, pieces[name], box, dest))
         if isinstance(target, DTensor):
             tensors[name] = DTensor.from_local(
                 dest, target.device_mesh, target.placements, run_check=False, shape=target.shape,
@@ -190,6 +185,11 @@ def load_sharded(
             )
         else:
             tensors[name] = dest
+    by_file: dict[tuple[int, str], list[Copying]] = {}
+    for c in copies:
+        by_file.setdefault((c.piece.rank, c.piece.file), []).append(c)
+    for (rank, file), todo in sorted(by_file.items()):
+        _read_file(files, rank, file, todo)
     try:
         state = unflatten(part.state, tensors)
     except (ValueError, RecursionError) as exc:
@@ -197,6 +197,17 @@ def load_sharded(
     if not isinstance(state, dict):
         raise CheckpointCorruptError(f"rank {part.rank} of {where}: its 'state' is a {type(state).__name__}")
     return state
+
+
+@dataclass(frozen=True)
+class Copying:
+    """`common` (inside `piece` and `dest_box`) goes from the piece's file into `dest`."""
+
+    name: str
+    piece: Piece
+    common: Box
+    dest: torch.Tensor
+    dest_box: Box
 
 
 def _dtype(name: str, tensor: str, where: str) -> torch.dtype:
@@ -247,14 +258,14 @@ def _pieces(files: StepFiles, part: Manifest, *, where: str) -> dict[str, list[P
     return found
 
 
-def _fill(files: StepFiles, name: str, saved: Sequence[Piece], box: Box, dest: torch.Tensor) -> None:
-    covered = 0
+def _covering(files: StepFiles, name: str, saved: Sequence[Piece], box: Box, dest: torch.Tensor) -> list[Copying]:
+    """The copies that fill `box` of tensor `name`; ShardMissingError when the saved pieces leave a gap."""
+    copies = []
     for piece in saved:
         common = piece.box.intersect(box)
-        if common is None:
-            continue
-        _copy_piece(files, piece, common, dest, box, name=name)
-        covered += common.numel
+        if common is not None:
+            copies.append(Copying(name, piece, common, dest, box))
+    covered = sum(c.common.numel for c in copies)
     if covered != box.numel:
         details = [f"rank {r}: {'; '.join(why)}" for r, why in sorted(files.unreadable.items())[:4]]
         absent = files.world_size() - len(files.ranks())
@@ -264,19 +275,22 @@ def _fill(files: StepFiles, name: str, saved: Sequence[Piece], box: Box, dest: t
             f"step {files.step}: {box.numel - covered} elements of tensor {name!r} box {box.describe()} are in no "
             f"readable piece; searched tiers {files.searched()}" + (f" ({'; '.join(details)})" if details else "")
         )
+    return copies
 
 
-def _copy_piece(files: StepFiles, piece: Piece, common: Box, dest: torch.Tensor, dest_box: Box, *, name: str) -> None:
-    """Copy `common` (inside `piece` and `dest_box`) from the first tier that reads it intact."""
+def _read_file(files: StepFiles, rank: int, file: str, todo: Sequence[Copying]) -> None:
+    """Do every copy out of rank `rank`'s data file `file`, reading each chunk once, from the first
+    tier that reads it intact."""
     errors = []
-    for reader in files.files(piece.rank, piece.file):
+    for reader in files.files(rank, file):
+        runs = sorted((run for c in todo for run in _runs(c, reader.window)), key=lambda r: r[0])
         try:
-            for start, end, runs in _reads(piece, common, dest_box, dest.element_size(), reader.span):
+            for start, end, batch in _reads(runs, reader.span, reader.window):
                 data = reader.read(start, end)
-                with warnings.catch_warnings():  # read-only bytes: the tensors below are only read
+                with warnings.catch_warnings():  # a read-only buffer (remote bytes): only read from
                     warnings.simplefilter("ignore", UserWarning)
-                    raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-                for begin, nbytes, index, shape in runs:
+                    raw = torch.frombuffer(data, dtype=torch.uint8)
+                for begin, nbytes, dest, index, shape in batch:
                     src = raw[begin - start : begin - start + nbytes].view(dest.dtype).view(shape)
                     dest[index].copy_(src)
             files.bytes_read += reader.bytes_read
@@ -284,33 +298,38 @@ def _copy_piece(files: StepFiles, piece: Piece, common: Box, dest: torch.Tensor,
         except CheckpointError as exc:
             files.bytes_read += reader.bytes_read
             errors.append(str(exc))
-            logger.warning("tensor %r: rank %d's piece from %s is unusable: %s", name, piece.rank, reader.path, exc)
+            logger.warning("rank %d's %s from %s is unusable: %s", rank, file, reader.path, exc)
+        finally:
+            reader.source.close()
+    names = sorted({c.name for c in todo})
+    shown = ", ".join(f"{n!r}" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     raise ShardMissingError(
-        f"step {files.step}: the piece {piece.box.describe()} of tensor {name!r} (rank {piece.rank}) could not be "
-        f"read from any tier; searched {files.searched()}" + (f": {'; '.join(errors)}" if errors else "")
+        f"step {files.step}: rank {rank}'s {file} (pieces of {shown}) could not be read from any tier; "
+        f"searched {files.searched()}" + (f": {'; '.join(errors)}" if errors else "")
     )
 
 
-Run = tuple[int, int, tuple[Any, ...], tuple[int, ...]]
-"""(file offset, bytes, index into the destination, shape of the source bytes)."""
+Run = tuple[int, int, torch.Tensor, tuple[Any, ...], tuple[int, ...]]
+"""(file offset, bytes, destination tensor, index into it, shape of the source bytes)."""
 
 
-def _runs(piece: Piece, common: Box, dest_box: Box, itemsize: int) -> Iterator[Run]:
-    """Contiguous runs of `piece`'s bytes that hold `common`, each with its place in the destination."""
+def _runs(copy: Copying, window: int) -> Iterator[Run]:
+    """Contiguous runs of the piece's bytes that hold `copy.common`, each with its place in the destination."""
+    piece, common, dest_box, itemsize = copy.piece, copy.common, copy.dest_box, copy.dest.element_size()
     ps, s, n = piece.box.sizes, common.sizes, len(common.sizes)
     if n == 0:
-        yield piece.offset, itemsize, (), ()
+        yield piece.offset, itemsize, copy.dest, (), ()
         return
     lo = [c - p for c, p in zip(common.offsets, piece.box.offsets, strict=True)]
     dl = [c - d for c, d in zip(common.offsets, dest_box.offsets, strict=True)]
     k = n - 1  # dims after k span the piece fully, so a run covers rows of dim k
     while k > 0 and s[k] == ps[k]:
         k -= 1
-    while k < n - 1 and math.prod(ps[k + 1 :]) * itemsize > READ_BYTES:
-        k += 1  # a row of dim k alone is too big for one read: runs over a later dim
+    while k < n - 1 and math.prod(ps[k + 1 :]) * itemsize > window:
+        k += 1  # a row of dim k alone is bigger than one read: runs over a later dim
     inner = math.prod(ps[k + 1 :])
     strides = [math.prod(ps[d + 1 :]) for d in range(n)]
-    rows_per_run = max(1, READ_BYTES // max(1, inner * itemsize))
+    rows_per_run = max(1, window // max(1, inner * itemsize))
     tail = tuple(slice(dl[d], dl[d] + s[d]) for d in range(k + 1, n))
     for outer in itertools.product(*(range(s[d]) for d in range(k))):
         base = sum((lo[d] + outer[d]) * strides[d] for d in range(k))
@@ -319,20 +338,19 @@ def _runs(piece: Piece, common: Box, dest_box: Box, itemsize: int) -> Iterator[R
             rows = min(rows_per_run, s[k] - r0)
             start = piece.offset + (base + (lo[k] + r0) * strides[k]) * itemsize
             index = (*head, slice(dl[k] + r0, dl[k] + r0 + rows), *tail)
-            yield start, rows * inner * itemsize, index, (rows, *ps[k + 1 :])
+            yield start, rows * inner * itemsize, copy.dest, index, (rows, *ps[k + 1 :])
 
 
-def _reads(
-    piece: Piece, common: Box, dest_box: Box, itemsize: int, span: Any
-) -> Iterator[tuple[int, int, list[Run]]]:
-    """Runs packed into reads: runs whose chunk-aligned spans touch share a read of <= READ_BYTES."""
+def _reads(runs: Sequence[Run], span: Any, window: int) -> Iterator[tuple[int, int, list[Run]]]:
+    """Runs (sorted by offset) packed into reads: runs whose chunk-aligned spans touch share one read
+    of at most `window` bytes, so no chunk is read twice by neighbouring runs."""
     batch: list[Run] = []
     start = end = 0
-    for run in _runs(piece, common, dest_box, itemsize):
+    for run in runs:
         lo, _ = span(run[0], run[0] + run[1])
-        if batch and lo <= span(start, end)[1] and run[0] + run[1] - start <= READ_BYTES:
+        if batch and lo <= span(start, end)[1] and run[0] + run[1] - start <= window:
             batch.append(run)
-            end = run[0] + run[1]
+            end = max(end, run[0] + run[1])
             continue
         if batch:
             yield start, end, batch

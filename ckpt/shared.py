@@ -62,7 +62,7 @@ from ckpt.layout import (
     temp_name,
 )
 from ckpt.manifest import Manifest, check_file_name, parse_manifest
-from ckpt.ranges import read_local_range
+from ckpt.ranges import LocalRange, RangeSource, RemoteRange
 from ckpt.reader import check_manifest_digest
 from ckpt.retry import call_with_retries
 from ckpt.safe_io import read_regular
@@ -437,15 +437,16 @@ class SharedTier:
     def read_manifest(self, step: int, rank: int, *, expected_sha256: str | None) -> Manifest:
         return self._manifest(step, rank, expected_sha256)[1]
 
-    def read_range(self, step: int, rank: int, name: str, start: int, end: int) -> bytes:
+    def range_source(self, step: int, rank: int, name: str) -> RangeSource:
         path = f"{self.rank_path(step, rank)}/{name}"
         check_file_name(name, path=Path(self.describe(f"{self.rank_path(step, rank)}/{MANIFEST_FILE}")))
         if self.is_local:
-            try:
-                return read_local_range(Path(path), start, end, timeout=self._read_timeout)
-            except OSError as exc:
-                raise CheckpointCorruptError(f"{path}: file cannot be read ({exc})", path=path) from exc
-        return self.call(f"range read of {self.describe(path)}", self.fs.cat_file, path, start=start, end=end)
+            return LocalRange(Path(path), timeout=self._read_timeout)
+        what = f"range read of {self.describe(path)}"
+        return RemoteRange(
+            lambda start, end: self.call(what, self.fs.cat_file, path, start=start, end=end),
+            where=Path(self.describe(path)),
+        )
 
     def sweep_temp(self, committed: Collection[int]) -> None:
         """Nothing to sweep: objects are written whole by one PUT, and the temp file of a write on

@@ -17,6 +17,7 @@ from typing import Literal, Protocol
 
 from ckpt.commit import CommitMarker
 from ckpt.manifest import Manifest
+from ckpt.ranges import RangeSource
 
 TierName = Literal["local", "shared"]
 """Tier 1 is "local", tier 2 "shared": the names in Restored.tier, logs and events."""
@@ -67,9 +68,9 @@ class Tier(Protocol):
         CheckpointCorruptError / CheckpointVersionError naming it."""
         ...
 
-    def read_range(self, step: int, rank: int, name: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of rank `rank`'s data file `name` of `step` (unverified: see
-        ckpt/ranges.py). Raises CheckpointError (missing, timed out, tier 2 failing)."""
+    def range_source(self, step: int, rank: int, name: str) -> RangeSource:
+        """Range reads of rank `rank`'s data file `name` of `step` (unverified: see ckpt/ranges.py);
+        its reads raise CheckpointError (missing, timed out, tier 2 failing)."""
         ...
 
     def describe_rank(self, step: int, rank: int) -> str:
