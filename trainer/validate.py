@@ -11,6 +11,11 @@ Two kinds of problem, two errors:
 
 Order matters: the tree's own structure is checked first, then its fit with this run, then the
 optimizer's tensors against the parameters they belong to (that needs the fit: the same parameters).
+
+A sharded model's tree (FSDP2 / TP: `get_state_dict`'s form) keys the optimizer state by parameter
+name, not position, and is checked against this run's own tree (`template`): the same names in the
+same groups (else StateMismatchError), state tensors of their parameter's global shape. The global
+shape of each DTensor against the saved one is ckpt's check (ShardMismatchError, trainer/agree.py).
 """
 
 from __future__ import annotations
