@@ -6,10 +6,11 @@ range read widens the range to whole chunks, reads them with one request, and co
 chunk's digest before any byte is used (ckpt/checksum.py RANGE_CHUNK_BYTES).
 
 Where the bytes come from is a `RangeSource` of the tier: `LocalRange` (a file opened once, read
-with pread into one reusable buffer, every read within a deadline) or `RemoteRange` (fsspec range
-requests through the tier's bounded retries). `window` is the most bytes one read asks for: small
-for a local file (the read buffer is the only extra host memory), larger for object stores, where
-each request costs a round trip.
+with pread into two reusable buffers) or `RemoteRange` (fsspec range requests through the tier's
+bounded retries). `window` is the most bytes one read asks for: small for a local file (the two read
+buffers are the only extra host memory), larger for object stores, where each request costs a
+round trip. `VerifiedFile.read_ahead` reads and verifies on a long-lived reader thread, so the next
+read overlaps the caller's copy of the previous one; waiting for it has the source's deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Protocol
@@ -26,7 +27,7 @@ from ckpt.checksum import DIGEST_BYTES, chunk_digest
 from ckpt.errors import CheckpointTimeoutError
 from ckpt.format import corrupt
 from ckpt.manifest import FileEntry
-from ckpt.safe_io import open_regular, with_deadline
+from ckpt.safe_io import open_regular
 
 LOCAL_WINDOW = 1 << 20
 """Bytes per read of a local file."""
@@ -53,9 +54,11 @@ class RangeSource(Protocol):
 
     window: int
     where: Path
+    timeout: float
+    """Seconds a read may take before it counts as hung."""
 
     def read(self, start: int, end: int) -> memoryview:
-        """Bytes [start, end) (fewer only at the end of the file); valid until the next read."""
+        """Bytes [start, end) (fewer only at the end of the file); valid until the read after next."""
         ...
 
     def close(self) -> None: ...
@@ -67,33 +70,25 @@ class LocalRange:
     def __init__(self, path: Path, *, timeout: float, window: int = LOCAL_WINDOW) -> None:
         self.where = path
         self.window = window
-        self._timeout = timeout
+        self.timeout = timeout
         self._fd: int | None = None
-        self._buffer = bytearray()
+        self._buffers = [bytearray(), bytearray()]  # one being read, one being copied out of
+        self._turn = 0
 
     def read(self, start: int, end: int) -> memoryview:
         if self._fd is None:
             try:
-                self._fd = with_deadline(lambda: open_regular(self.where), timeout=self._timeout, what="open",
-                                         path=self.where)
+                self._fd = open_regular(self.where)
             except OSError as exc:
                 raise corrupt(self.where, f"file cannot be read ({exc})") from exc
-        if len(self._buffer) < end - start:
-            self._buffer = bytearray(end - start)
-        view = memoryview(self._buffer)[: end - start]
-        fd = self._fd
-        future = _read_pool().submit(_pread_all, fd, view, start)
+        self._turn ^= 1
+        if len(self._buffers[self._turn]) < end - start:
+            self._buffers[self._turn] = bytearray(end - start)
+        view = memoryview(self._buffers[self._turn])[: end - start]
         try:
-            got = future.result(self._timeout)
-        except FutureTimeout as exc:
-            raise CheckpointTimeoutError(
-                f"a read of {self.where} did not finish within {self._timeout:.0f}s (a hung disk or mount?); "
-                f"this copy is skipped",
-                path=self.where,
-            ) from exc
+            return view[: _pread_all(self._fd, view, start)]
         except OSError as exc:
             raise corrupt(self.where, f"file cannot be read ({exc})") from exc
-        return view[:got]
 
     def close(self) -> None:
         if self._fd is not None:
@@ -114,9 +109,12 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> int:
 class RemoteRange:
     """An object read by range requests (`fetch(start, end) -> bytes`, with the tier's retries)."""
 
-    def __init__(self, fetch: Callable[[int, int], bytes], *, where: Path, window: int = REMOTE_WINDOW) -> None:
+    def __init__(
+        self, fetch: Callable[[int, int], bytes], *, where: Path, timeout: float, window: int = REMOTE_WINDOW
+    ) -> None:
         self.where = where
         self.window = window
+        self.timeout = timeout
         self._fetch = fetch
 
     def read(self, start: int, end: int) -> memoryview:
@@ -147,8 +145,23 @@ class VerifiedFile:
         c = self.entry.chunk_bytes
         return start - start % c, min(self.entry.bytes, -(-end // c) * c)
 
+    def read_ahead(self, start: int, end: int) -> Future[memoryview]:
+        """`read(start, end)` on a reader thread; collect it with `wait`."""
+        return _read_pool().submit(self.read, start, end)
+
+    def wait(self, pending: Future[memoryview]) -> memoryview:
+        """The bytes of a `read_ahead`; CheckpointTimeoutError when the read outlives the deadline."""
+        try:
+            return pending.result(self.source.timeout)
+        except FutureTimeout as exc:
+            raise CheckpointTimeoutError(
+                f"a read of {self.path} did not finish within {self.source.timeout:.0f}s (a hung disk or "
+                f"mount?); this copy is skipped",
+                path=self.path,
+            ) from exc
+
     def read(self, start: int, end: int) -> memoryview:
-        """Verified bytes [start, end) of the file (valid until the next read). Raises
+        """Verified bytes [start, end) of the file (valid until the read after next). Raises
         CheckpointCorruptError naming the file."""
         if not 0 <= start <= end <= self.entry.bytes:
             raise corrupt(self.path, f"range [{start}, {end}) lies outside the file's {self.entry.bytes} bytes")

@@ -28,7 +28,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -284,22 +284,28 @@ def _read_file(files: StepFiles, rank: int, file: str, todo: Sequence[Copying]) 
     errors = []
     for reader in files.files(rank, file):
         runs = sorted((run for c in todo for run in _runs(c, reader.window)), key=lambda r: r[0])
+        reads = list(_reads(runs, reader.span, reader.window))
+        pending = reader.read_ahead(*reads[0][:2]) if reads else None
         try:
-            for start, end, batch in _reads(runs, reader.span, reader.window):
-                data = reader.read(start, end)
+            for i, (start, _end, batch) in enumerate(reads):
+                assert pending is not None
+                data = reader.wait(pending)
+                # the next read (into the other buffer) overlaps the copies out of this one
+                pending = reader.read_ahead(*reads[i + 1][:2]) if i + 1 < len(reads) else None
                 with warnings.catch_warnings():  # a read-only buffer (remote bytes): only read from
                     warnings.simplefilter("ignore", UserWarning)
                     raw = torch.frombuffer(data, dtype=torch.uint8)
                 for begin, nbytes, dest, index, shape in batch:
                     src = raw[begin - start : begin - start + nbytes].view(dest.dtype).view(shape)
                     dest[index].copy_(src)
-            files.bytes_read += reader.bytes_read
             return
         except CheckpointError as exc:
-            files.bytes_read += reader.bytes_read
             errors.append(str(exc))
             logger.warning("rank %d's %s from %s is unusable: %s", rank, file, reader.path, exc)
         finally:
+            if pending is not None:  # never close the file under a read in flight
+                wait((pending,), timeout=reader.source.timeout)
+            files.bytes_read += reader.bytes_read
             reader.source.close()
     names = sorted({c.name for c in todo})
     shown = ", ".join(f"{n!r}" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -446,6 +446,7 @@ class SharedTier:
         return RemoteRange(
             lambda start, end: self.call(what, self.fs.cat_file, path, start=start, end=end),
             where=Path(self.describe(path)),
+            timeout=self.config.retry.deadline.total_seconds() + self._read_timeout,
         )
 
     def sweep_temp(self, committed: Collection[int]) -> None:
