@@ -809,6 +809,11 @@ def summarize(results: list[dict[str, Any]], job: Job) -> dict[str, Any]:
             "dcp_async_total_s": figure(a, "A", "dcp_async_total_runs_s"),
         },
     }
+    # every timed round of every rank, for a look behind the medians
+    out["save"]["runs_per_rank"] = {
+        key.removesuffix("_runs_s"): [[_round(v) for v in r["A"][key]] for r in a if r["A"].get(key)]
+        for key in ("copy_limit_runs_s", "ours_stall_runs_s", "dcp_async_blocked_runs_s")
+    }
     # per rank, the median over rounds of each round's ratio (figures of one round ran under the
     # same load), then the worst rank
     for key, num, den, worst in (
