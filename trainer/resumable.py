@@ -279,7 +279,7 @@ class Resumable:
         """The tree a checkpoint holds (this rank's part; DTensor leaves of a sharded model)."""
         _check_json_able(self.extras)
         if self.sharded:  # by parameter name, so that optimizer state reshards like the parameters
-            model_sd, optim_sd = sharding.savable(sharding.model_state(self.model, self.optimizer))
+            model_sd, optim_sd = sharding.model_state(self.model, self.optimizer)
             names = None
         else:
             model_sd = self.model.state_dict()

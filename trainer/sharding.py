@@ -8,16 +8,16 @@ coordinate on the mesh's data-parallel dims ("dp", or names starting with "dp_",
 "dp_replicate" x "dp_shard"), row-major over those dims, and their size. A 1-D mesh without dim names
 is data-parallel (FSDP); a mesh without a data-parallel dim (e.g. ("tp",)) has one data-parallel rank.
 
-The state tree. `model_state` / `optimizer_state` come from `torch.distributed.checkpoint.state_dict`
-(canonical parameter names; the optimizer's state is keyed by name and holds DTensors too), and go
-back with `set_state_dict`. ckpt restores each DTensor leaf into the template's layout, or as the
-full tensor where the template has a plain tensor; `fit_to_template` also turns a full tensor into
-the template's DTensor (a leaf saved plain, e.g. replicated by TP alone, restored into FSDP).
+The state tree. `model_state` (the model's and the optimizer's) comes from
+`torch.distributed.checkpoint.state_dict` (canonical parameter names; the optimizer's state is keyed
+by name and holds DTensors too), and `load` puts it back with `set_state_dict`. ckpt restores each
+DTensor leaf into the template's layout, or as the full tensor where the template has a plain tensor;
+`fit_to_template` also cuts a full tensor into the template's DTensor piece (a leaf saved plain, e.g.
+replicated by TP alone, restored into FSDP).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -113,75 +112,10 @@ def forget_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
         optimizer.state.clear()
 
 
-def savable(state: Any) -> Any:
-    """`state` with its DTensors relabelled for ckpt, each with the same local piece (`load` relabels
-    them back, `fit_to_template`):
-
-    - A DTensor on a sub-mesh (FSDP's "dp" of a 2-D mesh: embeddings, norms) is implicitly replicated
-      over the other dims; on the root mesh with Replicate there, one rank of each TP group writes
-      its piece (ckpt writes a box once per Replicate dim, but sees only the tensor's own mesh).
-    - FSDP over TP shards a dim that TP has sharded already: (_StridedShard(d, sf=tp), Shard(d)) on
-      (dp, tp), the same boxes as (Shard(d), Shard(d)) on the mesh with its dims swapped, (tp, dp),
-      which ckpt saves as plain Shard placements (_StridedShard is not a Shard in torch 2.13)."""
-    if isinstance(state, DTensor):
-        return _without_strided(_on_root(state))
-    if isinstance(state, Mapping):
-        return {k: savable(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(savable(v) for v in state)
-    return state
-
-
-def _on_root(t: DTensor) -> DTensor:
-    mesh = t.device_mesh
-    root = _root_of(mesh)
-    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-    if root is mesh or root.ndim == mesh.ndim or not names or not root_names or not set(names) <= set(root_names):
-        return t
-    placements: list[Placement] = [Replicate()] * root.ndim
-    for name, placement in zip(names, t.placements, strict=True):
-        placements[root_names.index(name)] = placement
-    with torch.no_grad():
-        return DTensor.from_local(t.to_local(), root, placements, shape=t.shape, stride=t.stride())
-
-
-def _root_of(mesh: DeviceMesh) -> DeviceMesh:
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    if get_root is not None:
-        return get_root()
-    from torch.distributed.device_mesh import _mesh_resources  # torch before 2.12
-
-    return _mesh_resources.get_root_mesh(mesh)
-
-
-def _without_strided(t: DTensor) -> DTensor:
-    mesh, (outer, *inner) = t.device_mesh, t.placements
-    if mesh.ndim != 2 or not isinstance(outer, _StridedShard) or inner != [Shard(outer.dim)] \
-            or outer.split_factor != mesh.size(1):
-        return t
-    with torch.no_grad():
-        return DTensor.from_local(t.to_local(), _swapped(mesh), (Shard(outer.dim), Shard(outer.dim)), shape=t.shape,
-                                  stride=t.stride())
-
-
-@functools.lru_cache(maxsize=8)
-def _swapped(mesh: DeviceMesh) -> DeviceMesh:
-    # Only a label for boxes (no process groups): nothing runs a collective on it.
-    names = tuple(reversed(mesh.mesh_dim_names)) if mesh.mesh_dim_names else None
-    return DeviceMesh(mesh.device_type, mesh.mesh.transpose(0, 1), mesh_dim_names=names, _init_backend=False)
-
-
 def fit_to_template(saved: Any, template: Any) -> Any:
     """`saved` with every full (plain) tensor whose template leaf is a DTensor cut into that DTensor's
-    local piece, and every DTensor relabelled to its template's mesh and placements (the same local
-    piece: see `savable`); the rest as it is."""
-    if isinstance(template, DTensor) and isinstance(saved, DTensor):
-        if (saved.device_mesh, saved.placements) == (template.device_mesh, template.placements):
-            return saved
-        assert saved.to_local().shape == template.to_local().shape, "savable() keeps each local piece"
-        return DTensor.from_local(saved.to_local(), template.device_mesh, template.placements, shape=template.shape,
-                                  stride=template.stride())
-    if isinstance(template, DTensor) and isinstance(saved, torch.Tensor) \
+    local piece; the rest as it is."""
+    if isinstance(template, DTensor) and isinstance(saved, torch.Tensor) and not isinstance(saved, DTensor) \
             and tuple(saved.shape) == tuple(template.shape):
         return _local_piece(saved, template)
     if isinstance(saved, Mapping) and isinstance(template, Mapping):
