@@ -57,8 +57,9 @@ class RangeSource(Protocol):
     timeout: float
     """Seconds a read may take before it counts as hung."""
 
-    def read(self, start: int, end: int) -> memoryview:
-        """Bytes [start, end) (fewer only at the end of the file); valid until the read after next."""
+    def read(self, start: int, end: int, head: bytes = b"") -> memoryview:
+        """`head` followed by bytes [start, end) (fewer only at the end of the file); valid until the
+        read after next."""
         ...
 
     def close(self) -> None: ...
@@ -75,18 +76,20 @@ class LocalRange:
         self._buffers = [bytearray(), bytearray()]  # one being read, one being copied out of
         self._turn = 0
 
-    def read(self, start: int, end: int) -> memoryview:
+    def read(self, start: int, end: int, head: bytes = b"") -> memoryview:
         if self._fd is None:
             try:
                 self._fd = open_regular(self.where)
             except OSError as exc:
                 raise corrupt(self.where, f"file cannot be read ({exc})") from exc
         self._turn ^= 1
-        if len(self._buffers[self._turn]) < end - start:
-            self._buffers[self._turn] = bytearray(end - start)
-        view = memoryview(self._buffers[self._turn])[: end - start]
+        size = len(head) + end - start
+        if len(self._buffers[self._turn]) < size:
+            self._buffers[self._turn] = bytearray(size)
+        view = memoryview(self._buffers[self._turn])[:size]
+        view[: len(head)] = head
         try:
-            return view[: _pread_all(self._fd, view, start)]
+            return view[: len(head) + _pread_all(self._fd, view[len(head) :], start)]
         except OSError as exc:
             raise corrupt(self.where, f"file cannot be read ({exc})") from exc
 
@@ -117,8 +120,9 @@ class RemoteRange:
         self.timeout = timeout
         self._fetch = fetch
 
-    def read(self, start: int, end: int) -> memoryview:
-        return memoryview(self._fetch(start, end))
+    def read(self, start: int, end: int, head: bytes = b"") -> memoryview:
+        data = self._fetch(start, end)
+        return memoryview(head + data if head else data)
 
     def close(self) -> None:
         pass
@@ -135,6 +139,9 @@ class VerifiedFile:
         self.source = source
         self._pool = pool
         self.bytes_read = 0
+        self._tail: tuple[int, bytes] | None = None
+        """The last chunk of the previous read (index, verified bytes): a read that starts in it
+        does not fetch or verify it again (consecutive reads of one file meet inside a chunk)."""
 
     @property
     def window(self) -> int:
@@ -168,13 +175,16 @@ class VerifiedFile:
         if start == end:
             return memoryview(b"")
         lo, hi = self.span(start, end)
-        view = self.source.read(lo, hi)
-        self.bytes_read += len(view)
+        c = self.entry.chunk_bytes
+        head = b""
+        if self._tail is not None and self._tail[0] == lo // c and hi - lo > c:
+            head = self._tail[1]
+        view = self.source.read(lo + len(head), hi, head)
+        self.bytes_read += len(view) - len(head)
         if len(view) != hi - lo:
             raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {len(view)} bytes (truncated?)")
-        c = self.entry.chunk_bytes
         size = DIGEST_BYTES[self.entry.algorithm]
-        offsets = range(0, len(view), c)
+        offsets = range(len(head), len(view), c)
         algorithm = self.entry.algorithm
         if self._pool is not None and len(offsets) > 8:  # hashlib and zlib release the GIL
             found = list(self._pool.map(lambda o: chunk_digest(algorithm, view[o : o + c]), offsets))
@@ -188,4 +198,6 @@ class VerifiedFile:
                     f"chunk {index} (bytes {lo + offset}..{min(lo + offset + c, hi)}) does not match its "
                     f"{algorithm} digest in the manifest (bit rot or a partial write)",
                 )
+        last = (hi - 1) // c
+        self._tail = (last, bytes(view[last * c - lo : hi - lo]))
         return view[start - lo : end - lo]
