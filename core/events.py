@@ -23,6 +23,9 @@ Worker events (trainer/, ckpt/):
 - `ckpt_failed`     step, tier, error
 - `fault`           point, step, action (the library fault injector, just before it acts)
 - `final_digest`    step, digest
+- `state_digest`    step, point ("save" | "restore"), digest: the global digest of the state at each
+                    save and right after each restore; only with ELASTIC_STATE_DIGESTS=1 (it gathers
+                    every sharded tensor)
 
 The same events also go to torch's event handler (`torch.distributed.elastic.events.record`) as
 `elastic.<event>` from source AGENT, to the destination `--event-log-handler` names, next to
