@@ -434,6 +434,7 @@ class Worker:
             rank=self.rank,
             world_size=world,
             timeout=timedelta(seconds=self.job.timeout_s),
+            device_id=self.device if self.device.type == "cuda" else None,
         )
         return init_device_mesh(self.device.type, (world,))
 
