@@ -15,19 +15,24 @@ read overlaps the caller's copy of the previous one; waiting for it has the sour
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+import torch
 
 from ckpt.checksum import DIGEST_BYTES, chunk_digest
 from ckpt.errors import CheckpointTimeoutError
 from ckpt.format import corrupt
 from ckpt.manifest import FileEntry
 from ckpt.safe_io import open_regular
+
+T = TypeVar("T")
 
 LOCAL_WINDOW = 1 << 20
 """Bytes per read of a local file."""
@@ -93,6 +98,18 @@ class LocalRange:
         except OSError as exc:
             raise corrupt(self.where, f"file cannot be read ({exc})") from exc
 
+    def read_into(self, start: int, view: memoryview) -> int:
+        """Read bytes from `start` into `view` (e.g. the destination tensor's memory); how many."""
+        if self._fd is None:
+            try:
+                self._fd = open_regular(self.where)
+            except OSError as exc:
+                raise corrupt(self.where, f"file cannot be read ({exc})") from exc
+        try:
+            return _pread_all(self._fd, view, start)
+        except OSError as exc:
+            raise corrupt(self.where, f"file cannot be read ({exc})") from exc
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
@@ -140,8 +157,10 @@ class VerifiedFile:
         self._pool = pool
         self.bytes_read = 0
         self._tail: tuple[int, bytes] | None = None
-        """The last chunk of the previous read (index, verified bytes): a read that starts in it
-        does not fetch or verify it again (consecutive reads of one file meet inside a chunk)."""
+        """The last chunk of the previous read (index, verified bytes; b"" when it is in `_scratch`):
+        a read that starts in it does not fetch or verify it again (consecutive reads of one file
+        meet inside a chunk)."""
+        self._scratch = memoryview(bytearray(entry.chunk_bytes)) if isinstance(source, LocalRange) else memoryview(b"")
 
     @property
     def window(self) -> int:
@@ -152,11 +171,82 @@ class VerifiedFile:
         c = self.entry.chunk_bytes
         return start - start % c, min(self.entry.bytes, -(-end // c) * c)
 
+    @property
+    def direct(self) -> bool:
+        """Whether `read_into` works here (a local file: bytes go straight into the destination)."""
+        return isinstance(self.source, LocalRange)
+
+    def read_into(self, start: int, end: int, dest: memoryview) -> None:
+        """Verified bytes [start, end) of the file into `dest` (len end - start), without a read
+        buffer: the whole chunks inside the range are read into `dest` itself and verified there
+        (on the hash pool); the partial chunks at its ends go through one chunk of scratch, which
+        is kept, so the next range starting in that chunk does not read it again. `dest` holds
+        garbage when this raises (CheckpointCorruptError naming the file)."""
+        assert isinstance(self.source, LocalRange)
+        if not 0 <= start <= end <= self.entry.bytes or len(dest) != end - start:
+            raise corrupt(self.path, f"range [{start}, {end}) lies outside the file's {self.entry.bytes} bytes")
+        c = self.entry.chunk_bytes
+        first_full = -(-start // c) * c
+        last_full = self.entry.bytes if end == self.entry.bytes else end - end % c
+        if first_full >= last_full:  # inside one or two partial chunks
+            for k in range(start // c, (end - 1) // c + 1):
+                self._from_chunk(k, start, end, dest)
+            return
+        if start < first_full:
+            self._from_chunk(start // c, start, end, dest)
+        step = max(c, (16 << 20) - (16 << 20) % c)
+        for lo in range(first_full, last_full, step):
+            hi = min(lo + step, last_full)
+            piece = dest[lo - start : hi - start]
+            got = self.wait(_read_pool().submit(self.source.read_into, lo, piece))
+            self.bytes_read += got
+            if got != hi - lo:
+                raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {got} bytes (truncated?)")
+            self._verify(piece, lo)
+        if last_full < end:
+            self._from_chunk(last_full // c, start, end, dest)
+
+    def _from_chunk(self, index: int, start: int, end: int, dest: memoryview) -> None:
+        """Copy the part of chunk `index` inside [start, end) into `dest` (which holds [start, end))."""
+        c = self.entry.chunk_bytes
+        lo, hi = index * c, min((index + 1) * c, self.entry.bytes)
+        if self._tail is None or self._tail[0] != index or self._tail[1]:
+            assert isinstance(self.source, LocalRange)
+            scratch = self._scratch[: hi - lo]
+            got = self.wait(_read_pool().submit(self.source.read_into, lo, scratch))
+            self.bytes_read += got
+            if got != hi - lo:
+                raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {got} bytes (truncated?)")
+            self._tail = None
+            self._verify(scratch, lo)
+            self._tail = (index, b"")  # the scratch holds chunk `index`
+        a, b = max(lo, start), min(hi, end)
+        dest[a - start : b - start] = self._scratch[a - lo : b - lo]
+
+    def _verify(self, view: memoryview, lo: int) -> None:
+        """Check the whole chunks `view` holds, the first at file offset `lo` (chunk-aligned)."""
+        c = self.entry.chunk_bytes
+        size = DIGEST_BYTES[self.entry.algorithm]
+        offsets = range(0, len(view), c)
+        algorithm = self.entry.algorithm
+        if self._pool is not None and len(offsets) > 8:  # hashlib and zlib release the GIL
+            found = list(self._pool.map(lambda o: chunk_digest(algorithm, view[o : o + c]), offsets))
+        else:
+            found = [chunk_digest(algorithm, view[o : o + c]) for o in offsets]
+        for offset, digest in zip(offsets, found, strict=True):
+            index = (lo + offset) // c
+            if digest != self.entry.chunk_digests[index * size : (index + 1) * size]:
+                raise corrupt(
+                    self.path,
+                    f"chunk {index} (bytes {lo + offset}..{min(lo + offset + c, lo + len(view))}) does not match "
+                    f"its {algorithm} digest in the manifest (bit rot or a partial write)",
+                )
+
     def read_ahead(self, start: int, end: int) -> Future[memoryview]:
         """`read(start, end)` on a reader thread; collect it with `wait`."""
         return _read_pool().submit(self.read, start, end)
 
-    def wait(self, pending: Future[memoryview]) -> memoryview:
+    def wait(self, pending: Future[T]) -> T:
         """The bytes of a `read_ahead`; CheckpointTimeoutError when the read outlives the deadline."""
         try:
             return pending.result(self.source.timeout)
@@ -183,21 +273,15 @@ class VerifiedFile:
         self.bytes_read += len(view) - len(head)
         if len(view) != hi - lo:
             raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {len(view)} bytes (truncated?)")
-        size = DIGEST_BYTES[self.entry.algorithm]
-        offsets = range(len(head), len(view), c)
-        algorithm = self.entry.algorithm
-        if self._pool is not None and len(offsets) > 8:  # hashlib and zlib release the GIL
-            found = list(self._pool.map(lambda o: chunk_digest(algorithm, view[o : o + c]), offsets))
-        else:
-            found = [chunk_digest(algorithm, view[o : o + c]) for o in offsets]
-        for offset, digest in zip(offsets, found, strict=True):
-            index = (lo + offset) // c
-            if digest != self.entry.chunk_digests[index * size : (index + 1) * size]:
-                raise corrupt(
-                    self.path,
-                    f"chunk {index} (bytes {lo + offset}..{min(lo + offset + c, hi)}) does not match its "
-                    f"{algorithm} digest in the manifest (bit rot or a partial write)",
-                )
+        self._verify(view[len(head) :], lo + len(head))
         last = (hi - 1) // c
         self._tail = (last, bytes(view[last * c - lo : hi - lo]))
         return view[start - lo : end - lo]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")

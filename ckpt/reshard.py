@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from ckpt.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ckpt.format import corrupt
 from ckpt.manifest import Manifest
-from ckpt.ranges import VerifiedFile
+from ckpt.ranges import VerifiedFile, tensor_bytes
 from ckpt.safetensors_io import DTYPES
 from ckpt.sharding import Box, ShardMismatchError, full_box, local_box
 from ckpt.tiers import Copy
@@ -284,6 +284,19 @@ def _read_file(files: StepFiles, rank: int, file: str, todo: Sequence[Copying]) 
     errors = []
     for reader in files.files(rank, file):
         runs = sorted((run for c in todo for run in _runs(c, reader.window)), key=lambda r: r[0])
+        targets = [dest[index] for _, _, dest, index, _ in runs]
+        if reader.direct and all(t.device.type == "cpu" and t.is_contiguous() for t in targets):
+            try:  # straight into the destination tensors: no read buffer, no second copy
+                for (start, nbytes, _, _, _), target in zip(runs, targets, strict=True):
+                    reader.read_into(start, start + nbytes, tensor_bytes(target))
+                return
+            except CheckpointError as exc:
+                errors.append(str(exc))
+                logger.warning("rank %d's %s from %s is unusable: %s", rank, file, reader.path, exc)
+                continue
+            finally:
+                files.bytes_read += reader.bytes_read
+                reader.source.close()
         reads = list(_reads(runs, reader.span, reader.window))
         pending = reader.read_ahead(*reads[0][:2]) if reads else None
         try:
