@@ -83,6 +83,8 @@ def remove_quietly(path: Path) -> None:
 
 
 def _log_removal_error(func: object, name: str, exc: BaseException) -> None:
+    if isinstance(exc, FileNotFoundError):
+        return  # already gone: another local rank's sweep of scratch removed it first
     logger.warning("could not remove %s: %s", name, exc)
 
 
