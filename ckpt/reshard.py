@@ -34,14 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ckpt.errors import CheckpointConflictError, CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
 from ckpt.format import corrupt
 from ckpt.manifest import Manifest
 from ckpt.ranges import VerifiedFile, tensor_bytes
 from ckpt.safetensors_io import DTYPES
-from ckpt.sharding import Box, ShardMismatchError, full_box, local_box
+from ckpt.sharding import Box, ShardMismatchError, dtensor_type, full_box, local_box
 from ckpt.tiers import Copy
 from ckpt.tree import flatten, unflatten
 
@@ -151,6 +150,7 @@ def load_sharded(
     into the layout of `into` (see the module docstring). Raises ShardMismatchError, or a
     CheckpointError (damaged, missing) naming the file or tensor."""
     template = flatten(into)[0] if into is not None else {}
+    dtensor = dtensor_type()  # None: nothing in the template can be a DTensor
     where = f"step {files.step}"
     pieces = _pieces(files, part, where=where)
     tensors: dict[str, torch.Tensor] = {}
@@ -165,7 +165,7 @@ def load_sharded(
         tensors[name] = dest
     for name, info in part.shards.items():
         target = template.get(name)
-        if isinstance(target, DTensor):
+        if dtensor is not None and isinstance(target, dtensor):
             if tuple(target.shape) != info.global_shape:
                 raise ShardMismatchError(
                     f"tensor {name!r}: the checkpoint ({where}) holds global shape {list(info.global_shape)}, the "
@@ -178,8 +178,8 @@ def load_sharded(
             device = torch.device("cpu")
         dest = torch.empty(box.sizes, dtype=_dtype(info.dtype, name, where), device=device)
         copies.extend(_covering(files, name, pieces[name], box, dest))
-        if isinstance(target, DTensor):
-            tensors[name] = DTensor.from_local(
+        if dtensor is not None and isinstance(target, dtensor):
+            tensors[name] = dtensor.from_local(
                 dest, target.device_mesh, target.placements, run_check=False, shape=target.shape,
                 stride=target.stride(),
             )

@@ -15,19 +15,29 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ckpt.format import corrupt
 from ckpt.safetensors_io import dtype_name
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Placement
+
+
+def dtensor_type() -> type[DTensor] | None:
+    """The DTensor class if the process has imported it, else None: no tensor can then be a DTensor.
+
+    torch.distributed.tensor takes ~2 s to import (sympy, its op registry); every process that
+    imports ckpt would pay that, though only sharded jobs need it, and those have imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
 
 
 class ShardMismatchError(ValueError):
@@ -96,6 +106,8 @@ def local_box(tensor: DTensor) -> Box:
 @functools.lru_cache(maxsize=4096)
 def _box(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Box:
     # Cached: a save of a few hundred DTensors would otherwise spend milliseconds here every step.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
 
@@ -107,6 +119,9 @@ def full_box(shape: Sequence[int]) -> Box:
 def _writes(mesh: DeviceMesh, placements: tuple[Placement, ...], name: str) -> bool:
     """Whether this rank is the one that writes its box: coordinate 0 on every Replicate dim of the
     tensor's mesh, and on every dim of the root mesh the tensor's (sub-)mesh does not span."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not part of the mesh: holds nothing
         return False
@@ -144,8 +159,9 @@ def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
     it is not empty. Raises TypeError (naming the tensor) for a Partial placement."""
     written: dict[str, torch.Tensor] = {}
     shards: dict[str, ShardInfo] = {}
+    dtensor = dtensor_type()
     for name, tensor in tensors.items():
-        if not isinstance(tensor, DTensor):
+        if dtensor is None or not isinstance(tensor, dtensor):
             written[name] = tensor
             continue
         shards[name] = info = _info(tuple(tensor.shape), tensor.dtype, tensor.device_mesh, tuple(tensor.placements),

@@ -22,8 +22,8 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from ckpt.sharding import dtensor_type
 from ckpt.tree import flatten
 from trainer.sharding import is_sharded, model_state
 
@@ -41,13 +41,14 @@ def state_digest(state: Any) -> str:
     """sha256 over the tree's structure and every tensor's dtype, shape and bytes, in key order;
     a DTensor counts as its full tensor (gathered: call it on every rank of the mesh)."""
     tensors, skeleton = flatten(state)
+    dtensor = dtensor_type()
     h = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode())
     level = _REDISTRIBUTE_LOG.level
     _REDISTRIBUTE_LOG.setLevel(logging.ERROR)
     try:
         for name in sorted(tensors):
             t = tensors[name].detach()
-            if isinstance(t, DTensor):
+            if dtensor is not None and isinstance(t, dtensor):
                 t = t.full_tensor()
             t = t.cpu().contiguous()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())

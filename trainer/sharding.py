@@ -21,18 +21,21 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ckpt.sharding import dtensor_type
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether any parameter of `model` is a DTensor (FSDP2, tensor parallel, or both)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    dtensor = dtensor_type()  # torch.distributed.tensor is slow to import: only sharded jobs have it loaded
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def _is_data_parallel(name: str) -> bool:
@@ -86,6 +89,8 @@ class Layout:
 def layout_of_model(model: torch.nn.Module, *, rank: int, world_size: int) -> Layout:
     """The layout of a sharded `model` given no mesh: 1-D FSDP (every DTensor parameter on one 1-D
     mesh that is data-parallel by name or has no names) spans the world; anything else needs `mesh=`."""
+    from torch.distributed.tensor import DTensor
+
     meshes = {p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     if len(meshes) == 1:
         (mesh,) = meshes
@@ -101,8 +106,8 @@ def layout_of_model(model: torch.nn.Module, *, rank: int, world_size: int) -> La
 def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], Any]:
     """(model state, optimizer state or None) by canonical names, DTensor leaves as they are."""
     if optimizer is None:
-        return get_state_dict(model, [])[0], None
-    return get_state_dict(model, optimizer)
+        return _checkpoint_state_dict().get_state_dict(model, [])[0], None
+    return _checkpoint_state_dict().get_state_dict(model, optimizer)
 
 
 def forget_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
@@ -115,8 +120,9 @@ def forget_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None:
 def fit_to_template(saved: Any, template: Any) -> Any:
     """`saved` with every full (plain) tensor whose template leaf is a DTensor cut into that DTensor's
     local piece; the rest as it is."""
-    if isinstance(template, DTensor) and isinstance(saved, torch.Tensor) and not isinstance(saved, DTensor) \
-            and tuple(saved.shape) == tuple(template.shape):
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(template, dtensor) and isinstance(saved, torch.Tensor) \
+            and not isinstance(saved, dtensor) and tuple(saved.shape) == tuple(template.shape):
         return _local_piece(saved, template)
     if isinstance(saved, Mapping) and isinstance(template, Mapping):
         return {k: fit_to_template(v, template.get(k)) for k, v in saved.items()}
@@ -126,6 +132,9 @@ def fit_to_template(saved: Any, template: Any) -> Any:
 
 
 def _local_piece(full: torch.Tensor, like: DTensor) -> DTensor:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
     piece = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
     local = piece.to(device=like.to_local().device, dtype=like.dtype).contiguous()
@@ -137,10 +146,10 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state:
     model_now, optim_now = model_state(model, optimizer)  # the layout to load into
     model_sd = fit_to_template(state["model"], model_now)
     if optimizer is None:
-        set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
+        _checkpoint_state_dict().set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
         return
     optim_sd = fit_to_template(state["optimizer"], optim_now)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _checkpoint_state_dict().set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
 @contextmanager
@@ -156,3 +165,10 @@ def no_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
     finally:
         set_sync(True)
 
+
+
+def _checkpoint_state_dict() -> Any:
+    """torch.distributed.checkpoint.state_dict, imported on first use (~1 s; DDP jobs never need it)."""
+    import torch.distributed.checkpoint.state_dict as state_dict
+
+    return state_dict
