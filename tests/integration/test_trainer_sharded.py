@@ -81,29 +81,37 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
-    """Every job of this module, side by side where they can be (each is mostly start-up)."""
+    """Every job of this module, side by side where at most 4 workers run at once (on 2 cores they are
+    CPU-bound, mostly start-up, so running more at once would not finish sooner)."""
     procs = Procs()
     tmp = tmp_path_factory.mktemp("sharded")
     try:
         ref = fsdp(procs, tmp / "ref", tmp / "ref" / "ckpt", samples=True)
         killed = fsdp(procs, tmp / "kill", tmp / "kill" / "ckpt", launcher=("--max-restarts", "2"),
                       faults=(Fault(point="step", step=5, rank=1),))
+        ref.finish(timeout=300)
+        killed.finish(timeout=300)
         chains: dict[str, list[TinyJob]] = {name: [] for name in CHAINS}
         for k in range(3):  # the chains phase by phase
-            started = {}
+            started: dict[str, TinyJob] = {}
             for c, (name, chain) in enumerate(CHAINS.items()):
                 nproc, flags = chain[k]
+                if sum(job.nproc for job in started.values()) + nproc > 4:
+                    _finish(started, chains, ok=k == 2)
                 stop = (Fault(point="step", step=stop_after(k), action="raise"),) if k < 2 else ()
                 started[name] = fsdp(procs, tmp / f"chain{c}-phase{k}", tmp / f"chain{c}-ckpt", *flags, nproc=nproc,
                                      faults=stop, launcher=("--max-restarts", "0"), samples=True, digests=True)
-            for name, job in started.items():
-                job.finish(timeout=300, ok=k == 2)
-                chains[name].append(job)
-        ref.finish(timeout=60)
-        killed.finish(timeout=60)
+            _finish(started, chains, ok=k == 2)
         yield Runs(reference=ref, killed=killed, chains=chains)
     finally:
         procs.cleanup()
+
+
+def _finish(started: dict[str, TinyJob], chains: dict[str, list[TinyJob]], *, ok: bool) -> None:
+    for name, job in started.items():
+        job.finish(timeout=300, ok=ok)
+        chains[name].append(job)
+    started.clear()
 
 
 @pytest.mark.timeout(600)  # the first test waits for the module's jobs
