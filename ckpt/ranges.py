@@ -198,13 +198,18 @@ class VerifiedFile:
         for lo in range(first_full, last_full, step):
             hi = min(lo + step, last_full)
             piece = dest[lo - start : hi - start]
-            got = self.wait(_read_pool().submit(self.source.read_into, lo, piece))
-            self.bytes_read += got
-            if got != hi - lo:
-                raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {got} bytes (truncated?)")
+            self._read_exactly(lo, piece)
             self._verify(piece, lo)
         if last_full < end:
             self._from_chunk(last_full // c, start, end, dest)
+
+    def _read_exactly(self, lo: int, view: memoryview) -> None:
+        """Fill `view` with the file's bytes from `lo` on a reader thread, within the deadline."""
+        assert isinstance(self.source, LocalRange)
+        got = self.wait(_read_pool().submit(self.source.read_into, lo, view))
+        self.bytes_read += got
+        if got != len(view):
+            raise corrupt(self.path, f"a read of bytes [{lo}, {lo + len(view)}) returned {got} bytes (truncated?)")
 
     def _from_chunk(self, index: int, start: int, end: int, dest: memoryview) -> None:
         """Copy the part of chunk `index` inside [start, end) into `dest` (which holds [start, end))."""
@@ -213,10 +218,7 @@ class VerifiedFile:
         if self._tail is None or self._tail[0] != index or self._tail[1]:
             assert isinstance(self.source, LocalRange)
             scratch = self._scratch[: hi - lo]
-            got = self.wait(_read_pool().submit(self.source.read_into, lo, scratch))
-            self.bytes_read += got
-            if got != hi - lo:
-                raise corrupt(self.path, f"a read of bytes [{lo}, {hi}) returned {got} bytes (truncated?)")
+            self._read_exactly(lo, scratch)
             self._tail = None
             self._verify(scratch, lo)
             self._tail = (index, b"")  # the scratch holds chunk `index`

@@ -234,22 +234,3 @@ def parse_shard_info(name: str, entry: object, *, path: Path) -> ShardInfo:
         mesh_dims=_strs(entry.get("mesh_dims", []), what=f"mesh_dims of {name!r}", path=path),
         piece=piece,
     )
-
-
-def check_tiling(name: str, global_shape: tuple[int, ...], pieces: Sequence[tuple[int, Box]], *, where: str) -> None:
-    """Raise ValueError unless `pieces` (rank, box) cover `global_shape` exactly once (no overlap, no gap)."""
-    for i, (rank_a, a) in enumerate(pieces):
-        for rank_b, b in pieces[i + 1 :]:
-            common = a.intersect(b)
-            if common is not None:
-                raise ValueError(
-                    f"tensor {name!r} of {where}: the pieces of rank {rank_a} {a.describe()} and rank {rank_b} "
-                    f"{b.describe()} overlap at {common.describe()}"
-                )
-    covered = sum(box.numel for _, box in pieces)
-    total = math.prod(global_shape)
-    if covered != total:
-        raise ValueError(
-            f"tensor {name!r} of {where}: its pieces cover {covered} of its {total} elements "
-            f"(global shape {list(global_shape)}): a piece is missing"
-        )
