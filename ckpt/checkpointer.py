@@ -9,10 +9,14 @@
         optimizer.step()
         if step % every == 0:
             ckpt.save_async(step, state)            # returns once the copy is consistent
+        elif ckpt.has_tier0:
+            ckpt.snapshot(step, state)              # tier 0 only: host memory, every step
     ckpt.close()                                    # flushes tier 1 and tier 2 (bounded)
 
 The parts (each in its own module):
-- saving: `LocalWriter` (ckpt/writer.py) stages the state into a host buffer, writes and commits
+- tier 0 (ckpt/tier0.py): with a tier-0 directory (host shared memory of the node, CheckpointConfig.
+  tier0_dir), every save and snapshot lands in one of the rank's two slots there first;
+- saving: `LocalWriter` (ckpt/writer.py) stages the state into a host buffer (a tier-0 slot), writes and commits
   it in tier 1 on a background thread, and hands it to the `Replicator` (ckpt/replicator.py),
   which uploads it to tier 2 and (rank 0) commits it there;
 - the tiers: `LocalTier` (ckpt/local.py) and `SharedTier` (ckpt/shared.py), one interface
@@ -54,6 +58,7 @@ from ckpt.restore import Restored, Restorer
 from ckpt.retention import apply_local_retention
 from ckpt.save_policy import SaveFailures
 from ckpt.shared import SharedTier
+from ckpt.tier0 import HostSlots, HostTier
 from ckpt.writer import LocalWriter, PendingSave
 from core.deadline import Deadline
 
@@ -160,8 +165,15 @@ class Checkpointer:
             self._lock.release()
             raise
         self._local.identity = self._writer.identity = self.identity
+        self._host: HostTier | None = None
+        tier0_root = config.tier0_root
+        if tier0_root is not None:
+            self._host = HostTier(Path(tier0_root), read_timeout=read_timeout)
+            self._host.identity = self.identity
+            self._writer.tier0 = HostSlots(Path(tier0_root), rank, self.identity)
         self._restorer = Restorer(
-            self._local, self._shared, rank=rank, identity=self.identity, config=config, pool=self._hash_pool
+            self._local, self._shared, rank=rank, identity=self.identity, config=config, pool=self._hash_pool,
+            host=self._host,
         )
 
     # This run's identity in tier 1 and (when reachable) tier 2; see ckpt/identity.py.
@@ -213,6 +225,23 @@ class Checkpointer:
         self._check_open()
         _check_index("step", step, minimum=0)
         return self._writer.save_async(step, state)
+
+    @property
+    def has_tier0(self) -> bool:
+        """Whether snapshots have a tier 0 to go to (CheckpointConfig.tier0_dir or $ELASTIC_TIER0_DIR)."""
+        return self._writer.tier0 is not None
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> PendingSave:
+        """Snapshot `state` for `step` into tier 0 only (host memory of the node; ckpt/tier0.py).
+
+        Costs the loop what save_async() costs it (the copy, or nothing in "overlapped" mode) and
+        never waits: while both of the rank's slots are in use (the newest snapshot, and one that a
+        tier-1 write still reads) or the previous snapshot is still being checksummed, it is skipped
+        (PendingSave.skipped). Without a tier 0 every call is skipped. Cheap enough for every step.
+        """
+        self._check_open()
+        _check_index("step", step, minimum=0)
+        return self._writer.save_async(step, state, persist=False)
 
     def save(self, step: int, state: Mapping[str, Any], timeout: timedelta = timedelta(minutes=10)) -> Path:
         """`save_async(step, state).wait_persisted()`, after waiting for the save in flight;
@@ -276,7 +305,7 @@ class Checkpointer:
 
     def wait_persisted(self, timeout: timedelta = timedelta(minutes=10)) -> SaveMetrics | None:
         """Block until the newest save reached tier 1; raise its error if it failed."""
-        last = self._writer.last
+        last = self._writer.last_persist
         return None if last is None else last.wait_persisted(timeout)
 
     def wait_uploaded(self, timeout: timedelta = timedelta(minutes=10)) -> None:
@@ -285,8 +314,8 @@ class Checkpointer:
         Raises CheckpointTimeoutError naming the pending steps and the last tier-2 error.
         """
         deadline = Deadline.after(timeout)
-        if self._writer.last is not None:
-            self._writer.last._persisted.wait(timeout.total_seconds())
+        if self._writer.last_persist is not None:
+            self._writer.last_persist._persisted.wait(timeout.total_seconds())
         if self._replicator is None:
             return
         if not self._replicator.wait_idle(deadline.remaining()):
@@ -405,7 +434,8 @@ class Checkpointer:
             return True
         self._closed = True
         deadline = Deadline.after(timeout)
-        finished = self._writer.thread.close(timeout.total_seconds())
+        finished = self._writer.tier0_thread.close(timeout.total_seconds())
+        finished = self._writer.thread.close(timeout.total_seconds()) and finished
         if self._replicator is not None:
             finished = self._replicator.close(deadline.remaining()) and finished
         self._stop.set()
@@ -417,6 +447,8 @@ class Checkpointer:
                 self._pool = None
         if finished:
             self._staging.release()
+            if self._writer.tier0 is not None:
+                self._writer.tier0.close()  # unmapped; the snapshots stay in the node's memory
         self._lock.release()
         return finished
 

@@ -1,6 +1,6 @@
 """Configuration of the checkpointer: one frozen dataclass per component.
 
-CheckpointConfig            tier 1 (local dir), snapshot mode, busy policy, checksum
+CheckpointConfig            tier 0 (host memory), tier 1 (local dir), snapshot mode, busy policy, checksum
   shared: SharedConfig      tier 2 (any fsspec URL), run scoping, retention
     retry: RetryConfig      bounded exponential backoff with jitter (tenacity)
 """
@@ -15,8 +15,10 @@ from datetime import timedelta
 from typing import Any
 
 from ckpt.checksum import ALGORITHMS
+from core.tier0_dir import ENV as TIER0_ENV
 
 MODES = ("staged", "overlapped")
+
 BUSY_POLICIES = ("wait", "skip")
 DEFAULT_RUN_NAME = "default"
 _RUN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -191,6 +193,14 @@ class CheckpointConfig:
     """Deadline of one read of a checkpoint file (a hung disk or mount): a COMMIT or manifest
     read, or one chunk of a data file's verification; past it the copy counts as unreadable."""
 
+    tier0_dir: str | None = None
+    """Tier 0: a directory in host shared memory (tmpfs, e.g. under /dev/shm) that belongs to this
+    node, not to the worker, so a snapshot there outlives the worker that wrote it (ckpt/tier0.py).
+    None: `$ELASTIC_TIER0_DIR`, which elastic-run's agent sets for its workers (a private directory
+    it creates at start and removes at exit); "" (or neither set): no tier 0, every save goes to disk.
+    Costs 2 x this rank's state bytes of host memory (two slots, so a crash mid-copy always
+    leaves the previous snapshot whole)."""
+
     def __post_init__(self) -> None:
         local_dir = self.local_dir
         if not isinstance(local_dir, (str, os.PathLike)):
@@ -234,6 +244,16 @@ class CheckpointConfig:
             object.__setattr__(self, "init_from", os.fspath(self.init_from))
         _check_int("max_failed_saves", self.max_failed_saves, minimum=1, optional=True)
         _check_duration("read_timeout", self.read_timeout)
+        if self.tier0_dir is not None:
+            if not isinstance(self.tier0_dir, (str, os.PathLike)):
+                raise ValueError(f"tier0_dir must be a path, \"\" or None, got {self.tier0_dir!r}")
+            object.__setattr__(self, "tier0_dir", os.fspath(self.tier0_dir))
+
+    @property
+    def tier0_root(self) -> str | None:
+        """The tier-0 directory in use: `tier0_dir`, else $ELASTIC_TIER0_DIR; None when tier 0 is off."""
+        found = self.tier0_dir if self.tier0_dir is not None else os.environ.get(TIER0_ENV, "")
+        return found or None
 
     @property
     def hash_threads(self) -> int:

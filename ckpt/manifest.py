@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt.checksum import ALGORITHMS, DIGEST_BYTES, Checksum
+from ckpt.checksum import DIGEST_BYTES, READ_ALGORITHMS, Checksum
 from ckpt.format import (
     MANIFEST_VERSION,
     check_format_version,
@@ -228,11 +228,11 @@ def _parse_file_entry(name: str, entry: object, *, path: Path, version: int) -> 
     if not isinstance(checksum, dict):
         raise corrupt(path, f"files entry {name!r} has a checksum that is not an object")
     algorithm = checksum.get("algorithm")
-    if algorithm not in ALGORITHMS:
+    if algorithm not in READ_ALGORITHMS:
         raise corrupt(
             path,
             f"files entry {name!r} has checksum algorithm {algorithm!r}; this version knows "
-            f"{', '.join(ALGORITHMS)}",
+            f"{', '.join(READ_ALGORITHMS)}",
         )
     chunk_bytes = get_int(checksum, "chunk_bytes", path=path, minimum=1)
     if chunk_bytes > _MAX_CHUNK_BYTES:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 STATUSES = (
-    "staging",  # copying into the staging buffer
+    "staging",  # copying into the staging buffer (or a tier-0 slot)
+    "snapshot",  # in tier 0 only (host memory), whole and checksummed: final for a snapshot
     "persisting",  # tier-1 writer at work
     "persisted",  # rank directory published in tier 1 (no shared tier: final)
     "uploading",  # waiting for / in tier-2 upload
@@ -40,6 +41,8 @@ class SaveMetrics:
     writer); in "overlapped" mode add `wait_staged_s`."""
     wait_staged_s: float = 0.0
     """Time the loop spent in wait_staged() ("overlapped" mode)."""
+    tier0_s: float | None = None
+    """From the consistent copy to the tier-0 slot's published manifest (its checksum)."""
     tier1_s: float | None = None
     """From the consistent copy to the published (fsynced, renamed) rank directory."""
     tier2_s: float | None = None
@@ -52,6 +55,7 @@ class SaveMetrics:
     @property
     def done(self) -> bool:
         return self.status in (
+            "snapshot",
             "persisted",
             "uploaded",
             "committed",

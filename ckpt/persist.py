@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpt.checksum import CHUNK_BYTES, PendingDigest, digest_parts
+from ckpt.checksum import CHUNK_BYTES, Checksum, PendingDigest, digest_parts
 from ckpt.commit import CommitMarker, parse_commit
 from ckpt.durable import (
     discard_tree,
@@ -60,6 +61,13 @@ def write_all(fd: int, data: memoryview) -> None:
     while len(view):
         written = os.write(fd, view[:WRITE_CHUNK])
         view = view[written:]
+
+
+def _close_quietly(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a view outlived the digest: the mapping goes with it
+        logger.debug("mapping of a written checkpoint file still viewed")
 
 
 @dataclass(frozen=True)
@@ -114,8 +122,13 @@ def persist_rank(
     before_publish: Callable[[], None] | None = None,
     identity: RunIdentity | None = None,
     shards: dict[str, ShardInfo] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> WrittenRank:
     """Write the file bytes `parts` and a manifest as rank `rank` of `step`, durably, then publish.
+
+    `release`, when given, is called as soon as `parts` are no longer read (they are a tier-0 slot,
+    which the next snapshots want back): after the write() calls, before the fsync. The checksum is
+    then taken from the written file (in the page cache) while fsync runs, not from `parts`.
 
     With `shards` (a state with DTensor leaves, ckpt/sharding.py) the manifest also keeps every
     chunk digest, so that resharding can verify the byte ranges it reads.
@@ -127,6 +140,7 @@ def persist_rank(
     final = layout.rank_dir(step, rank)
     tmp: Path | None = None
     digest: PendingDigest | None = None
+    result: Checksum | None = None
     try:
         uncommit(layout, step, identity)
         if not step_dir.is_dir():
@@ -137,25 +151,39 @@ def persist_rank(
         if pool is not None and OVERLAP_HASH_WITH_WRITES:
             digest = PendingDigest(parts, algorithm=checksum, chunk_bytes=chunk_bytes, pool=pool)
         nbytes = 0
-        fd = os.open(tmp / STATE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp / STATE_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        written: mmap.mmap | None = None
+        source: Sequence[memoryview] = parts
         try:
             for part in parts:
                 write_all(fd, part)
                 nbytes += len(part)
-            if pool is not None and digest is None:
+            if release is not None:
+                if digest is not None:  # hashed beside the writes: `parts` are read once it is done
+                    result = digest.result()
+                    digest = None
+                release()
+                if result is None and nbytes:
+                    written = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+                    source = [memoryview(written)]
+            if pool is not None and digest is None and result is None:
                 # Hash while fsync waits for the disk: write() is a CPU-bound copy into the
                 # page cache, and hashing beside it slows it down on hosts with few cores.
-                digest = PendingDigest(
-                    parts, algorithm=checksum, chunk_bytes=chunk_bytes, pool=pool
-                )
+                digest = PendingDigest(source, algorithm=checksum, chunk_bytes=chunk_bytes, pool=pool)
             os.fsync(fd)
+            if digest is not None:
+                result = digest.result()
+                digest = None
+            elif result is None:
+                result = digest_parts(source, algorithm=checksum, chunk_bytes=chunk_bytes)
         finally:
+            if digest is not None:
+                digest.cancel()  # before the hashed memory goes
+                digest = None
+            source = parts
+            if written is not None:
+                _close_quietly(written)
             os.close(fd)
-        if digest is not None:
-            result = digest.result()
-            digest = None
-        else:
-            result = digest_parts(parts, algorithm=checksum, chunk_bytes=chunk_bytes)
         manifest = Manifest(
             step=step,
             rank=rank,

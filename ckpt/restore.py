@@ -3,14 +3,15 @@
 Written once against the tier interface (ckpt/tiers.py), for tier 1 (`LocalTier`), tier 2
 (`SharedTier`) and an `init_from` source (a read-only `SharedTier` rooted at another run):
 
-- Candidates are the steps committed in either tier (only `step` if given; none above
+- Candidates are the steps committed in any tier (only `step` if given; none above
   `max_step`), newest first. Tier 2 unlisted (store down) leaves tier 1's; but with no tier-1
   step and an `init_from`, restore raises rather than start over from the other run.
 - A rank loads its own part (`ranks_to_try`). A rank that has none (the world grew, or its part
   lives on another node and not in tier 2) loads another rank's part of a replicated (DDP)
   state: one on this node if there is one (after a node loss the survivors' local copies are
   newer than tier 2), else rank 0's.
-- Each part is tried in tier 1 first, then in tier 2. A damaged copy is logged, naming the file
+- Each part is tried in tier 0 first (this node's host memory, ckpt/tier0.py: copied out, so that
+  the slot can be rewritten), then tier 1, then tier 2. A damaged copy is logged, naming the file
   (`skipping checkpoint step N: ...`, event `ckpt_skipped`), remembered in its tier's
   `unreadable` (retention drops it) and the next copy, rank or older step is tried.
   CheckpointVersionError (written by a newer version) is raised, never skipped.
@@ -37,6 +38,7 @@ from ckpt.local import LocalTier
 from ckpt.reader import load_rank_dir
 from ckpt.reshard import StepFiles, load_sharded
 from ckpt.shared import SharedTier
+from ckpt.tier0 import HostTier, detach
 from ckpt.tiers import Copy, Tier, TierName
 from core.events import emit
 
@@ -55,7 +57,7 @@ class Restored:
     """Whether that is the loading rank's own part (False: another rank's part of a replicated
     state; per-rank RNG streams should then start fresh)."""
     tier: TierName
-    """"local" or "shared"."""
+    """"memory" (tier 0), "local" or "shared"."""
     path: str
     """The rank directory (or URL) it was loaded from."""
     init_from: bool = False
@@ -96,9 +98,11 @@ class Restorer:
         identity: RunIdentity,
         config: CheckpointConfig,
         pool: Callable[[], Executor],
+        host: HostTier | None = None,
     ) -> None:
         self.local = local
         self.shared = shared
+        self.host = host
         self.rank = rank
         self.identity = identity
         self.config = config
@@ -106,8 +110,10 @@ class Restorer:
         self._timeout = config.read_timeout.total_seconds()
 
     def available_steps(self) -> list[int]:
-        """Steps committed in either tier, newest first (the shared tier only if reachable)."""
+        """Steps committed in any tier, newest first (the shared tier only if reachable)."""
         steps = set(self.local.committed_steps())
+        if self.host is not None:
+            steps |= set(self.host.committed())
         if self.shared is not None:
             try:
                 steps |= set(self.shared.committed())
@@ -120,6 +126,7 @@ class Restorer:
     ) -> Restored | None:
         """See Checkpointer.restore."""
         local = set(self.local.committed_steps())
+        host = self.host.committed() if self.host is not None else {}
         shared: dict[int, CommitMarker] = {}
         unlisted: CheckpointError | None = None
         if self.shared is not None:
@@ -128,16 +135,19 @@ class Restorer:
             except (SharedStorageError, CheckpointError) as exc:
                 unlisted = exc
                 logger.warning("shared tier not listed, restoring from the local tier only: %s", exc)
-        if unlisted is not None and not local and self.config.init_from is not None:
+        if unlisted is not None and not (local or host) and self.config.init_from is not None:
             # Falling back to init_from here could throw away this run's own progress.
             raise SharedStorageError(
                 f"cannot tell whether run {self.identity.describe()} has checkpoints of its own: "
                 f"{unlisted}; init_from ({self.config.init_from}) is used only once the shared "
                 f"tier answers. Restart when it is reachable",
             ) from unlisted
-        candidates = _select(sorted(local | set(shared), reverse=True), step, max_step)
+        candidates = _select(sorted(local | set(shared) | set(host), reverse=True), step, max_step)
         for candidate in candidates:
             copies = []
+            if candidate in host:
+                assert self.host is not None
+                copies.append(Copy(self.host, host[candidate]))
             if candidate in local and (marker := self._local_commit(candidate)) is not None:
                 copies.append(Copy(self.local, marker))
             if candidate in shared:
@@ -163,7 +173,7 @@ class Restorer:
             return restored
         if candidates:
             logger.warning("no intact checkpoint among steps %s", candidates)
-        elif self.config.init_from is not None and not (local or shared):
+        elif self.config.init_from is not None and not (local or shared or host):
             return self._restore_init(step=step, max_step=max_step, replicated=replicated, into=into)
         return None
 
@@ -277,6 +287,8 @@ class Restorer:
                 run=None if init_from else self.identity.name,
                 timeout=self._timeout,
             )
+            if copy.tier.name == "memory":
+                state = detach(state)  # the slot is rewritten by later snapshots
             nbytes = sum(p.stat().st_size for p in rank_dir.iterdir() if p.name != MANIFEST_FILE)  # all verified
         return Restored(
             step=step,

@@ -180,6 +180,20 @@ def _slot_view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
     return buffer[slot.begin : slot.end].view(slot.dtype).view(slot.shape)
 
 
+def host_register(address: int, nbytes: int) -> bool:
+    """Page-lock `nbytes` of host memory at `address` for fast, asynchronous device copies
+    (cudaHostRegister); False (logged) when the driver refuses."""
+    rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 1)
+    if int(rc) != 0:
+        logger.warning("cudaHostRegister of %d bytes failed (%s)", nbytes, rc)
+        return False
+    return True
+
+
+def host_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 class StagingArea:
     """The reusable host buffer of one rank, plus its CUDA side streams."""
 
@@ -189,8 +203,8 @@ class StagingArea:
         self._pinned = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._layout: StagingLayout | None = None
-        self._views: tuple[StagingLayout, int, list[torch.Tensor]] | None = None
-        """The slot views of the last (layout, buffer): rebuilding ~250 of them cost ~40 ms a save."""
+        self._views: dict[int, tuple[StagingLayout, list[torch.Tensor]]] = {}
+        """The slot views of the last layout per buffer address: rebuilding ~250 of them cost ~40 ms a save."""
         self.allocations = 0
         """How many times a buffer was allocated (1 in steady state)."""
 
@@ -225,20 +239,23 @@ class StagingArea:
         *,
         overlapped: bool,
         timeout: float = 300.0,
+        into: torch.Tensor | None = None,
     ) -> HostSnapshot:
-        """Copy `tensors` into the buffer; in overlapped mode only start the copies.
+        """Copy `tensors` into the buffer (or into `into`, a uint8 CPU tensor of the layout's data
+        bytes: a tier-0 slot); in overlapped mode only start the copies.
 
         Raises CheckpointTimeoutError when a device copy is not done within `timeout` seconds (a
         stuck device)."""
-        needs_pin = any(t.device.type == "cuda" for t in tensors.values())
-        self._ensure(layout.data_bytes, pin=needs_pin)
-        assert self._buffer is not None
+        if into is None:
+            self._ensure(layout.data_bytes, pin=self.needs_pin(tensors))
+            assert self._buffer is not None
+            into = self._buffer
         events: list[torch.cuda.Event] = []
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         sources: list[torch.Tensor] = []
         by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         with torch.no_grad():
-            for slot, dst in zip(layout.slots, self._slot_views(layout), strict=True):
+            for slot, dst in zip(layout.slots, self._slot_views(layout, into), strict=True):
                 src = tensors[slot.name]
                 if src.device.type == "cuda":
                     by_device.setdefault(src.device, []).append((dst, src))
@@ -257,24 +274,29 @@ class StagingArea:
                     event.record(stream)
                 events.append(event)
         sources.extend(src for _, src in deferred)
-        snapshot = HostSnapshot(layout, self._buffer, events=events, deferred=deferred, sources=sources)
+        snapshot = HostSnapshot(layout, into, events=events, deferred=deferred, sources=sources)
         if not overlapped:
             snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot
 
-    def _slot_views(self, layout: StagingLayout) -> list[torch.Tensor]:
-        assert self._buffer is not None
-        cached = self._views
-        if cached is None or cached[0] is not layout or cached[1] != self._buffer.data_ptr():
-            views = [_slot_view(self._buffer, s) for s in layout.slots]
-            cached = self._views = (layout, self._buffer.data_ptr(), views)
-        return cached[2]
+    @staticmethod
+    def needs_pin(tensors: Mapping[str, torch.Tensor]) -> bool:
+        return any(t.device.type == "cuda" for t in tensors.values())
+
+    def _slot_views(self, layout: StagingLayout, buffer: torch.Tensor) -> list[torch.Tensor]:
+        key = buffer.data_ptr()
+        cached = self._views.get(key)
+        if cached is None or cached[0] is not layout:
+            if len(self._views) >= 4:  # two tier-0 slots, or one buffer: old layouts go
+                self._views.clear()
+            cached = self._views[key] = (layout, [_slot_view(buffer, s) for s in layout.slots])
+        return cached[1]
 
     def reserve(self, tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
         """Allocate (and fault in) the buffer for `tensors` now instead of at the first save."""
         layout = self.layout_for(tensors)
         allocations = self.allocations
-        self._ensure(layout.data_bytes, pin=any(t.device.type == "cuda" for t in tensors.values()))
+        self._ensure(layout.data_bytes, pin=self.needs_pin(tensors))
         if self.allocations != allocations and self._buffer is not None and not self._registered:
             self._buffer.zero_()  # first touch of every page, outside the training loop
         return layout
@@ -295,13 +317,9 @@ class StagingArea:
         if pin and nbytes:
             # Exactly sized page-locked memory; torch's pinned allocator would round 8.1 GiB up
             # to 16 GiB. Fall back to it if registration is refused.
-            rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 1)
-            if int(rc) == 0:
-                registered = True
-            else:
-                logger.warning(
-                    "cudaHostRegister of %d bytes failed (%s); using pin_memory", nbytes, rc
-                )
+            registered = host_register(buffer.data_ptr(), nbytes)
+            if not registered:
+                logger.warning("using pin_memory for the staging buffer instead")
                 buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self._buffer, self._registered, self._pinned = buffer, registered, pin
         self.allocations += 1
@@ -315,6 +333,6 @@ class StagingArea:
     def release(self) -> None:
         """Free the buffer (it must not be in use)."""
         if self._buffer is not None and self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+            host_unregister(self._buffer.data_ptr())
         self._buffer, self._registered, self._pinned = None, False, False
-        self._views = None
+        self._views.clear()

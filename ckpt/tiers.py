@@ -19,8 +19,8 @@ from ckpt.commit import CommitMarker
 from ckpt.manifest import Manifest
 from ckpt.ranges import RangeSource
 
-TierName = Literal["local", "shared"]
-"""Tier 1 is "local", tier 2 "shared": the names in Restored.tier, logs and events."""
+TierName = Literal["memory", "local", "shared"]
+"""Tier 0 is "memory", tier 1 "local", tier 2 "shared": the names in Restored.tier, logs and events."""
 
 
 def holds_rank(marker: CommitMarker | None, rank: int) -> bool:

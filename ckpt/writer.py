@@ -1,16 +1,19 @@
-"""Tier 1's write pipeline: from save_async() to a committed step, and the hand-off to tier 2.
+"""The save pipeline: from save_async() to a tier-0 snapshot, a committed step, and the hand-off to tier 2.
 
-    LocalWriter.save_async(step, state)          caller's thread
-      flatten -> staging layout -> StagingArea.stage()   copy into the host buffer (ckpt/snapshot.py)
+    LocalWriter.save_async(step, state, persist=)  caller's thread
+      flatten -> staging layout -> StagingArea.stage()   copy into a tier-0 slot (ckpt/tier0.py), else
+                                                         into the host buffer (ckpt/snapshot.py)
       BackgroundWriter.submit(_persist)                  returns a PendingSave
-    LocalWriter._persist                          writer thread
+    LocalWriter._persist                          writer thread (tier-0 thread for a snapshot only)
       HostSnapshot.run_deferred_copies / require_consistent   ("overlapped" mode)
-      persist_rank()            rank directory written, fsynced, renamed (ckpt/persist.py)
+      tier 0: sum64 checksum, the slot's manifest    -> the slot is the rank's newest snapshot
+      persist_rank()            rank directory written (from the slot), fsynced, renamed (ckpt/persist.py)
       commit_if_complete()      the last rank of this directory writes COMMIT  -> event ckpt_saved
       Replicator.enqueue()      with a shared tier (ckpt/replicator.py); else local retention
 
-At most one save is in flight: a save that finds the previous one still persisting waits or is
-skipped (CheckpointConfig.if_busy). A failure is logged ("checkpoint of step N failed", event
+At most one persist is in flight: a persisted save that finds the previous one still persisting waits
+or is skipped (CheckpointConfig.if_busy). A snapshot for tier 0 only (persist=False) never waits: with
+its thread or both slots busy it is skipped. A failure is logged ("checkpoint of step N failed", event
 `ckpt_failed`), counted (ckpt/save_policy.py) and raised by PendingSave.wait_persisted().
 """
 
@@ -24,7 +27,7 @@ from concurrent.futures import Executor
 from datetime import timedelta
 from typing import Any
 
-from ckpt.checksum import CHUNK_BYTES, RANGE_CHUNK_BYTES
+from ckpt.checksum import CHUNK_BYTES, RANGE_CHUNK_BYTES, digest_parts
 from ckpt.config import CheckpointConfig
 from ckpt.errors import (
     CheckpointError,
@@ -34,7 +37,7 @@ from ckpt.errors import (
 )
 from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
-from ckpt.manifest import TensorEntry
+from ckpt.manifest import FileEntry, Manifest, TensorEntry
 from ckpt.metrics import MetricsLog, SaveMetrics
 from ckpt.persist import WrittenRank, commit_if_complete, persist_rank
 from ckpt.replicator import Replicator, UploadJob
@@ -42,6 +45,7 @@ from ckpt.safetensors_io import dtype_name
 from ckpt.save_policy import SaveFailures
 from ckpt.sharding import ShardInfo, split_sharded
 from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
+from ckpt.tier0 import HostSlot, HostSlots
 from ckpt.tree import flatten
 from core.deadline import Clock, Deadline
 from core.events import emit
@@ -138,6 +142,7 @@ class LocalWriter:
         check: Callable[[], None],
         after_commit: Callable[[], None],
         on_written: Callable[[int], None] | None,
+        tier0: HostSlots | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -150,9 +155,15 @@ class LocalWriter:
         self.on_written = on_written
         self.staging = StagingArea()
         self.thread = BackgroundWriter(f"ckpt-writer-r{rank}")
+        self.tier0 = tier0
+        self.tier0_thread = BackgroundWriter(f"ckpt-tier0-r{rank}")
+        """Finishes snapshots that go to tier 0 only (a persist in flight does not hold them up)."""
         self.saved: set[int] = set()
         """Steps this rank saved (ckpt/retention.py: abandoned steps)."""
         self.last: PendingSave | None = None
+        """The newest save or snapshot (wait_staged)."""
+        self.last_persist: PendingSave | None = None
+        """The newest save that goes to tier 1 (wait_persisted)."""
         self._metrics = metrics
         self._failures = failures
         self._pool = pool
@@ -160,8 +171,8 @@ class LocalWriter:
         self._check = check
         self._after_commit = after_commit
 
-    def save_async(self, step: int, state: Mapping[str, Any]) -> PendingSave:
-        """See Checkpointer.save_async."""
+    def save_async(self, step: int, state: Mapping[str, Any], *, persist: bool = True) -> PendingSave:
+        """See Checkpointer.save_async (persist=False: Checkpointer.snapshot)."""
         started = time.monotonic()
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a Mapping, got {type(state).__name__}")
@@ -176,21 +187,30 @@ class LocalWriter:
             bytes=layout.file_bytes,
             upload_lag_steps=None if replicated is None else step - replicated,
         )
-        if self.thread.busy():
-            why = self._busy_reason()
-            self._check()  # the save just waited for may have been the last one allowed to fail
-            if why is not None:
-                self._metrics.add(metrics)
-                self._metrics.update(
-                    metrics, log=True, status="skipped", error=why, stall_s=time.monotonic() - started
-                )
-                return PendingSave(step, metrics, None)
+        why = self._why_not_now(persist)
+        slot = None
+        if why is None and self.tier0 is not None:
+            slot = self.tier0.claim(step)
+            if slot is None:
+                why = f"both tier-0 slots of rank {self.rank} are in use (the newest snapshot and one being read)"
+        if why is not None:
+            self._metrics.add(metrics)
+            self._metrics.update(metrics, log=persist, status="skipped", error=why, stall_s=time.monotonic() - started)
+            return PendingSave(step, metrics, None)
         self._metrics.add(metrics)
         overlapped = self.config.mode == "overlapped"
         stage_timeout = self.config.stage_timeout.total_seconds()
         try:
-            snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout)
-        except CheckpointTimeoutError as exc:
+            into = None
+            if slot is not None:
+                assert self.tier0 is not None
+                into = slot.buffer(layout.prefix, layout.data_bytes, pin=self.staging.needs_pin(tensors),
+                                   room=self.tier0.room_needed(layout.file_bytes))
+            snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout, into=into)
+        except CheckpointError as exc:
+            if slot is not None:
+                assert self.tier0 is not None
+                self.tier0.release(slot)
             self._metrics.update(metrics, log=True, status="failed", error=str(exc))
             self._failures.failed(exc)
             raise  # the caller reports it (trainer: "checkpoint of step N failed", ckpt_failed)
@@ -198,15 +218,34 @@ class LocalWriter:
         pending = PendingSave(step, metrics, snapshot)
         if not overlapped:
             pending._staged.set()
-        entries = _tensor_entries(layout, with_offsets=bool(shards))
-        self._metrics.update(metrics, stall_s=time.monotonic() - started, status="persisting")
+        entries = _tensor_entries(layout, with_offsets=bool(shards) or slot is not None)
+        self._metrics.update(metrics, stall_s=time.monotonic() - started, status="persisting" if persist else "staging")
         self.last = pending
-        self.thread.submit(lambda: self._persist(pending, snapshot, entries, skeleton, shards))
+        if persist:
+            self.last_persist = pending
+        thread = self.thread if persist else self.tier0_thread
+        thread.submit(lambda: self._persist(pending, snapshot, entries, skeleton, shards, slot=slot, persist=persist))
         return pending
+
+    def _why_not_now(self, persist: bool) -> str | None:
+        """Why this save is skipped (None: go ahead), after any wait if_busy allows a persisted save."""
+        if not persist:
+            if self.tier0 is None:
+                return "no tier 0 (CheckpointConfig.tier0_dir): a snapshot needs host shared memory"
+            if self.tier0_thread.busy():
+                return f"the snapshot of step {self.last.step if self.last else '?'} is still being checksummed"
+            return None
+        why = None
+        if self.thread.busy():
+            why = self._busy_reason()
+            self._check()  # the save just waited for may have been the last one allowed to fail
+        if why is None and not self.tier0_thread.wait_idle(self.config.busy_timeout.total_seconds()):
+            why = f"the tier-0 snapshot in flight did not finish within busy_timeout {self.config.busy_timeout}"
+        return why
 
     def _busy_reason(self) -> str | None:
         """Wait for the save in flight (if_busy="wait"); why this save is skipped, or None."""
-        previous = self.last.step if self.last else "?"
+        previous = self.last_persist.step if self.last_persist else "?"
         if self.config.if_busy == "skip":
             return f"the save of step {previous} is still persisting (if_busy='skip')"
         if not self.thread.wait_idle(self.config.busy_timeout.total_seconds()):
@@ -221,6 +260,12 @@ class LocalWriter:
                 f"a save still persists after busy_timeout {self.config.busy_timeout}; "
                 f"prepare() again later"
             )
+        if self.tier0 is not None:
+            layout = self.staging.layout_for(tensors)
+            for slot in self.tier0.slots:  # map (and reserve) both slots now, not in the loop
+                slot.buffer(layout.prefix, layout.data_bytes, pin=self.staging.needs_pin(tensors),
+                            room=self.tier0.room_needed(layout.file_bytes))
+            return 2 * layout.data_bytes
         return self.staging.reserve(tensors).data_bytes
 
     def _persist(
@@ -230,12 +275,19 @@ class LocalWriter:
         entries: dict[str, TensorEntry],
         skeleton: Any,
         shards: dict[str, ShardInfo],
+        *,
+        slot: HostSlot | None,
+        persist: bool,
     ) -> None:
         metrics = pending.metrics
         try:
             snapshot.run_deferred_copies()
             snapshot.require_consistent(self.config.stage_timeout.total_seconds(), f"step {pending.step}")
             pending._staged.set()
+            if slot is not None:
+                self._publish_snapshot(pending, slot, entries, skeleton, shards, final=not persist)
+                if not persist:
+                    return
             started = time.monotonic()
             hook = self.on_written
             written = persist_rank(
@@ -253,6 +305,7 @@ class LocalWriter:
                 pool=self._pool(),
                 before_publish=None if hook is None else lambda: hook(pending.step),
                 identity=self.identity,
+                release=None if slot is None else lambda: self._release(slot),
             )
             committed = commit_if_complete(
                 self.layout,
@@ -284,8 +337,39 @@ class LocalWriter:
                 CheckpointWriteError(f"checkpoint of step {pending.step} failed: {type(exc).__name__}: {exc}"),
             )
         finally:
+            if slot is not None:
+                self._release(slot)
             pending._staged.set()
             pending._persisted.set()
+
+    def _publish_snapshot(self, pending: PendingSave, slot: HostSlot, entries: dict[str, TensorEntry],
+                          skeleton: Any, shards: dict[str, ShardInfo], *, final: bool) -> None:
+        """Checksum the slot and write its manifest: it becomes this rank's newest tier-0 snapshot."""
+        assert self.tier0 is not None
+        started = time.monotonic()
+        image = slot.view()
+        checksum = digest_parts([image], algorithm="sum64", chunk_bytes=RANGE_CHUNK_BYTES if shards else CHUNK_BYTES)
+        manifest = Manifest(
+            step=pending.step,
+            rank=self.rank,
+            world_size=self.world_size,
+            generation=self.generation,
+            run=self.identity.name if self.identity else "",
+            run_uid=self.identity.uid if self.identity else "",
+            files={STATE_FILE: FileEntry.of(checksum, len(image), checksum.chunks if shards else b"")},
+            tensors=entries,
+            shards=shards,
+            state=skeleton,
+        ).to_bytes()
+        self.tier0.published(slot, pending.step, manifest)
+        if final:
+            self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started, status="snapshot")
+        else:
+            self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started)
+
+    def _release(self, slot: HostSlot) -> None:
+        assert self.tier0 is not None
+        self.tier0.release(slot)
 
     def _failed(self, pending: PendingSave, error: CheckpointError) -> None:
         pending.error = error

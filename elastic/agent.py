@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
-from core import events
+from core import events, tier0_dir
 from core.events import emit
 from elastic import peer_loss, progress
 from elastic.metrics import AgentMetrics
@@ -105,6 +105,12 @@ class ElasticAgent(LocalElasticAgent):
         self.agent_config = agent_config
         self.progress_dir = progress.make_dir()
         os.environ[progress.ENV_DIR] = self.progress_dir  # workers inherit the agent's environment
+        # The node's host memory for tier-0 snapshots (core/tier0_dir.py): it outlives any one worker.
+        # A value set by the user (a directory of their own, or "" for none) is left alone.
+        self.tier0_dir: str | None = None
+        if tier0_dir.ENV not in os.environ:
+            self.tier0_dir = tier0_dir.make_node_dir()
+            os.environ[tier0_dir.ENV] = self.tier0_dir
         # Like the beacon and the round's store: only on --local-addr when one is given.
         self.metrics = AgentMetrics.start(agent_config.metrics_port, getattr(spec, "local_addr", None) or "0.0.0.0")
         self._failure_seen_at: float | None = None
@@ -254,4 +260,7 @@ def launch(
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         shutil.rmtree(agent.progress_dir, ignore_errors=True)
+        if agent.tier0_dir is not None:
+            tier0_dir.remove_node_dir(agent.tier0_dir)
+            os.environ.pop(tier0_dir.ENV, None)
         agent.metrics.stop()

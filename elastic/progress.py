@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from core import procfs
+
 ENV_DIR = "ELASTIC_PROGRESS_DIR"
 _MIN_INTERVAL_S = 0.25
 _FINISHED = "finished"
@@ -72,19 +74,9 @@ def make_dir() -> str:
     tmp = Path(tempfile.gettempdir())
     for old in tmp.glob("elastic-progress-*-*"):
         pid = old.name.split("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not procfs.alive(int(pid)):
             shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"elastic-progress-{os.getpid()}-")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def clear(directory: str | Path) -> None:

@@ -64,9 +64,11 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (node-local tier)")
-    p.add_argument("--ckpt-every", type=int, default=50, help="save every K steps")
-    p.add_argument("--ckpt-mode", choices=["staged", "overlapped"], default="staged",
-                   help="overlapped: the copy of the state to host overlaps the next forward/backward")
+    p.add_argument("--ckpt-every", type=int, default=50, help="save to disk (tier 1) every K steps")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="snapshot into host memory (tier 0, under elastic-run) every K steps; 0: only at --ckpt-every")
+    p.add_argument("--ckpt-mode", choices=["staged", "overlapped"], default="overlapped",
+                   help="overlapped (default): the copy of the state to host overlaps the next forward/backward")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="autocast dtype: bf16 (default on CUDA), fp16 (with a GradScaler), fp32 (default on CPU)")
@@ -168,10 +170,12 @@ def lr_schedule(warm: int, total: int) -> Callable[[int], float]:
 
 @dataclass
 class Throughput:
-    """Tokens per second between log points; the first step (allocator, kernel selection) is not timed."""
+    """Tokens per second between log points. The first step (after a start or a resume) is shown with its
+    own rate, from its start, but left out of the overall figure (allocator, kernel selection)."""
 
     tokens_per_step: int
     first_step: int = -1
+    first_started: float = 0.0
     started: float = 0.0
     last: float = 0.0
     logged: int = 0
@@ -180,7 +184,7 @@ class Throughput:
     def tick(self, done: int) -> float:
         now = time.perf_counter()
         if done == self.first_step + 1:
-            rate = float("nan")
+            rate = self.tokens_per_step / max(now - self.first_started, 1e-9)
             self.started = now
         else:
             rate = (done - self.logged) * self.tokens_per_step / (now - self.last)
@@ -228,7 +232,8 @@ def main() -> None:
                                         max_micro_batch=args.max_micro_batch))
     loader = sampler.loader(ProgressionTokens(args.dataset_size, args.seq_len, args.vocab, args.seed),
                             num_workers=args.num_workers, pin_memory=device.type == "cuda")
-    config = ResumeConfig.at(args.ckpt_dir, save_every=args.ckpt_every, mode=args.ckpt_mode)
+    config = ResumeConfig.at(args.ckpt_dir, save_every=args.snapshot_every or args.ckpt_every,
+                             persist_every=args.ckpt_every, mode=args.ckpt_mode)
     run = Resumable(config, model=ddp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
                     extras={"tokens": 0})
     meter = Throughput(tokens_per_step=args.global_batch * args.seq_len)
@@ -237,7 +242,7 @@ def main() -> None:
         if meter.first_step < 0:
             if rank == 0 and run.resumed_from is not None:
                 show(f"resumed from step {step}")
-            meter.first_step = step
+            meter.first_step, meter.first_started = step, time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         for tokens, weight, sync in run.accumulate(micro_batches):

@@ -40,7 +40,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (node-local tier)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="save every K steps")
+    p.add_argument("--ckpt-every", type=int, default=10, help="save to disk (tier 1) every K steps")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="snapshot into host memory (tier 0, under elastic-run) every K steps; 0: only at --ckpt-every")
     p.add_argument("--shared-url", default=None, help="tier 2: any fsspec URL (a shared path, s3://bucket/prefix, ...)")
     p.add_argument("--run-name", default="tiny", help="run-scoped prefix under --shared-url")
     p.add_argument("--seed", type=int, default=0)
@@ -88,8 +90,8 @@ def main() -> None:
     # Rank and world size come from the process group; the split follows trainer/data.py's rule.
     sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch,
                                         seed=args.seed, max_micro_batch=args.max_micro_batch))
-    config = ResumeConfig.at(args.ckpt_dir, save_every=args.ckpt_every, shared_url=args.shared_url,
-                             run_name=args.run_name)
+    config = ResumeConfig.at(args.ckpt_dir, save_every=args.snapshot_every or args.ckpt_every,
+                             persist_every=args.ckpt_every, shared_url=args.shared_url, run_name=args.run_name)
     with Resumable(config, model=ddp, optimizer=optimizer, sampler=sampler) as run:
         step = run.restore()
         if rank == 0 and run.resumed_from is not None:

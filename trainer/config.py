@@ -1,5 +1,11 @@
 """`ResumeConfig`: when `Resumable` saves, and the checkpointer's own configuration, whole.
 
+Two cadences: `save_every` snapshots into tier 0 (the node's host memory, under elastic-run; see
+ckpt/tier0.py), `persist_every` writes to tier 1 (disk) and from there tier 2. Left out, they are 1 and
+10: a snapshot every step, a file every 10. Given alone, `save_every=N` keeps its earlier meaning, a
+checkpoint on disk every N steps (persist_every = save_every); `persist_every=N` alone snapshots every
+step. Without a tier 0 (no elastic-run, or tier0_dir=""), only the persisted steps are saved.
+
 The checkpointer's options are not renamed here: `ResumeConfig.ckpt` is a `ckpt.CheckpointConfig`,
 so every one of them (snapshot `mode` including "overlapped", `if_busy`, `checksum`, `keep_every`,
 the shared tier with its retention and retries, `init_from`, `max_failed_saves`) is reachable.
@@ -16,20 +22,47 @@ from typing import Any
 
 from ckpt import CheckpointConfig, SharedConfig
 
+DEFAULT_PERSIST_EVERY = 10
+"""Tier-1 cadence when neither cadence is given (a snapshot every step goes to tier 0)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ResumeConfig:
     ckpt: CheckpointConfig
     """Where checkpoints go and how they are written (ckpt/config.py)."""
-    save_every: int
-    """Save after every N-th completed step (and the last step, at `Resumable.teardown`)."""
+    save_every: int | None = None
+    """Snapshot after every N-th completed step into tier 0 (host memory); see the module docstring
+    for the default. The last step is persisted at `Resumable.teardown`."""
+    persist_every: int | None = None
+    """Persist every N-th completed step to tier 1 (and tier 2); see the module docstring."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, CheckpointConfig):
             raise ValueError(f"ResumeConfig.ckpt must be a ckpt.CheckpointConfig, got {type(self.ckpt).__name__}; "
                              "ResumeConfig.at(ckpt_dir, save_every=...) builds one")
-        if isinstance(self.save_every, bool) or not isinstance(self.save_every, int) or self.save_every <= 0:
-            raise ValueError(f"save_every must be a positive int, got {self.save_every!r}")
+        for name in ("save_every", "persist_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        save, persist = self.save_every, self.persist_every
+        if save is None:
+            save, persist = 1, persist if persist is not None else DEFAULT_PERSIST_EVERY
+        elif persist is None:
+            persist = save  # the earlier meaning of save_every alone: a checkpoint on disk every N steps
+        object.__setattr__(self, "save_every", save)
+        object.__setattr__(self, "persist_every", persist)
+
+    @property
+    def snapshot_every(self) -> int:
+        """`save_every`, resolved (an int)."""
+        assert self.save_every is not None
+        return self.save_every
+
+    @property
+    def persist_interval(self) -> int:
+        """`persist_every`, resolved (an int)."""
+        assert self.persist_every is not None
+        return self.persist_every
 
     @property
     def ckpt_dir(self) -> str:
@@ -37,20 +70,25 @@ class ResumeConfig:
         return self.ckpt.local_dir
 
     @classmethod
-    def at(cls, ckpt_dir: str | os.PathLike[str], *, save_every: int, shared_url: str | None = None,
-           **options: Any) -> ResumeConfig:
-        """Checkpoints in `ckpt_dir` every `save_every` steps; with `shared_url` (any fsspec URL) also in
-        a shared tier (SharedConfig defaults; pass `shared=SharedConfig(...)` for its options instead).
+    def at(cls, ckpt_dir: str | os.PathLike[str], *, save_every: int | None = None, persist_every: int | None = None,
+           shared_url: str | None = None, **options: Any) -> ResumeConfig:
+        """Checkpoints in `ckpt_dir` every `persist_every` steps and snapshots in tier 0 every `save_every`
+        (module docstring: the defaults); with `shared_url` (any fsspec URL) also in a shared tier
+        (SharedConfig defaults; pass `shared=SharedConfig(...)` for its options instead).
 
-        `options` are CheckpointConfig fields: run_name, keep_last, keep_every, mode, if_busy, checksum,
-        init_from, max_failed_saves, ..."""
+        `options` are CheckpointConfig fields: run_name, keep_last, keep_every, mode (here "overlapped"
+        unless given), if_busy, checksum, init_from, max_failed_saves, tier0_dir, ..."""
         known = {f.name for f in fields(CheckpointConfig)} - {"local_dir"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"ResumeConfig.at: {', '.join(unknown)} is not a CheckpointConfig option; "
                             f"the options are {', '.join(sorted(known))}")
+        # Resumable waits for a save's copy before the optimizer next changes the state (its hooks), so the
+        # copy may overlap the next forward and backward: a snapshot every step then costs ~nothing.
+        options.setdefault("mode", "overlapped")
         if shared_url is not None:
             if options.get("shared") is not None:
                 raise ValueError("ResumeConfig.at: pass shared_url or shared=SharedConfig(...), not both")
             options["shared"] = SharedConfig(url=shared_url)
-        return cls(ckpt=CheckpointConfig(local_dir=os.fspath(ckpt_dir), **options), save_every=save_every)
+        return cls(ckpt=CheckpointConfig(local_dir=os.fspath(ckpt_dir), **options), save_every=save_every,
+                   persist_every=persist_every)

@@ -256,7 +256,9 @@ class Resumable:
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None) -> bool:
         """Call after each completed optimizer step with the number of completed steps.
 
-        Advances the data position; saves when `step` is a multiple of `save_every`. Returns True if it saved.
+        Advances the data position; persists when `step` is a multiple of `persist_every`, else snapshots
+        into tier 0 when it is a multiple of `save_every` (and there is a tier 0). Returns True if it
+        persisted.
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
         self.step = step
@@ -267,9 +269,11 @@ class Resumable:
         if loss is not None:
             fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
         emit("step", **fields)
-        saved = step % self.config.save_every == 0
+        saved = step % self.config.persist_interval == 0
         if saved:
             self.save(step)
+        elif step % self.config.snapshot_every == 0 and self.checkpointer.has_tier0:
+            self.snapshot(step)
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
 
@@ -315,6 +319,18 @@ class Resumable:
         except CheckpointError as exc:
             log.error("checkpoint of step %d failed on rank %d: %s", step, self.topology.rank, exc)
             emit("ckpt_failed", step=step, tier="local", error=str(exc))
+
+    def snapshot(self, step: int) -> None:
+        """Snapshot this rank's state for `step` into tier 0 only (host memory; ckpt/tier0.py). A
+        snapshot skipped (its slots busy) or failed is logged at debug level: the next one follows."""
+        self._emit_digest(step, "save")
+        try:
+            self.checkpointer.snapshot(step, self.state())
+        except CheckpointSaveError:
+            raise
+        except CheckpointError as exc:
+            log.error("tier-0 snapshot of step %d failed on rank %d: %s", step, self.topology.rank, exc)
+            emit("ckpt_failed", step=step, tier="memory", error=str(exc))
 
     def save_final(self) -> bool:
         """Save the current step unless a save of it was made already or nothing ran since the restore,

@@ -1,0 +1,346 @@
+"""Tier 0: each rank's newest snapshots in the node's host shared memory, two slots per rank.
+
+    <tier0 dir>/rank_00003/slot_0/state.safetensors   the file image; mapped shared, it IS the staging buffer
+    <tier0 dir>/rank_00003/slot_0/manifest.json       written last: the slot's commit (removed before a rewrite)
+    <tier0 dir>/rank_00003/slot_1/...
+
+The directory lies in tmpfs and belongs to the node (elastic-run's agent makes it, core/tier0_dir.py),
+so a snapshot outlives the worker that wrote it: the worker's replacement restores from memory, with no
+disk read, and maps the same slots again as its staging buffers, with no new allocation.
+
+Writing (`HostSlots`, the worker side): a save copies the state straight into a slot's mapped file, laid
+out as the safetensors file of tier 1 (ckpt/snapshot.py plans it). The slot's manifest (the tier-1
+format, ckpt/manifest.py) is removed before the copy starts and written, by rename, once the copy is
+consistent and checksummed; so a crash mid-copy leaves that slot without a manifest, and the other slot,
+the previous snapshot, whole. A save never writes the newest slot, nor one whose bytes a background job
+still reads (a tier-1 persist writes its file from the slot, ckpt/persist.py); with no slot free a
+snapshot is skipped, never waited for. A slot whose step is not below the step being saved is a future
+this run went back from (a restore of an older step) and is dropped first.
+
+Reading (`HostTier`, the `Tier` interface of ckpt/tiers.py): the steps whose manifests this node holds,
+as COMMIT markers made from them, for the restore policy (ckpt/restore.py), which tries tier 0 first.
+Every file is verified as tier 1's are; the checksum is `sum64` (ckpt/checksum.py), fast enough for
+every step. A slot of another run (identity), a torn one (no manifest) or a damaged one (checksum) is
+never used. A restore copies the tensors out of the slot (`detach`): the slot is rewritten later.
+
+Memory: 2 x the rank's state bytes (page-locked for CUDA state), reserved with fallocate at the first
+save so that a full tmpfs is a clear error then (HostMemoryError), never a SIGBUS later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt.commit import CommitMarker
+from ckpt.durable import write_atomic
+from ckpt.errors import CheckpointError, CheckpointWriteError
+from ckpt.identity import RunIdentity
+from ckpt.layout import MANIFEST_FILE, STATE_FILE, parse_rank_dir_name, rank_dir_name
+from ckpt.manifest import Manifest, parse_manifest, resolve_file
+from ckpt.ranges import LocalRange
+from ckpt.reader import read_manifest
+from ckpt.safe_io import read_regular
+from ckpt.snapshot import host_register, host_unregister
+from ckpt.tiers import TierName
+
+logger = logging.getLogger(__name__)
+
+SLOTS = 2
+
+
+class HostMemoryError(CheckpointWriteError):
+    """Tier 0 does not fit in the node's host shared memory."""
+
+
+def slot_dir(root: Path, rank: int, index: int) -> Path:
+    return root / rank_dir_name(rank) / f"slot_{index}"
+
+
+class HostSlot:
+    """One slot: a file in tmpfs, mapped shared, sized to the file image of one snapshot."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.step: int | None = None
+        """The step whose manifest this slot holds (None: none, or being rewritten)."""
+        self._map: mmap.mmap | None = None
+        self._size = 0
+        self._pinned = False
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST_FILE
+
+    @property
+    def data_path(self) -> Path:
+        return self.path / STATE_FILE
+
+    def invalidate(self) -> None:
+        """Remove the manifest: from now on readers see no snapshot here."""
+        self.step = None
+        self.manifest_path.unlink(missing_ok=True)
+
+    def buffer(self, prefix: bytes, data_bytes: int, *, pin: bool, room: int) -> torch.Tensor:
+        """The slot's data region (uint8) for a file of `prefix` + `data_bytes`, its header written.
+
+        Maps the file again only when the size changes. `room`: bytes tmpfs must still have for
+        the other slots this process is about to fill (for the message of HostMemoryError)."""
+        size = len(prefix) + data_bytes
+        if self._map is None or size != self._size or (pin and not self._pinned):
+            self._remap(size, pin=pin, room=room)
+        assert self._map is not None
+        self._map[: len(prefix)] = prefix
+        return torch.frombuffer(self._map, dtype=torch.uint8)[len(prefix) : size]
+
+    def _remap(self, size: int, *, pin: bool, room: int) -> None:
+        self.close()
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
+            except OSError as exc:
+                raise _no_room(self.path.parent.parent, size, room, exc) from exc
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._size = size
+        if pin:
+            self._pinned = host_register(_address(self._map), size)
+
+    def view(self) -> memoryview:
+        """The whole file image (valid while mapped)."""
+        assert self._map is not None
+        return memoryview(self._map)[: self._size]
+
+    def publish(self, step: int, manifest: bytes) -> None:
+        write_atomic(self.manifest_path, manifest)
+        self.step = step
+
+    def close(self) -> None:
+        if self._map is not None:
+            if self._pinned:
+                host_unregister(_address(self._map))
+            try:
+                self._map.close()
+            except BufferError:  # a view is still alive (a tensor of a finished save): the GC unmaps it
+                logger.debug("tier-0 slot %s still viewed at close", self.path)
+        self._map, self._size, self._pinned = None, 0, False
+
+
+def _address(mapping: mmap.mmap) -> int:
+    return torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+
+
+def _no_room(root: Path, size: int, room: int, exc: OSError) -> HostMemoryError:
+    try:
+        st = os.statvfs(root)
+        free = f"{st.f_bavail * st.f_frsize / 2**30:.2f} GiB free of {st.f_blocks * st.f_frsize / 2**30:.2f} GiB"
+    except OSError:
+        free = "free space unknown"
+    return HostMemoryError(
+        f"tier 0 does not fit in {root} ({free}): a slot of {size / 2**30:.2f} GiB could not be reserved "
+        f"({os.strerror(exc.errno or 0)}), and this node needs {room / 2**30:.2f} GiB more for the rest of its "
+        f"slots (2 per rank). Give /dev/shm more room (docker run --shm-size, a larger tmpfs), run fewer ranks "
+        f"per node, or turn tier 0 off with tier0_dir=\"\" (every save then goes to disk)",
+        path=root,
+    )
+
+
+class HostSlots:
+    """The two tier-0 slots of one rank, on the writing side (see the module docstring)."""
+
+    def __init__(self, root: Path, rank: int, identity: RunIdentity | None) -> None:
+        self.root = root
+        self.rank = rank
+        self.identity = identity
+        self.slots = [HostSlot(slot_dir(root, rank, i)) for i in range(SLOTS)]
+        self._busy: set[int] = set()
+        self._newest: int | None = None
+        self._lock = threading.Lock()
+        for index, slot in enumerate(self.slots):  # a restarted worker finds its predecessor's slots
+            manifest = _read_own(slot.manifest_path, identity)
+            if manifest is not None and manifest.rank == rank:
+                slot.step = manifest.step
+                if self._newest is None or manifest.step > (self.slots[self._newest].step or -1):
+                    self._newest = index
+
+    def claim(self, step: int) -> HostSlot | None:
+        """A slot to write `step` into, its manifest removed; None when none is free (skip the snapshot)."""
+        with self._lock:
+            for index, slot in enumerate(self.slots):
+                if slot.step is not None and slot.step >= step and index not in self._busy:
+                    slot.invalidate()  # a future we went back from
+                    if self._newest == index:
+                        self._newest = None
+            free = [i for i in range(SLOTS) if i != self._newest and i not in self._busy]
+            if not free:
+                return None
+            index = min(free, key=lambda i: _step_or_minus_one(self.slots[i]))
+            self._busy.add(index)
+            slot = self.slots[index]
+        slot.invalidate()
+        return slot
+
+    def published(self, slot: HostSlot, step: int, manifest: bytes) -> None:
+        """`slot` now holds `step`, whole: it becomes the newest."""
+        slot.publish(step, manifest)
+        with self._lock:
+            self._newest = self.slots.index(slot)
+
+    def release(self, slot: HostSlot) -> None:
+        """No job reads or writes `slot` any more: a later save may take it."""
+        with self._lock:
+            self._busy.discard(self.slots.index(slot))
+
+    def room_needed(self, file_bytes: int) -> int:
+        """Bytes the slots of this rank not mapped yet will still take."""
+        return sum(file_bytes for s in self.slots if s._size != file_bytes)
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
+
+
+def _step_or_minus_one(slot: HostSlot) -> int:
+    return -1 if slot.step is None else slot.step
+
+
+def _read_own(path: Path, identity: RunIdentity | None, *, timeout: float = 10.0) -> Manifest | None:
+    """The manifest at `path` if it is readable and this run's (identity), else None."""
+    try:
+        manifest = parse_manifest(read_regular(path, timeout=timeout), path=path)
+    except (OSError, CheckpointError):
+        return None
+    if identity is not None and (manifest.run, manifest.run_uid) != (identity.name, identity.uid):
+        logger.warning("ignoring tier-0 snapshot %s: written by run %r (uid %s), this is %s",
+                       path, manifest.run, manifest.run_uid or "?", identity.describe())
+        return None
+    return manifest
+
+
+@dataclass(frozen=True)
+class _Found:
+    step: int
+    rank: int
+    world_size: int
+    path: Path
+    sha256: str
+    mtime: float
+
+
+class HostTier:
+    """Tier 0 as restore sees it: the snapshots of every rank on this node (the `Tier` interface)."""
+
+    def __init__(self, root: Path, *, read_timeout: float) -> None:
+        self.name: TierName = "memory"
+        self.root = root
+        self.identity: RunIdentity | None = None
+        self.unreadable: set[int] = set()
+        self._read_timeout = read_timeout
+        self._where: dict[tuple[int, int], Path] = {}
+
+    def _scan(self) -> dict[int, list[_Found]]:
+        found: dict[int, list[_Found]] = {}
+        for rank_path in _list_dir(self.root):
+            rank = parse_rank_dir_name(rank_path.name)
+            if rank is None:
+                continue
+            for slot in _list_dir(rank_path):
+                path = slot / MANIFEST_FILE
+                try:
+                    data = read_regular(path, timeout=self._read_timeout)
+                    manifest = parse_manifest(data, path=path)
+                    mtime = path.stat().st_mtime
+                except (OSError, CheckpointError):
+                    continue  # no manifest: torn or being rewritten
+                ours = self.identity is None or (manifest.run, manifest.run_uid) == (
+                    self.identity.name, self.identity.uid)
+                if ours and manifest.rank == rank:
+                    found.setdefault(manifest.step, []).append(_Found(
+                        manifest.step, rank, manifest.world_size, slot, hashlib.sha256(data).hexdigest(), mtime))
+        return found
+
+    def committed(self) -> dict[int, CommitMarker]:
+        markers: dict[int, CommitMarker] = {}
+        self._where = {}
+        for step, pieces in self._scan().items():
+            world = max(pieces, key=lambda f: f.mtime).world_size
+            chosen: dict[int, _Found] = {}
+            for f in sorted(pieces, key=lambda f: f.mtime):  # the newer of two slots of one step wins
+                if f.world_size == world:
+                    chosen[f.rank] = f
+            self._where.update({(step, r): f.path for r, f in chosen.items()})
+            markers[step] = CommitMarker(
+                step=step, world_size=world, run=self.identity.name if self.identity else "",
+                run_uid=self.identity.uid if self.identity else "",
+                manifests={r: f.sha256 for r, f in chosen.items()})
+        return markers
+
+    def committed_steps(self) -> list[int]:
+        return sorted(self.committed(), reverse=True)
+
+    def read_commit(self, step: int) -> CommitMarker | None:
+        return self.committed().get(step)
+
+    def has_rank(self, step: int, rank: int, marker: CommitMarker) -> bool:
+        return marker.manifests is not None and rank in marker.manifests and (step, rank) in self._where
+
+    def ranks_here(self, step: int, marker: CommitMarker) -> list[int]:
+        return sorted(r for r in (marker.manifests or {}) if (step, r) in self._where)
+
+    def _slot(self, step: int, rank: int) -> Path:
+        return self._where.get((step, rank), slot_dir(self.root, rank, 0))
+
+    def describe_rank(self, step: int, rank: int) -> str:
+        return f"{self._slot(step, rank)} (tier 0, step {step})"
+
+    @contextmanager
+    def open_rank(self, step: int, rank: int, *, expected_manifest_sha256: str | None) -> Iterator[Path]:
+        yield self._slot(step, rank)
+
+    def read_manifest(self, step: int, rank: int, *, expected_sha256: str | None) -> Manifest:
+        path = self._slot(step, rank) / MANIFEST_FILE
+        return read_manifest(path, expected_sha256=expected_sha256, timeout=self._read_timeout)[0]
+
+    def range_source(self, step: int, rank: int, name: str) -> LocalRange:
+        slot = self._slot(step, rank)
+        return LocalRange(resolve_file(slot, name, manifest_path=slot / MANIFEST_FILE), timeout=self._read_timeout)
+
+    def delete_step(self, step: int) -> None:
+        for (s, _), path in list(self._where.items()):
+            if s == step:
+                (path / MANIFEST_FILE).unlink(missing_ok=True)
+
+    def sweep_temp(self, committed: Any) -> None:
+        """Nothing to sweep: a slot is rewritten in place."""
+
+
+def detach(tree: Any) -> Any:
+    """`tree` with every tensor copied out of the slot it was mapped from (the slot is rewritten later)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {k: detach(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(detach(v) for v in tree)
+    return tree
+
+
+def _list_dir(path: Path) -> list[Path]:
+    try:
+        return sorted(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
