@@ -1,0 +1,352 @@
+"""One variant of bench/goodput_bench.py: examples/train_gpt.py's model and loop, one way of checkpointing.
+
+Run by the bench under a launcher (elastic-run, or torchrun where etcd is missing), one fresh
+process per variant and round. It takes train_gpt.py's own flags (the same parser) plus:
+  --variant        none | ours | dcp_thread | dcp_process | torch_save
+  --save-every     ours: tier 0 cadence with --persist-every, else the tier-1 cadence; others: theirs
+  --persist-every  ours with tier 0: the tier-1 cadence (0: tier 0 off, today's tier-1-only saves)
+  --result         where this process writes its JSON (one file per restart: `{result}.r{restart}`)
+
+The loop is train_gpt.py's: the same data (ElasticSampler + its loader), micro-batches, autocast,
+clipping, AdamW, LR schedule, and `loss.item()` after every step (train_gpt.py's --log-every 1),
+so each step's end is a device sync and the step times are honest. "ours" runs it through
+`trainer.train_loop` with a `Resumable` (public API, default settings); the others run the same
+steps in a plain loop and save in their own way after each step, as a user of them would.
+
+What is timed (time.perf_counter, seconds):
+  step_end[i]  the end of step i+1 (after its loss.item())
+  save[i]      the save call after step i+1: ours `Resumable.step_done` (data position, events,
+               beat and the save when one is due); dcp: the wait for the previous async_save's
+               future (torchtitan's rule: one in flight) + the async_save call; torch.save: the call
+  wait[i]      inside the optimizer's step of step i+1, from its first pre-hook to its last: the
+               time spent waiting for a snapshot's copy before the state is mutated (ours, when
+               tier 0 or overlapped mode waits there; 0 for the others)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+REPO = Path(__file__).resolve().parents[1]
+for path in (REPO, REPO / "examples"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import train_gpt  # noqa: E402  (examples/train_gpt.py: the model, the data, the flags)
+
+from ckpt import CheckpointConfig  # noqa: E402
+from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, train_loop, wrap_ddp  # noqa: E402
+from trainer.accumulate import accumulate  # noqa: E402
+
+VARIANTS = ("none", "ours", "dcp_thread", "dcp_process", "torch_save")
+
+
+def tier0_supported() -> bool:
+    """Whether this checkout has tier 0: CheckpointConfig.tier0_dir and ResumeConfig.persist_every."""
+    return ("tier0_dir" in {f.name for f in fields(CheckpointConfig)}
+            and ("persist_every" in {f.name for f in fields(ResumeConfig)} or hasattr(ResumeConfig, "persist_every")))
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    p = train_gpt.build_parser(__doc__)
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--persist-every", type=int, default=0)
+    p.add_argument("--result", required=True)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    return train_gpt.checked_args(p, p.parse_args(argv))
+
+
+class Timings:
+    """Per-step times of the loop, and the optimizer's wait (a hook pair around its pre-hooks)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.t0 = time.perf_counter()
+        self.steps: list[int] = []
+        self.step_end: list[float] = []
+        self.save: dict[int, float] = {}
+        self.wait: dict[int, float] = {}
+        self.optimizer = optimizer
+        self._pre = 0.0
+        self._step = 0
+        # Global pre-hooks run before every optimizer's own ones: the first mark.
+        self._global = register_optimizer_step_pre_hook(self._first)
+        self._last: Any = None
+
+    def _first(self, *_: Any) -> None:
+        self._pre = time.perf_counter()
+
+    def _after_all(self, *_: Any) -> None:
+        self.wait[self._step] = time.perf_counter() - self._pre
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Re-register the closing hook, so that it runs after every pre-hook registered so far
+        (the checkpointer may add its own lazily)."""
+        self._step = step
+        if self._last is not None:
+            self._last.remove()
+        self._last = self.optimizer.register_step_pre_hook(self._after_all)
+
+    def step_ended(self, step: int) -> None:
+        self.steps.append(step)
+        self.step_end.append(time.perf_counter() - self.t0)
+
+    def timed(self, step: int, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        out = fn()
+        self.save[step] = time.perf_counter() - start
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    started, started_perf = time.time(), time.perf_counter()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.variant == "dcp_process" and (why := dcp_process_missing()):
+        Path(f"{args.result}.r{restart}").write_text(json.dumps({"variant": args.variant, "skipped": why}))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world, device = train_gpt.setup(args)
+    torch.manual_seed(args.seed)
+    model = train_gpt.GPT(args).to(device)
+    # train_gpt.py's choice: wrap_ddp (one bucket layout, bitwise resume) on CPU, plain DDP on CUDA
+    wrap = wrap_ddp if args.deterministic or device.type == "cpu" else DDP
+    ddp = wrap(model, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                                  fused=device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_gpt.lr_schedule(args.warmup, args.steps))
+    amp_dtype = train_gpt.DTYPES[args.dtype]
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    sampler = ElasticSampler(DataConfig(dataset_size=args.dataset_size, global_batch=args.global_batch, seed=args.seed,
+                                        max_micro_batch=args.max_micro_batch))
+    loader = sampler.loader(train_gpt.ProgressionTokens(args.dataset_size, args.seq_len, args.vocab, args.seed),
+                            num_workers=args.num_workers, pin_memory=device.type == "cuda")
+    timings = Timings(optimizer)
+    run: Resumable | None = None
+    result: dict[str, Any] = {"variant": args.variant, "restart": restart, "pid": os.getpid(), "rank": rank,
+                              "world": world, "tier0_dir_env": os.environ.get("ELASTIC_TIER0_DIR"),
+                              "machine": machine(device)}
+
+    def train_step(step: int, micro_batches: list[torch.Tensor]) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        batches = run.accumulate(micro_batches) if run is not None else accumulate(
+            micro_batches, sampler, ddp if isinstance(ddp, DDP) else None)
+        for tokens, weight, sync in batches:
+            tokens = tokens.to(device, non_blocking=True)
+            with sync:
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                    logits = ddp(tokens[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * weight
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        timings.before_optimizer_step(step + 1)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        loss_sum.item()  # train_gpt.py's --log-every 1: a device sync per step
+        timings.step_ended(step + 1)
+
+    ckpt_dir = Path(args.ckpt_dir)
+    if args.variant == "ours":
+        config = ours_config(args)
+        result["config"] = {"save_every": config.save_every, "persist_every": getattr(config, "persist_every", None),
+                            "mode": config.ckpt.mode, "tier0_dir": getattr(config.ckpt, "tier0_root", None)}
+        run = Resumable(config, model=ddp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
+                        extras={"tokens": 0})
+        restore, step_done = run.restore, run.step_done
+
+        def timed_restore() -> int:
+            start = time.perf_counter()
+            step = restore()
+            result["restore_s"] = round(time.perf_counter() - start, 6)
+            result["resumed_from"] = step
+            result["restored_tier"] = run.restored.tier if run.restored is not None else None
+            return step
+
+        def timed_step_done(step: int, **kw: Any) -> bool:
+            return bool(timings.timed(step, lambda: step_done(step, **kw)))
+
+        # Instance attributes: train_loop calls resumable.restore() and resumable.step_done(step).
+        run.restore = timed_restore  # type: ignore[method-assign]
+        run.step_done = timed_step_done  # type: ignore[method-assign]
+        end = train_loop(train_step, run, args.steps, loader=loader)
+        result["final_digest"] = run.teardown()
+    else:
+        saver = make_saver(args, model, optimizer, ckpt_dir)
+        batches = iter(loader)
+        step = 0
+        result["resumed_from"] = 0
+        while step < args.steps:
+            micro = [next(batches) for _ in range(sampler.accum_steps)]
+            train_step(step, micro)
+            step += 1
+            sampler.advance(step)
+            if saver is not None and step % args.save_every == 0:
+                timings.timed(step, lambda: saver.save(step))  # noqa: B023 (called at once)
+        del batches
+        end = step
+        if saver is not None:
+            saver.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result.update(
+        end_step=end,
+        steps=timings.steps,
+        step_end_s=[round(t, 6) for t in timings.step_end],
+        save_s={str(k): round(v, 6) for k, v in timings.save.items()},
+        wait_s={str(k): round(v, 6) for k, v in timings.wait.items() if v > 0},
+        tokens_per_step=args.global_batch * args.seq_len,
+        main_started_unix=round(started, 3),
+        loop_ready_s=round(timings.t0 - started_perf, 3),
+        max_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        cuda_max_allocated_mb=(round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+                               if device.type == "cuda" else None),
+    )
+    out = Path(f"{args.result}.r{restart}")
+    out.write_text(json.dumps(result))
+
+
+def dcp_process_missing() -> str | None:
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no torch.distributed.checkpoint async_save: {exc}"
+    if not hasattr(AsyncCheckpointerType, "PROCESS"):
+        return f"torch {torch.__version__} has no AsyncCheckpointerType.PROCESS"
+    return None
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    return {"torch": torch.__version__, "device": device.type, "torch_threads": torch.get_num_threads(),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+            or platform.machine(), "cuda": torch.version.cuda, "python": platform.python_version()}
+
+
+def ours_config(args: Any) -> ResumeConfig:
+    """Through `trainer` with default settings: tier 1 every --save-every steps (today), or tier 0
+    every --save-every and tier 1 every --persist-every steps."""
+    if args.persist_every:
+        if not tier0_supported():
+            raise SystemExit("--persist-every needs tier 0 (CheckpointConfig.tier0_dir, ResumeConfig.persist_every)")
+        return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every)
+    if tier0_supported():  # today's behaviour: tier 1 only, even where the agent offers a tier-0 dir
+        return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, tier0_dir="")
+    return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every)
+
+
+class TorchSave:
+    """torch.save of the model's and optimizer's state, synchronously; the previous file is removed."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        self.model, self.optimizer, self.dir = model, optimizer, directory
+        self.previous: Path | None = None
+
+    def save(self, step: int) -> None:
+        path = self.dir / f"step-{step}.pt"
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step}, path)
+        if self.previous is not None:
+            self.previous.unlink(missing_ok=True)
+        self.previous = path
+
+    def close(self) -> None:
+        pass
+
+
+class DcpAsync:
+    """torch.distributed.checkpoint.async_save as torchtitan uses it: get_state_dict of model and
+    optimizer, one save in flight (the next save first waits for the previous one's future), a gloo
+    group for DCP's own collectives when the default group is NCCL."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, mode: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self.dcp, self.get_state_dict = dcp, get_state_dict
+        self.kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+        self.model, self.optimizer, self.dir = model, optimizer, directory
+        self.pg = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self.future: Any = None
+        self.previous: Path | None = None
+        self.done: list[Path] = []
+
+    def save(self, step: int) -> None:
+        self._wait()
+        model_sd, optim_sd = self.get_state_dict(self.model, self.optimizer)
+        path = self.dir / f"step-{step}"
+        self.future = self.dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
+                                          process_group=self.pg, async_checkpointer_type=self.kind)
+        self.previous = path
+
+    def _wait(self) -> None:
+        if self.future is None:
+            return
+        self.future.result()
+        self.future = None
+        # keep the newest finished checkpoint only, as the others keep one
+        for old in self.done:
+            shutil.rmtree(old, ignore_errors=True)
+        self.done = [self.previous] if self.previous is not None else []
+
+    def close(self) -> None:
+        self._wait()
+        if self.kind.value == "process":
+            from torch.distributed.checkpoint import _async_process_executor as executor
+
+            process = getattr(executor, "_CHECKPOINT_PROCESS", None)
+            if process is not None:
+                process.__del__()  # stops the checkpoint process now, before the process group goes
+                executor._CHECKPOINT_PROCESS = None
+
+
+def make_saver(args: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+               directory: Path) -> TorchSave | DcpAsync | None:
+    directory.mkdir(parents=True, exist_ok=True)
+    if args.variant == "torch_save":
+        return TorchSave(model, optimizer, directory)
+    if args.variant in ("dcp_thread", "dcp_process"):
+        return DcpAsync(model, optimizer, directory, args.variant.removeprefix("dcp_"))
+    return None
+
+
+def fork_entry(env: dict[str, str | None], argv: list[str], log_path: str) -> None:
+    """The bench's --launcher fork: a child of its preloaded forkserver becomes the worker, with
+    the environment an agent would give it and its output in `log_path` (the bench's stdout is
+    its JSON)."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    main(argv)
+
+
+if __name__ == "__main__":
+    main()
