@@ -168,7 +168,7 @@ class Checkpointer:
         self._host: HostTier | None = None
         tier0_root = config.tier0_root
         if tier0_root is not None:
-            self._host = HostTier(Path(tier0_root), read_timeout=read_timeout)
+            self._host = HostTier(Path(tier0_root), read_timeout=read_timeout, local_world_size=local_world_size)
             self._host.identity = self.identity
             self._writer.tier0 = HostSlots(Path(tier0_root), rank, self.identity)
         self._restorer = Restorer(

@@ -17,8 +17,9 @@ still reads (a tier-1 persist writes its file from the slot, ckpt/persist.py); w
 snapshot is skipped, never waited for. A slot whose step is not below the step being saved is a future
 this run went back from (a restore of an older step) and is dropped first.
 
-Reading (`HostTier`, the `Tier` interface of ckpt/tiers.py): the steps whose manifests this node holds,
-as COMMIT markers made from them, for the restore policy (ckpt/restore.py), which tries tier 0 first.
+Reading (`HostTier`, the `Tier` interface of ckpt/tiers.py): the steps whose manifests this node holds for
+every one of its ranks (as tier 1's COMMIT counts them), as COMMIT markers made from them, for the restore
+policy (ckpt/restore.py), which tries tier 0 first.
 Every file is verified as tier 1's are; the checksum is `sum64` (ckpt/checksum.py), fast enough for
 every step. A slot of another run (identity), a torn one (no manifest) or a damaged one (checksum) is
 never used. A restore copies the tensors out of the slot (`detach`): the slot is rewritten later.
@@ -126,6 +127,7 @@ class HostSlot:
         return memoryview(self._map)[: self._size]
 
     def publish(self, step: int, manifest: bytes) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
         write_atomic(self.manifest_path, manifest)
         self.step = step
 
@@ -244,9 +246,13 @@ class _Found:
 class HostTier:
     """Tier 0 as restore sees it: the snapshots of every rank on this node (the `Tier` interface)."""
 
-    def __init__(self, root: Path, *, read_timeout: float) -> None:
+    def __init__(self, root: Path, *, read_timeout: float, local_world_size: int = 1) -> None:
         self.name: TierName = "memory"
         self.root = root
+        self.local_world_size = local_world_size
+        """A step counts once this many ranks of this node hold it, as tier 1's COMMIT: a rank killed
+        before its snapshot of step N was whole resumes the node from N-1 with its own RNG streams,
+        rather than from another rank's copy of N."""
         self.identity: RunIdentity | None = None
         self.unreadable: set[int] = set()
         self._read_timeout = read_timeout
@@ -282,6 +288,8 @@ class HostTier:
             for f in sorted(pieces, key=lambda f: f.mtime):  # the newer of two slots of one step wins
                 if f.world_size == world:
                     chosen[f.rank] = f
+            if len(chosen) < min(self.local_world_size, world):
+                continue
             self._where.update({(step, r): f.path for r, f in chosen.items()})
             markers[step] = CommitMarker(
                 step=step, world_size=world, run=self.identity.name if self.identity else "",

@@ -1,0 +1,171 @@
+"""Tier 0 (ckpt/tier0.py) against real files in tmpfs: snapshots every step in two slots per rank,
+restored first, verified; torn, damaged and other runs' slots never used."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt import CheckpointConfig, Checkpointer
+from ckpt.identity import RunIdentity
+from ckpt.tier0 import HostMemoryError, HostSlots
+from core.tier0_dir import shm_root
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh tier-0 directory in the machine's shared memory (tmpfs), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="test-tier0-", dir=shm_root()))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def make(tmp_path: Path, shm: Path, *, run_name: str = "default", local: str = "ckpt") -> Checkpointer:
+    return Checkpointer(CheckpointConfig(local_dir=tmp_path / local, tier0_dir=shm, run_name=run_name),
+                        rank=0, world_size=1)
+
+
+def state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 70, generator=g), "h": torch.randn(33, generator=g).half(), "step": step,
+            "rng": torch.get_rng_state()}
+
+
+def train(ck: Checkpointer, steps: range, *, persist_every: int) -> None:
+    for step in steps:
+        pending = ck.save_async(step, state(step)) if step % persist_every == 0 else ck.snapshot(step, state(step))
+        pending.wait_persisted()
+        assert not pending.skipped, pending.metrics.error
+
+
+def slot_of(shm: Path, step: int) -> Path:
+    for manifest in shm.glob("rank_00000/slot_*/manifest.json"):
+        if json.loads(manifest.read_text())["step"] == step:
+            return manifest.parent
+    raise AssertionError(f"no tier-0 slot holds step {step}")
+
+
+def damage(slot: Path) -> None:
+    with open(slot / "state.safetensors", "r+b") as f:
+        f.seek(os.path.getsize(slot / "state.safetensors") // 2)
+        f.write(b"\xa5" * 64)
+
+
+def test_a_new_process_restores_the_newest_snapshot_from_memory_bitwise(tmp_path: Path, shm: Path) -> None:
+    with make(tmp_path, shm) as ck:
+        train(ck, range(1, 8), persist_every=5)
+        assert ck.committed_steps() == [5]  # only the persisted step went to disk
+    with make(tmp_path, shm) as again:  # the worker's replacement: same node, same tier-0 directory
+        restored = again.restore()
+        assert restored is not None and (restored.step, restored.tier) == (7, "memory")
+        assert torch.equal(restored.state["w"], state(7)["w"]) and torch.equal(restored.state["h"], state(7)["h"])
+        assert torch.equal(restored.state["rng"], state(7)["rng"])
+        # Copied out of the slot: the next snapshots rewrite the slots, not the restored tensors.
+        train(again, range(8, 10), persist_every=5)
+        assert torch.equal(restored.state["w"], state(7)["w"])
+
+
+def test_a_damaged_snapshot_is_rejected_naming_its_file_and_the_previous_one_is_used(
+    tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with make(tmp_path, shm) as ck:
+        train(ck, range(1, 8), persist_every=5)
+    damage(slot_of(shm, 7))
+    with make(tmp_path, shm) as again, caplog.at_level(logging.WARNING):
+        restored = again.restore()
+        assert restored is not None and (restored.step, restored.tier) == (6, "memory")
+        assert torch.equal(restored.state["w"], state(6)["w"])
+    assert any(str(slot_of(shm, 7) / "state.safetensors") in r.getMessage() for r in caplog.records), caplog.text
+    damage(slot_of(shm, 6))
+    with make(tmp_path, shm) as third:
+        restored = third.restore()  # both slots damaged: tier 1's step 5
+        assert restored is not None and (restored.step, restored.tier) == (5, "local")
+        assert torch.equal(restored.state["w"], state(5)["w"])
+
+
+def test_a_torn_snapshot_is_never_used(tmp_path: Path, shm: Path) -> None:
+    with make(tmp_path, shm) as ck:
+        train(ck, range(1, 8), persist_every=5)
+    torn = slot_of(shm, 7)
+    (torn / "manifest.json").unlink()  # what a crash mid-copy leaves: the manifest goes before the copy starts
+    damage(torn)
+    with make(tmp_path, shm) as again:
+        restored = again.restore()
+        assert restored is not None and (restored.step, restored.tier) == (6, "memory")
+        assert torch.equal(restored.state["w"], state(6)["w"])
+
+
+def test_another_runs_snapshots_are_ignored(tmp_path: Path, shm: Path) -> None:
+    with make(tmp_path, shm, run_name="a", local="a") as ck:
+        train(ck, range(1, 4), persist_every=10)
+    with make(tmp_path, shm, run_name="b", local="b") as other:
+        assert other.restore() is None
+
+
+def test_restoring_an_older_step_drops_the_newer_snapshots_at_the_next_save(tmp_path: Path, shm: Path) -> None:
+    with make(tmp_path, shm) as ck:
+        train(ck, range(1, 8), persist_every=5)
+        restored = ck.restore(max_step=5)  # e.g. the other ranks only had step 5
+        assert restored is not None and restored.step == 5
+        train(ck, range(6, 7), persist_every=5)  # the future (steps 6, 7) is gone: the slots hold 6 and nothing
+    with make(tmp_path, shm) as again:
+        assert again.available_steps() == [6, 5]
+
+
+def test_both_slots_in_use_skip_a_snapshot_instead_of_waiting(shm: Path) -> None:
+    slots = HostSlots(shm, 0, RunIdentity("default", "uid"))
+    first = slots.claim(1)
+    assert first is not None
+    slots.published(first, 1, b"{}")
+    second = slots.claim(2)  # the only slot that is not the newest
+    assert second is not None and second is not first
+    assert slots.claim(3) is None  # the newest (1) is kept, the other is still being written
+    slots.release(second)
+    assert slots.claim(3) is second
+
+
+def test_a_full_tmpfs_is_a_clear_error_at_the_first_save(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        with make(tmp_path, small) as ck:
+            big = {"w": torch.zeros(1 << 19)}  # 2 MiB: one slot does not fit
+            with pytest.raises(HostMemoryError, match=r"tier 0 does not fit in .*small.*tier0_dir=\"\""):
+                ck.snapshot(1, big)
+            ck.save(2, {"w": torch.zeros(16)})  # small enough: saving goes on
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_a_step_counts_only_once_every_rank_of_the_node_holds_it(tmp_path: Path, shm: Path) -> None:
+    # Rank 0 was killed before its snapshot of step 5 was whole; rank 1's is. Rank 0 must not resume from
+    # rank 1's copy of step 5 (another rank's RNG streams): the node resumes from step 4, each rank its own.
+    ranks = [Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=r, world_size=2,
+                          local_world_size=2) for r in (0, 1)]
+    try:
+        for step in (3, 4):
+            for ck in ranks:
+                ck.snapshot(step, state(step)).wait_persisted()
+        ranks[1].snapshot(5, state(5)).wait_persisted()
+        for ck in ranks:
+            restored = ck.restore()
+            assert restored is not None and (restored.step, restored.tier, restored.own) == (4, "memory", True)
+    finally:
+        for ck in ranks:
+            ck.close()
