@@ -20,7 +20,7 @@ binary is found (the bench then makes the tier-0 directory in /dev/shm and remov
 (children of a preloaded forkserver, the bench restarting a killed one as an agent would: quick,
 for tests). Rounds (--rounds) run every variant once, in reverse order every other round, so that
 each ratio compares runs made under about the same machine load; ratios are per round, then
-the median over rounds.
+the median over rounds. The kill runs come after round 0 (so that a --time-budget cut keeps both).
 
 Per variant: tokens/s over the steady steps (after --warmup-steps; the first save of the 10-step
 variants falls in the warm-up: DCP's process mode starts its process there), the ratio to `none`,
@@ -54,6 +54,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", type=Path, default=None, help="where checkpoints go (default: a temp dir, removed)")
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per run (cpu 300, cuda 400)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for the whole bench: a run that would likely end past it (by the longest run "
+                        "so far) is not started and says so; the summary keeps what ran")
     for flag in ("layers", "heads", "d-model", "seq-len", "vocab", "global-batch", "max-micro-batch"):
         p.add_argument(f"--{flag}", type=int, default=None, help="examples/train_gpt.py's flag")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
@@ -325,6 +330,17 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
         fig["blocked_tier0_only_s"] = dist_of([save_s[k] + wait_s.get(k + 1, 0.0) for k in saves if k not in persist])
         fig["blocked_with_tier1_s"] = dist_of([save_s[k] + wait_s.get(k + 1, 0.0) for k in persist])
         fig["tier1_saves"] = len(persist)
+    if "ckpt_saves" in result:  # ours: what the checkpointer itself recorded of the saves in the window
+        rows = [m for m in result["ckpt_saves"] if warmup <= m["step"] < last]
+        statuses: dict[str, int] = {}
+        for m in rows:
+            statuses[m["status"]] = statuses.get(m["status"], 0) + 1
+        fig["ckpt_status"] = statuses
+        fig["saves"] = sum(n for s, n in statuses.items() if s not in ("skipped", "failed"))
+        for key in ("stall_s", "wait_staged_s", "tier0_s", "tier1_s"):
+            values = [m[key] for m in rows if key in m and m["status"] not in ("skipped", "failed")]
+            if values:
+                fig[f"ckpt_{key}"] = dist_of(values)
     if variant.kind == "ours" and every > 1:  # step_done without a save: the trainer's own per-step cost
         fig["step_done_no_save_s"] = dist_of([v for k, v in save_s.items() if k % every and warmup <= k < last])
     for key in ("max_rss_mb", "cuda_max_allocated_mb", "loop_ready_s", "config", "tier0_dir_env"):
@@ -411,13 +427,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if spec.tier0 and no_tier0:
             variants[name]["skipped"] = no_tier0
     started = time.perf_counter()
+    budget = Budget(args.time_budget)
     try:
+        # Round 0, then the kills, then the other rounds: a --time-budget cut keeps one of each.
+        result["kills"] = {}
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 entry = variants[name]
                 if "skipped" in entry:
                     continue
-                figures = one_run(args, launcher, work / f"{name}-r{r}", VARIANTS[name])
+                if (why := budget.refuse()) is not None:
+                    entry["rounds"].append({"not_run": why})
+                    continue
+                with budget.timing():
+                    figures = one_run(args, launcher, work / f"{name}-r{r}", VARIANTS[name])
                 entry["rounds"].append(figures)
                 machine = figures.pop("machine", None)
                 if machine is not None:
@@ -426,14 +449,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     entry["skipped"] = figures["skipped"]
                 progress(f"round {r} {name}: {figures.get('tokens_per_s', figures.get('error'))} tokens/s")
                 write_partial(result, args.out)
-        result["kills"] = {}
-        for name in args.kill_variants:
-            if name not in VARIANTS or (VARIANTS[name].tier0 and no_tier0):
-                result["kills"][name] = {"skipped": no_tier0 or "not run"}
-                continue
-            result["kills"][name] = kill_run(args, launcher, work / f"{name}-kill", VARIANTS[name], kill_step)
-            progress(f"kill {name}: {result['kills'][name].get('steps_lost')} steps lost")
-            write_partial(result, args.out)
+            if r == 0:
+                run_kills(args, launcher, work, kill_step, no_tier0, budget, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["machine"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
@@ -444,6 +461,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out is not None:
         args.out.write_text(text + "\n")
     return result
+
+
+class Budget:
+    """--time-budget: whether one more run likely ends in time, judged by the longest run so far."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds, self.started, self.longest = seconds, time.monotonic(), 0.0
+
+    def refuse(self, factor: float = 1.0) -> str | None:
+        if self.seconds is None:
+            return None
+        left = self.seconds - (time.monotonic() - self.started)
+        if left < self.longest * factor:
+            return f"--time-budget {self.seconds:.0f} s: {left:.0f} s left, the longest run took {self.longest:.0f} s"
+        return None
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.longest = max(self.longest, time.monotonic() - start)
+
+
+def run_kills(args: argparse.Namespace, launcher: Launcher, work: Path, kill_step: int, no_tier0: str | None,
+              budget: Budget, result: dict[str, Any]) -> None:
+    for name in args.kill_variants:
+        if VARIANTS[name].tier0 and no_tier0:
+            result["kills"][name] = {"skipped": no_tier0}
+            continue
+        if (why := budget.refuse(factor=2.0)) is not None:  # two incarnations
+            result["kills"][name] = {"not_run": why}
+            continue
+        with budget.timing():
+            result["kills"][name] = kill_run(args, launcher, work / f"{name}-kill", VARIANTS[name], kill_step)
+        progress(f"kill {name}: {result['kills'][name].get('steps_lost')} steps lost")
+        write_partial(result, args.out)
 
 
 def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
@@ -506,12 +561,13 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]
             "saves_per_run": [f["saves"] for f in ok],
             "blocked_per_save_median_s": pct(blocked, 0.5),
             "blocked_per_save_p90_s": pct(p90, 0.5),
-            "failed_rounds": len(entry["rounds"]) - len(ok),
+            "failed_rounds": sum(1 for f in entry["rounds"] if "error" in f),
+            "rounds_not_run": sum(1 for f in entry["rounds"] if "not_run" in f),
         }
     if kills:
-        out["kills"] = {name: {k: fig.get(k) for k in ("steps_lost", "resumed_from", "restored_tier",
-                                                       "kill_to_first_step_s", "restore_s", "error", "skipped")
-                               if fig.get(k) is not None} for name, fig in kills.items()}
+        keys = ("steps_lost", "resumed_from", "restored_tier", "kill_to_first_step_s", "restore_s", "error",
+                "skipped", "not_run")
+        out["kills"] = {name: {k: fig[k] for k in keys if fig.get(k) is not None} for name, fig in kills.items()}
     t0 = out.get("ours_tier0_1_tier1_10", {})
     k0 = kills.get("ours_tier0_1_tier1_10", {})
     out["targets"] = {

@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         run.restore = timed_restore  # type: ignore[method-assign]
         run.step_done = timed_step_done  # type: ignore[method-assign]
         end = train_loop(train_step, run, args.steps, loader=loader)
+        result["ckpt_saves"] = save_metrics(run)
         result["final_digest"] = run.teardown()
     else:
         saver = make_saver(args, model, optimizer, ckpt_dir)
@@ -225,6 +226,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     out = Path(f"{args.result}.r{restart}")
     out.write_text(json.dumps(result))
+
+
+def save_metrics(run: Resumable) -> list[dict[str, Any]]:
+    """The checkpointer's own record of each save (ckpt.SaveMetrics): status (a tier-0 snapshot with no
+    free slot is "skipped"), stall, wait_staged, and the tier-0 / tier-1 seconds after the copy."""
+    out = []
+    for m in run.checkpointer.metrics:
+        row: dict[str, Any] = {"step": m.step, "status": m.status}
+        for key in ("stall_s", "wait_staged_s", "tier0_s", "tier1_s"):
+            value = getattr(m, key, None)
+            if value is not None:
+                row[key] = round(value, 6)
+        out.append(row)
+    return out
 
 
 def dcp_process_missing() -> str | None:

@@ -52,7 +52,11 @@ def test_goodput_bench_tiny(procs: Procs, tmp_path: Path) -> None:
         ratio = summary[name]["ratio_to_none_median"]
         assert ratio is not None and math.isfinite(ratio) and ratio > 0, (name, summary[name])
         expected_saves = {"none": 0, "torch_save_50": 1}.get(name, 48 if name in TIER0 else 5)
-        assert run["saves"] == expected_saves, (name, run["saves"])
+        # a tier-0 snapshot finding no free slot is skipped by design (ckpt/tier0.py), never waited for
+        skipped = run.get("ckpt_status", {}).get("skipped", 0) if name in TIER0 else 0
+        assert run["saves"] + skipped == expected_saves, (name, run)
+        assert (run["saves"] > 0) == (expected_saves > 0), (name, run)
+        assert run.get("ckpt_status", {}).get("failed", 0) == 0, (name, run["ckpt_status"])
         if expected_saves:
             assert run["blocked_per_save_s"]["median"] > 0 and run["blocked_per_save_s"]["p90"] > 0, (name, run)
     assert summary["none"]["ratio_to_none_median"] == 1.0
