@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where report.json, report.md, timeline.png and logs/ go (default ./chaos-report)")
     run.add_argument("--etcd-members", type=int, choices=(1, 3), help="etcd cluster size (default 1)")
     run.add_argument("--ckpt-every", type=int, help="checkpoint interval in steps (default 5)")
+    run.add_argument("--snapshot-every", type=int,
+                     help="tier-0 (host memory) snapshot interval of the default script (default 1; 0: off)")
     run.add_argument("--hang-timeout", type=float, metavar="SECONDS", help="the agents' --hang-timeout (default 5)")
     run.add_argument("--train-seed", type=int, help="the training script's --seed (default 0)")
     run.add_argument("--global-batch", type=int, help="samples per step (default: fits every reachable world size)")
@@ -84,7 +86,8 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         settings["scenario"] = scenario.name
         runs = scenario.runs
     explicit = {"nodes": args.nodes, "nproc_per_node": args.nproc_per_node, "steps": args.steps, "seed": args.seed,
-                "etcd_members": args.etcd_members, "ckpt_every": args.ckpt_every, "hang_timeout_s": args.hang_timeout,
+                "etcd_members": args.etcd_members, "ckpt_every": args.ckpt_every,
+                "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
                 "train_seed": args.train_seed, "global_batch": args.global_batch, "timeout_s": args.timeout,
                 "work_dir": args.work_dir}
     settings.update({k: v for k, v in explicit.items() if v is not None})

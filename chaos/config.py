@@ -40,7 +40,10 @@ class ChaosConfig:
     etcd_members: int = 1
     """Members of the etcd cluster: 1 or 3."""
     ckpt_every: int = 5
-    """Checkpoint interval in steps; bounds the steps a fault may cost."""
+    """Checkpoint interval in steps (tier 1); bounds the steps a fault may cost."""
+    snapshot_every: int = 1
+    """Tier-0 snapshot interval of the default script (--snapshot-every; 0: only at checkpoint steps): a
+    worker's replacement resumes from the node's memory, so a resume may be at any multiple of it."""
     hang_timeout_s: float = 5.0
     """The agents' --hang-timeout, set when hang-worker is planned: a worker without progress this long is killed."""
     train_seed: int = 0
@@ -75,6 +78,8 @@ class ChaosConfig:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         if self.ckpt_every < 1:
             raise ValueError(f"--ckpt-every must be at least 1, got {self.ckpt_every}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"--snapshot-every must be at least 0, got {self.snapshot_every}")
         if self.etcd_members not in (1, 3):
             raise ValueError(f"--etcd-members must be 1 or 3, got {self.etcd_members}")
         if self.hang_timeout_s <= 0:
@@ -140,6 +145,11 @@ class ChaosConfig:
         return any(f.kind == "hang-worker" for f in self.faults)
 
     @property
+    def resume_every(self) -> int:
+        """The steps a resume may be at are multiples of this (tier-0 snapshots or checkpoints)."""
+        return self.snapshot_every if self.is_default_script and self.snapshot_every else self.ckpt_every
+
+    @property
     def is_default_script(self) -> bool:
         return self.script_args is None
 
@@ -152,8 +162,9 @@ class ChaosConfig:
         }
         if self.script_args is None:
             return ["--steps", values["steps"], "--ckpt-dir", values["local_dir"], "--ckpt-every", values["ckpt_every"],
-                    "--seed", values["seed"], "--global-batch", values["global_batch"],
-                    "--dataset-size", values["dataset_size"], "--step-sleep", str(self.effective_step_sleep)]
+                    "--snapshot-every", str(self.snapshot_every), "--seed", values["seed"],
+                    "--global-batch", values["global_batch"], "--dataset-size", values["dataset_size"],
+                    "--step-sleep", str(self.effective_step_sleep)]
         return [_substitute(arg, values) for arg in self.script_args]
 
 

@@ -56,7 +56,7 @@ CATALOG: dict[str, FaultKind] = {
                   target="none", restarts=False),
         FaultKind(name="corrupt-checkpoint",
                   summary="SIGKILL a worker of one node so that the group must restore, then flip bytes in "
-                          "that node's newest committed checkpoint",
+                          "that node's newest committed checkpoint and in its tier-0 snapshots",
                   target="node", restarts=True, lost_bound=2),
         FaultKind(name="shared-storage-outage", summary="make the shared tier fail for a while, then bring it back",
                   target="none", restarts=False, needs_shared_tier=True),

@@ -28,7 +28,8 @@ from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
 from core.deadline import Deadline
-from core.procfs import alive
+from core.procfs import alive, environ
+from core.tier0_dir import ENV as TIER0_ENV
 
 SHARED_FLAGS = ("--shared-url", "--shared-dir", "--shared")
 """Flags by which a training script takes its shared-tier location, in order of preference."""
@@ -211,6 +212,9 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
     # second, away); its replacement starts seconds later, long after the bytes are flipped.
     workers = node.workers()
     killed = None
+    # The node's tier 0 (host memory, ckpt/tier0.py) holds newer snapshots than its disk: damage them too,
+    # so that the restore has to reject them and the disk's newest step, and go back past both.
+    tier0 = next((d for w in workers if (d := environ(w.pid).get(TIER0_ENV))), None)
     if workers:
         killed = workers[0].pid
         to.ledger.record(killed, f"worker rank {workers[0].rank} of {node.name}")
@@ -221,6 +225,9 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
         return Injection(node.name, f"group rank {fault.target}", details={"killed_worker_pid": killed},
                          skipped=f"{node.local_dir} holds no committed checkpoint any more")
     flipped = {str(f): flip_bytes(f) for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
+    if tier0:
+        flipped.update({str(f): flip_bytes(f) for f in sorted(Path(tier0).glob("rank_*/slot_*/*.safetensors"))
+                        if (f.parent / "manifest.json").is_file()})
     if not flipped:
         return Injection(node.name, f"group rank {fault.target}", skipped=f"{step_dir} holds no safetensors file",
                          details={"killed_worker_pid": killed})

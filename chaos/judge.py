@@ -113,7 +113,7 @@ def reference_of(job: JobResult, config: ChaosConfig) -> Reference:
     done_t = digests[0].t if digests else float("inf")
     prefix = [e for e in job.events if e.t <= done_t]
     runs = ln.attempts(prefix)
-    lin = ln.lineage(runs, config.ckpt_every)
+    lin = ln.lineage(runs, config.resume_every)
     made_by = {c.attempt for c in lin.steps.values()}
     if len(made_by) > 1:
         raise ChaosError(f"the fault-free reference run restarted mid-run ({why_restarted(prefix)}), so it cannot "

@@ -61,7 +61,8 @@ class Lineage:
     """(attempt start time, steps thrown away by that restart) for every attempt after the first."""
 
 
-def lineage(runs: list[Attempt], ckpt_every: int) -> Lineage:
+def lineage(runs: list[Attempt], resume_every: int) -> Lineage:
+    """`resume_every`: resumes are at multiples of it (checkpoints, or tier-0 snapshots)."""
     committed: dict[int, CommittedStep] = {}
     problems: list[str] = []
     lost: list[tuple[float, int]] = []
@@ -72,9 +73,9 @@ def lineage(runs: list[Attempt], ckpt_every: int) -> Lineage:
             lost.append((attempt.start_t, max(0, reached - start)))
         if start > reached:
             problems.append(f"attempt {i + 1} resumed from step {start}, but the job had only reached step {reached}")
-        elif start and start % ckpt_every:
+        elif start and start % resume_every:
             problems.append(f"attempt {i + 1} resumed from step {start}, which is not a checkpoint step "
-                            f"(every {ckpt_every})")
+                            f"(every {resume_every})")
         committed = {s: c for s, c in committed.items() if s <= start}
         prev = start
         for e in attempt.steps:

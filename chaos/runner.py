@@ -131,7 +131,7 @@ def _job(config: ChaosConfig, name: str, fault_plan: tuple[PlannedFault, ...], s
         completed, detail = True, f"{len(codes)} agents exited 0 after {ended - t0:.1f} s"
     events = cluster.timeline.load()  # every node's event files, read whole now that the job is over
     runs = ln.attempts(events)
-    lin = ln.lineage(runs, config.ckpt_every)
+    lin = ln.lineage(runs, config.resume_every)
     digests = [e.digest for e in events if isinstance(e, Digest)]
     world = next((a.world for a in reversed(runs) if a.world is not None), None)
     if world is None:

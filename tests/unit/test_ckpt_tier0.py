@@ -169,3 +169,23 @@ def test_a_step_counts_only_once_every_rank_of_the_node_holds_it(tmp_path: Path,
     finally:
         for ck in ranks:
             ck.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_snapshots_copy_into_page_locked_slots_overlapped_and_restore_exactly(tmp_path: Path, shm: Path) -> None:
+    config = CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, mode="overlapped")
+    w = torch.randn(1 << 22, device="cuda")
+    with Checkpointer(config, rank=0, world_size=1) as ck:
+        for step in range(1, 4):
+            w.add_(1.0)  # queued before the snapshot: must be in it
+            pending = ck.snapshot(step, {"w": w})
+            ck.wait_staged()
+            expected = w.cpu()
+            w.mul_(2.0)  # after wait_staged: must not reach the snapshot
+            pending.wait_persisted()
+            w.div_(2.0)
+        assert all(s._pinned for s in ck._writer.tier0.slots)  # type: ignore[union-attr]
+    with Checkpointer(config, rank=0, world_size=1) as again:
+        restored = again.restore()
+        assert restored is not None and (restored.step, restored.tier) == (3, "memory")
+        assert torch.equal(restored.state["w"], expected)
