@@ -6,6 +6,11 @@ world it describes really formed). Keys torchrun gives its workers must all be t
 elastic-run; the values that define the job (ranks, sizes, role, restart settings) must agree; run
 ids, error-file paths and, where the rendezvous differs, the store's port may differ.
 All jobs of the module run up front, three at a time, so their start-up overlaps.
+
+Each case costs two jobs of two or more processes that import torch (~10 s of CPU a job on 2 cores), so
+flags that do not interact share a case: the entrypoint flags (--run-path, -m, --no-python) ride along the
+rendezvous variants, and --log-dir/--redirects/--tee and --local-addr along two of them. A plain script
+path is the entrypoint of the static and min:max cases.
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ MUST_AGREE = (
 # Where they may differ by design: run ids and error-file paths are per job; the store's port and
 # host follow the rendezvous (compared where both launchers use the same one: static, --local-addr).
 MAY_DIFFER = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT", "MASTER_ADDR")
-# elastic-run's own additions (the agent's progress dir for hang detection, the peer-loss grace).
-ELASTIC_ONLY = ("ELASTIC_PROGRESS_DIR", "ELASTIC_PEER_LOSS_GRACE_S")
+# elastic-run's own additions (the agent's progress dir for hang detection, the peer-loss grace, the
+# node's tier-0 checkpoint directory).
+ELASTIC_ONLY = ("ELASTIC_PROGRESS_DIR", "ELASTIC_PEER_LOSS_GRACE_S", "ELASTIC_TIER0_DIR")
 
 
 @dataclass
@@ -129,14 +135,15 @@ def _cases(root: Path, etcd: EtcdServer) -> list[Case]:
     def both(*argv: str) -> tuple[list[list[str]], list[list[str]]]:
         return [list(argv)], [list(argv)]
 
+    def logged(launcher: str) -> list[str]:
+        return ["--log-dir", str(logs / launcher), "--redirects", "3", "--tee", "3"]
+
     raw = {
-        "standalone": both("--standalone", *one, "2", w, "--flag", "x"),
-        "module": both(*one, "1", "-m", "compat_worker", "m1"),
-        "no-python": both(*one, "1", "--no-python", sys.executable, w, "np"),
-        "run-path": both(*one, "1", "--run-path", w, "rp"),
-        "logs": ([[*one, "1", "--log-dir", str(logs / "elastic"), "--redirects", "3", "--tee", "3", w]],
-                 [[*one, "1", "--log-dir", str(logs / "torchrun"), "--redirects", "3", "--tee", "3", w]]),
-        "local-addr": both("--standalone", "--local-addr", "127.0.0.1", *one, "1", w),
+        "standalone+run-path": both("--standalone", *one, "2", "--run-path", w, "--flag", "x"),
+        "module+logs": ([[*one, "1", *logged("elastic"), "-m", "compat_worker", "m1"]],
+                         [[*one, "1", *logged("torchrun"), "-m", "compat_worker", "m1"]]),
+        "no-python+local-addr": both("--standalone", "--local-addr", "127.0.0.1", *one, "1", "--no-python",
+                                      sys.executable, w, "np"),
         "static-2-nodes": (static(free_port()), static(free_port())),
         "nnodes-min-max": (
             [["--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"compat-{uuid.uuid4().hex[:8]}",
@@ -156,7 +163,7 @@ def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tupl
     env.pop("OMP_NUM_THREADS", None)
     env["COMPAT_BASE_KEYS"] = json.dumps(sorted([*env, "COMPAT_OUT", "COMPAT_BASE_KEYS"]))
     futures: dict[str, tuple[Future[Job], Future[Job]]] = {}
-    first = ("static-2-nodes", "nnodes-min-max", "standalone")  # the longest jobs, so none is left to run alone
+    first = ("static-2-nodes", "nnodes-min-max", "standalone+run-path")  # the longest, so none is left alone
     with ThreadPoolExecutor(max_workers=3) as pool:
         for case in sorted(cases, key=lambda c: first.index(c.name) if c.name in first else len(first)):
             futures[case.name] = (
@@ -166,8 +173,8 @@ def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tupl
         yield {name: (e.result(), t.result()) for name, (e, t) in futures.items()}
 
 
-CASES = ["standalone", "module", "no-python", "run-path", "logs", "local-addr", "static-2-nodes", "nnodes-min-max"]
-SIZES = {"standalone": 2, "static-2-nodes": 2}
+CASES = ["standalone+run-path", "module+logs", "no-python+local-addr", "static-2-nodes", "nnodes-min-max"]
+SIZES = {"standalone+run-path": 2, "static-2-nodes": 2}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -204,12 +211,12 @@ def test_static_nodes_use_the_given_master_address_and_node_ranks(results: dict[
 
 
 def test_local_addr_is_the_store_address(results: dict[str, tuple[Job, Job]]) -> None:
-    ours, _ = results["local-addr"]
+    ours, _ = results["no-python+local-addr"]
     assert ours.envs()[0]["MASTER_ADDR"] == "127.0.0.1"
 
 
 def test_log_dir_redirects_and_tee_write_the_same_files(workspace: Path, results: dict[str, tuple[Job, Job]]) -> None:
-    ours, theirs = results["logs"]
+    ours, theirs = results["module+logs"]
     layout = {}
     for launcher in ("elastic", "torchrun"):
         files = sorted(p for p in (workspace / "logs" / launcher).rglob("*.log"))
