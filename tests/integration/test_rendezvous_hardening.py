@@ -135,14 +135,15 @@ def test_refused_duplicate_and_spare_agents_leave_the_run_open_and_only_success_
     script, stop = worker
     a = start_agent(procs, etcd, run_id, script, stop, "a")
     b = start_agent(procs, etcd, run_id, script, stop, "b")
-    a.ready(150, world=2)
-    b.ready(150, world=2)
-
-    # Three agents that must not touch the run: another job's --nnodes under the same id, a second
-    # agent with a node id in use, and a spare (the round is full) whose join_timeout runs out.
+    # Once round 1 closed with a and b (a is registered, the round is full), three agents that must not
+    # touch the run: another job's --nnodes under the same id, a second agent with a node id in use, and
+    # a spare whose join_timeout runs out. They start while a's and b's workers start (both import torch).
+    a.wait_for(r'"event": "round_closed".*"participants": \[("a", "b"|"b", "a")\]', 150)
     conflict = start_agent(procs, etcd, run_id, script, stop, "other-job", nnodes="2:3", conf="join_timeout=60")
     duplicate = start_agent(procs, etcd, run_id, script, stop, "a", conf="join_timeout=60")
     spare = start_agent(procs, etcd, run_id, script, stop, "spare", conf="join_timeout=3,lease_ttl=2")
+    a.ready(150, world=2)
+    b.ready(150, world=2)
 
     rc, out = conflict.finish(120)
     assert rc == 1 and "--nnodes 1:2" in out and "--nnodes 2:3" in out, out
