@@ -41,6 +41,7 @@ figures): the machine, every setting, per variant the raw per-round figures and 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -127,10 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("layers", "heads", "d-model", "seq-len", "vocab", "global-batch", "max-micro-batch"):
         p.add_argument(f"--{flag}", type=int, default=None, help="examples/train_gpt.py's flag")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    p.add_argument("--tree-digest", action="store_true", help="print the digest of the code (see the JSON's code)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of the worker (cpu default 1: the other cores stay free for "
                         "the checkpointers' threads, as a GPU host's do; cuda: torch's default)")
     args = p.parse_args(argv)
+    if args.tree_digest:
+        print(tree_digest())
+        raise SystemExit(0)
     for key, value in MODEL_DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -343,6 +348,11 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
                 fig[f"ckpt_{key}"] = dist_of(values)
     if variant.kind == "ours" and every > 1:  # step_done without a save: the trainer's own per-step cost
         fig["step_done_no_save_s"] = dist_of([v for k, v in save_s.items() if k % every and warmup <= k < last])
+    fig["raw"] = {  # per step of the window: its time, the save call after it, the wait inside its optimizer step
+        "step_s": [round(x, 5) for x in durations],
+        "save_s": {str(k): round(v, 5) for k, v in sorted(save_s.items()) if warmup <= k < last},
+        "wait_s": {str(k): round(v, 5) for k, v in sorted(wait_s.items()) if k > warmup and v >= 1e-3},
+    }
     for key in ("max_rss_mb", "cuda_max_allocated_mb", "loop_ready_s", "config", "tier0_dir_env"):
         if key in result:
             fig[key] = result[key]
@@ -501,12 +511,26 @@ def run_kills(args: argparse.Namespace, launcher: Launcher, work: Path, kill_ste
         write_partial(result, args.out)
 
 
+@contextmanager
+def events_dir_in_memory() -> Iterator[Path]:
+    """The run's ELASTIC_EVENTS_DIR, in tmpfs: an event appended to a file on the checkpoints' disk
+    waits behind a tier-1 fsync there (up to seconds), a stall a user's loop, without the bench's
+    events, would not have."""
+    path = Path(tempfile.mkdtemp(prefix="goodput-events-", dir=SHM if SHM.is_dir() else None))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
-    events_dir = run_dir / "events"
-    env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": None}
-    run = launcher.run(run_dir, worker_argv(args, variant, run_dir, args.steps), env, restarts=0,
-                       timeout=args.run_timeout)
+    env: dict[str, str | None] = {"ELASTIC_FAULTS": None}
+    with events_dir_in_memory() as events_dir:
+        env["ELASTIC_EVENTS_DIR"] = str(events_dir)
+        run = launcher.run(run_dir, worker_argv(args, variant, run_dir, args.steps), env, restarts=0,
+                           timeout=args.run_timeout)
+        events = read_events(str(events_dir))
     results = read_results(run_dir)
     figures: dict[str, Any] = {"rc": run["rc"], "wall_s": run["wall_s"]}
     if 0 in results and "skipped" in results[0]:
@@ -515,7 +539,7 @@ def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant
         return {**figures, "error": f"exit status {run['rc']}", "log_tail": run["log_tail"]}
     figures["machine"] = results[0].get("machine")
     figures.update(steady(results[0], variant, args.warmup_steps))
-    figures["events"] = events_summary(read_events(str(events_dir)))
+    figures["events"] = events_summary(events)
     shutil.rmtree(run_dir, ignore_errors=True)  # the checkpoints: disk and page cache for the next run
     return figures
 
@@ -523,14 +547,14 @@ def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant
 def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant,
              kill_step: int) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
-    events_dir = run_dir / "events"
     faults = json.dumps([{"point": "step", "step": kill_step, "action": "sigkill"}])
-    env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults}
     steps = kill_step + args.steps_after_kill
-    run = launcher.run(run_dir, worker_argv(args, variant, run_dir, steps), env, restarts=1,
-                       timeout=args.run_timeout)
-    figures = {"rc": run["rc"], "wall_s": run["wall_s"], **kill_figures(read_events(str(events_dir)),
-                                                                         read_results(run_dir), kill_step)}
+    with events_dir_in_memory() as events_dir:
+        env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults}
+        run = launcher.run(run_dir, worker_argv(args, variant, run_dir, steps), env, restarts=1,
+                           timeout=args.run_timeout)
+        events = read_events(str(events_dir))
+    figures = {"rc": run["rc"], "wall_s": run["wall_s"], **kill_figures(events, read_results(run_dir), kill_step)}
     if run["rc"] != 0:
         figures["log_tail"] = run["log_tail"]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -588,8 +612,22 @@ def code_version() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
+    # The digest of the code that ran (a copied tree may carry stale git metadata): compare with
+    # `python bench/goodput_bench.py --tree-digest` in a checkout.
     return {"commit": git("rev-parse", "--short", "HEAD").strip() or None,
-            "uncommitted": git("status", "--porcelain", "--", "ckpt", "trainer", "elastic", "core").splitlines()}
+            "uncommitted": git("status", "--porcelain", "--", *CODE_DIRS).splitlines(),
+            "tree_digest": tree_digest()}
+
+
+CODE_DIRS = ("ckpt", "trainer", "elastic", "core", "bench", "examples")
+
+
+def tree_digest() -> str:
+    h = hashlib.sha256()
+    for top in CODE_DIRS:
+        for path in sorted((REPO / top).rglob("*.py")):
+            h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def progress(line: str) -> None:
