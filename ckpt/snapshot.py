@@ -219,16 +219,16 @@ class StagingArea:
     def layout_for(self, tensors: Mapping[str, torch.Tensor]) -> StagingLayout:
         """The layout of `tensors`, reusing the last one (and its header) when it still fits."""
         last = self._layout
-        if last is not None and len(last.slots) == len(tensors):
-            if all(
-                (t := tensors.get(s.name)) is not None
-                and t.dtype == s.dtype
-                and tuple(t.shape) == s.shape
-                for s in last.slots
-            ):
-                for s in last.slots:
-                    check_storable(s.name, tensors[s.name])
-                return last
+        if last is not None and len(last.slots) == len(tensors) and all(
+            (t := tensors.get(s.name)) is not None
+            and t.dtype == s.dtype  # a dtype the layout was planned with is storable
+            and tuple(t.shape) == s.shape
+            and t.layout == torch.strided
+            and not t.is_quantized
+            and t.device.type != "meta"
+            for s in last.slots
+        ):
+            return last
         self._layout = StagingLayout.of(tensors)
         return self._layout
 

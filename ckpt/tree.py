@@ -84,9 +84,9 @@ def _encode(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -
     if isinstance(obj, Mapping):
         return _encode_mapping(obj, path, tensors)
     if type(obj) is tuple:
-        return {_TUPLE: [_encode(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]}
+        return {_TUPLE: _encode_items(enumerate(obj), path, tensors)}
     if type(obj) is list:
-        return [_encode(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]
+        return _encode_items(enumerate(obj), path, tensors)
     raise TypeError(
         f"cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__} at key path "
         f"{_describe(path)}; supported types are {_SUPPORTED}: convert it first"
@@ -97,7 +97,7 @@ def _encode_mapping(
     obj: Mapping[Any, Any], path: tuple[str, ...], tensors: dict[str, torch.Tensor]
 ) -> Any:
     if all(type(k) is str and not k.startswith("__") for k in obj):
-        return {k: _encode(v, (*path, k), tensors) for k, v in obj.items()}
+        return dict(zip(obj, _encode_items(obj.items(), path, tensors), strict=True))
     pairs = []
     for key, value in obj.items():
         if key is None or isinstance(key, (bool, int, float, str)):
@@ -109,6 +109,25 @@ def _encode_mapping(
             )
         pairs.append([encoded_key, _encode(value, (*path, str(key)), tensors)])
     return {_DICT: pairs}
+
+
+_PLAIN = (int, str, bool, type(None))
+
+
+def _encode_items(items: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> list[Any]:
+    """The encoded values of (key, value) `items`. Plain values (exactly int, str, bool, None, float)
+    are taken as they are, without building their key path: a save encodes thousands of them (the
+    Python RNG state alone is 625 ints, every save)."""
+    out = []
+    for key, value in items:
+        kind = type(value)
+        if kind in _PLAIN:
+            out.append(value)
+        elif kind is float:
+            out.append(_encode_float(value))
+        else:
+            out.append(_encode(value, (*path, str(key)), tensors))
+    return out
 
 
 def _encode_float(value: float) -> Any:

@@ -162,6 +162,7 @@ class LocalWriter:
         """Steps this rank saved (ckpt/retention.py: abandoned steps)."""
         self.last: PendingSave | None = None
         """The newest save or snapshot (wait_staged)."""
+        self._entries_cache: tuple[StagingLayout, bool, dict[str, TensorEntry]] | None = None
         self.last_persist: PendingSave | None = None
         """The newest save that goes to tier 1 (wait_persisted)."""
         self._metrics = metrics
@@ -218,7 +219,7 @@ class LocalWriter:
         pending = PendingSave(step, metrics, snapshot)
         if not overlapped:
             pending._staged.set()
-        entries = _tensor_entries(layout, with_offsets=bool(shards) or slot is not None)
+        entries = self._entries(layout, with_offsets=bool(shards) or slot is not None)
         self._metrics.update(metrics, stall_s=time.monotonic() - started, status="persisting" if persist else "staging")
         self.last = pending
         if persist:
@@ -226,6 +227,13 @@ class LocalWriter:
         thread = self.thread if persist else self.tier0_thread
         thread.submit(lambda: self._persist(pending, snapshot, entries, skeleton, shards, slot=slot, persist=persist))
         return pending
+
+    def _entries(self, layout: StagingLayout, *, with_offsets: bool) -> dict[str, TensorEntry]:
+        """The manifest's tensor entries of `layout`, made once per layout (hundreds per save)."""
+        cached = self._entries_cache
+        if cached is None or cached[0] is not layout or cached[1] != with_offsets:
+            cached = self._entries_cache = (layout, with_offsets, _tensor_entries(layout, with_offsets=with_offsets))
+        return cached[2]
 
     def _why_not_now(self, persist: bool) -> str | None:
         """Why this save is skipped (None: go ahead), after any wait if_busy allows a persisted save."""
