@@ -33,6 +33,12 @@ from typing import Any
 
 import torch
 
+_np: Any
+try:  # optional: ckpt works without numpy (tests/unit/test_ckpt_format.py), sum64 is just busier then
+    import numpy as _np
+except ImportError:
+    _np = None
+
 CHUNK_BYTES = 64 << 20
 """Default chunk size of format-2 checksums; recorded per file, so readers follow the writer."""
 
@@ -104,22 +110,43 @@ def _sum64(pieces: Sequence[memoryview]) -> int:
     return int(words.sum().item()) % (1 << 64)  # int64 addition wraps: the sum modulo 2^64
 
 
-def _sum64_chunks(data: memoryview, chunk_bytes: int) -> list[bytes]:
-    """Every chunk's sum64 digest of one contiguous buffer, the whole chunks in one torch reduction (a
-    tier-0 slot of a sharded state has ~16k chunks of 64 KiB per GiB)."""
+def _sum64_chunks(data: memoryview, chunk_bytes: int, pool: Executor | None = None) -> list[bytes]:
+    """Every chunk's sum64 digest of one contiguous buffer (a tier-0 slot), the whole chunks in a few
+    reductions: one per `pool` thread, each on one core (numpy; without it, torch on its own threads).
+    Bounded threads, because this runs beside training every step: torch alone would take every core
+    of the host for it and slow down the training process's kernel launches."""
     whole = len(data) // chunk_bytes
     digests: list[bytes] = []
     if whole:
-        words = torch.frombuffer(data, dtype=torch.int64, count=whole * chunk_bytes // 8)
-        sums = words.view(whole, chunk_bytes // 8).sum(dim=1)
-        big_endian = sums.view(torch.uint8).view(whole, 8)
-        if sys.byteorder == "little":
-            big_endian = big_endian.flip(1).contiguous()
-        raw = ctypes.string_at(big_endian.data_ptr(), whole * 8)
+        rows = _word_rows(data, whole, chunk_bytes)
+        workers = getattr(pool, "_max_workers", 1) if pool is not None else 1
+        per = max(1, -(-whole // max(1, workers)))
+        blocks = [(i, min(i + per, whole)) for i in range(0, whole, per)]
+        if pool is None or len(blocks) == 1:
+            raw = b"".join(_row_sums(rows, a, b) for a, b in blocks)
+        else:
+            raw = b"".join(f.result() for f in [pool.submit(_row_sums, rows, a, b) for a, b in blocks])
         digests = [raw[i : i + 8] for i in range(0, len(raw), 8)]
     if len(data) > whole * chunk_bytes or not len(data):
         digests.append(_chunk_digest("sum64", [data[whole * chunk_bytes :]]))
     return digests
+
+
+def _word_rows(data: memoryview, whole: int, chunk_bytes: int) -> Any:
+    if _np is not None:
+        return _np.frombuffer(data, dtype="<u8", count=whole * chunk_bytes // 8).reshape(whole, chunk_bytes // 8)
+    return torch.frombuffer(data, dtype=torch.int64, count=whole * chunk_bytes // 8).view(whole, chunk_bytes // 8)
+
+
+def _row_sums(rows: Any, begin: int, end: int) -> bytes:
+    """The big-endian 8-byte sums of rows [begin, end) of `rows` (modulo 2^64)."""
+    if _np is not None:
+        return bytes(rows[begin:end].sum(axis=1, dtype="<u8").astype(">u8").tobytes())  # one core, no GIL
+    sums = rows[begin:end].sum(dim=1)  # int64 addition wraps: the sum modulo 2^64
+    big_endian = sums.view(torch.uint8).view(end - begin, 8)
+    if sys.byteorder == "little":
+        big_endian = big_endian.flip(1).contiguous()
+    return ctypes.string_at(big_endian.data_ptr(), (end - begin) * 8)
 
 
 def _writable(view: memoryview) -> bool:
@@ -165,7 +192,7 @@ def digest_parts(
     if chunk_bytes < 0:
         raise ValueError(f"chunk_bytes must be >= 0, got {chunk_bytes}")
     if algorithm == "sum64" and len(parts) == 1 and chunk_bytes % 8 == 0 and not parts[0].readonly:
-        return _combine(algorithm, chunk_bytes, _sum64_chunks(parts[0], chunk_bytes))
+        return _combine(algorithm, chunk_bytes, _sum64_chunks(parts[0], chunk_bytes, pool))
     groups = _groups(_split(parts, chunk_bytes), chunk_bytes)
     if pool is None or len(groups) == 1:
         digests = [d for g in groups for d in _group_digests(algorithm, g)]

@@ -128,15 +128,25 @@ class Manifest:
             obj["run"] = self.run
         if self.run_uid:
             obj["run_uid"] = self.run_uid
-        return dumps(
-            {
-                **obj,
-                "files": {name: f.to_json() for name, f in self.files.items()},
-                "tensors": {name: _tensor_json(t) for name, t in self.tensors.items()},
-                **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
-                "state": self.state,
-            }
-        )
+        obj["files"] = {name: f.to_json() for name, f in self.files.items()}
+        head = dumps(obj)[:-1]  # the same bytes as dumping the whole object at once, spliced
+        shards = b',"shards":' + dumps({n: s.to_json() for n, s in self.shards.items()}) if self.shards else b""
+        return head + b',"tensors":' + _tensors_json(self.tensors) + shards + b',"state":' + dumps(self.state) + b"}"
+
+
+_tensors_cache: tuple[dict[str, TensorEntry], bytes] | None = None
+"""The JSON of the last `tensors` dict: the writer passes the same dict while the layout is unchanged,
+and hundreds of entries cost milliseconds of GIL per save (a tier-0 snapshot is taken every step)."""
+
+
+def _tensors_json(tensors: dict[str, TensorEntry]) -> bytes:
+    global _tensors_cache
+    cached = _tensors_cache
+    if cached is not None and cached[0] is tensors:  # held by the cache: its id cannot be reused
+        return cached[1]
+    data = dumps({name: _tensor_json(t) for name, t in tensors.items()})
+    _tensors_cache = (tensors, data)
+    return data
 
 
 def _tensor_json(t: TensorEntry) -> dict[str, Any]:

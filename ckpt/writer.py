@@ -356,7 +356,8 @@ class LocalWriter:
         assert self.tier0 is not None
         started = time.monotonic()
         image = slot.view()
-        checksum = digest_parts([image], algorithm="sum64", chunk_bytes=RANGE_CHUNK_BYTES if shards else CHUNK_BYTES)
+        checksum = digest_parts([image], algorithm="sum64", chunk_bytes=RANGE_CHUNK_BYTES if shards else CHUNK_BYTES,
+                                pool=self._pool())
         manifest = Manifest(
             step=pending.step,
             rank=self.rank,
