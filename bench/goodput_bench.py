@@ -394,6 +394,10 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
         kill_to_worker_started_s=round(started["ts"] - fault["ts"], 3) if started else None,
         worker_started_to_restored_s=round(restored["ts"] - started["ts"], 3) if restored and started else None,
         restore_s=results.get(1, {}).get("restore_s"),
+        # where the restarted worker's start goes: interpreter and imports, then setup, model and DDP
+        kill_to_worker_main_s=round(results[1]["main_started_unix"] - fault["ts"], 3)
+        if "main_started_unix" in results.get(1, {}) else None,
+        worker_main_to_loop_ready_s=results.get(1, {}).get("loop_ready_s"),
         restored_to_first_step_s=round(first_step["ts"] - restored["ts"], 3) if restored and first_step else None,
         events=events_summary(events),
     )
