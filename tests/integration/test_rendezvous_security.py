@@ -117,7 +117,8 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Etcd
 
 
 def handler(endpoint: str, run_id: str, node: str, *, certs: Certs | None = None, password: str | None = "s3cret",
-            nnodes: tuple[int, int] = (2, 2), client_cert: bool = True) -> EtcdV3RendezvousHandler:
+            nnodes: tuple[int, int] = (2, 2), client_cert: bool = True, join_timeout: float = 20,
+            ) -> EtcdV3RendezvousHandler:
     etcd = EtcdClientConfig(
         endpoints=endpoint,
         ca_cert=certs.ca if certs else None,
@@ -129,7 +130,7 @@ def handler(endpoint: str, run_id: str, node: str, *, certs: Certs | None = None
     )
     return EtcdV3RendezvousHandler(RendezvousConfig(
         run_id=run_id, node_id=node, min_nodes=nnodes[0], max_nodes=nnodes[1], local_addr="127.0.0.1", etcd=etcd,
-        lease_ttl=timedelta(seconds=2), join_timeout=timedelta(seconds=20),
+        lease_ttl=timedelta(seconds=2), join_timeout=timedelta(seconds=join_timeout),
     ))
 
 
@@ -182,7 +183,9 @@ def test_stale_generation_is_fenced_out_by_the_revision_check(etcd: EtcdServer, 
 
 
 def test_agent_of_another_job_under_the_same_run_id_is_refused(etcd: EtcdServer, run_id: str) -> None:
-    first = handler(etcd.endpoint, run_id, "a", password=None, nnodes=(2, 4))
+    # `first` waits in its round until its join timeout: long enough for `other` to be refused (well
+    # under a second), short enough not to keep the test waiting (shutdown leaves an unfinished run open).
+    first = handler(etcd.endpoint, run_id, "a", password=None, nnodes=(2, 4), join_timeout=8)
     other = handler(etcd.endpoint, run_id, "b", password=None, nnodes=(1, 1))
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -193,8 +196,8 @@ def test_agent_of_another_job_under_the_same_run_id_is_refused(etcd: EtcdServer,
             with pytest.raises(RunIdConflictError) as info:
                 other.next_rendezvous()
             assert run_id in str(info.value) and "2:4" in str(info.value)
-            first.shutdown()  # closes the run: the waiting rendezvous ends
-            with pytest.raises(Exception):  # noqa: B017 - closed or client gone; either ends the wait
+            first.shutdown()
+            with pytest.raises(Exception):  # noqa: B017 - its join timeout or the closed client ends the wait
                 pending.result(timeout=30)
     finally:
         other.shutdown()
