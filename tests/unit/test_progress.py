@@ -29,9 +29,7 @@ def test_beat_age_grows_and_a_finished_worker_is_never_judged(tmp_path: Path, mo
     assert progress.last_beat_age(tmp_path, 1) is None
 
 
-def test_make_dir_removes_directories_of_dead_agents_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr("tempfile.tempdir", None)
+def test_make_dir_removes_directories_of_dead_agents_only(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
     )
@@ -40,7 +38,7 @@ def test_make_dir_removes_directories_of_dead_agents_only(tmp_path: Path, monkey
     for d in (dead_dir, live_dir):
         d.mkdir()
         (d / "local_rank_0").write_text("3")
-    mine = Path(progress.make_dir())
+    mine = Path(progress.make_dir(tmp_path))
     assert mine.parent == tmp_path and mine.name.startswith(f"elastic-progress-{os.getpid()}-")
     assert not dead_dir.exists()
     assert live_dir.exists()
