@@ -45,7 +45,7 @@ from ckpt.safetensors_io import dtype_name
 from ckpt.save_policy import SaveFailures
 from ckpt.sharding import ShardInfo, split_sharded
 from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
-from ckpt.tier0 import HostSlot, HostSlots
+from ckpt.tier0 import HostMemoryError, HostSlot, HostSlots
 from ckpt.tree import flatten
 from core.deadline import Clock, Deadline
 from core.events import emit
@@ -204,9 +204,12 @@ class LocalWriter:
         try:
             into = None
             if slot is not None:
-                assert self.tier0 is not None
-                into = slot.buffer(layout.prefix, layout.data_bytes, pin=self.staging.needs_pin(tensors),
-                                   room=self.tier0.room_needed(layout.file_bytes))
+                into = self._slot_buffer(slot, layout, tensors)
+                if into is None:  # tier 0 did not fit and was given up: the host buffer, as without it
+                    slot = None
+                    if not persist:
+                        self._metrics.update(metrics, status="skipped", error="tier 0 does not fit (logged)")
+                        return PendingSave(step, metrics, None)
             snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout, into=into)
         except CheckpointError as exc:
             if slot is not None:
@@ -270,11 +273,29 @@ class LocalWriter:
             )
         if self.tier0 is not None:
             layout = self.staging.layout_for(tensors)
-            for slot in self.tier0.slots:  # map (and reserve) both slots now, not in the loop
-                slot.buffer(layout.prefix, layout.data_bytes, pin=self.staging.needs_pin(tensors),
-                            room=self.tier0.room_needed(layout.file_bytes))
-            return 2 * layout.data_bytes
+            # Map (and reserve) both slots now, not in the loop.
+            if all(self._slot_buffer(slot, layout, tensors) is not None for slot in list(self.tier0.slots)):
+                return 2 * layout.data_bytes
         return self.staging.reserve(tensors).data_bytes
+
+    def _slot_buffer(self, slot: HostSlot, layout: StagingLayout, tensors: Mapping[str, Any]) -> Any:
+        """The slot's data region for `layout`. When tier 0 does not fit: HostMemoryError if it was asked
+        for (CheckpointConfig.tier0_dir); if it only came from elastic-run's $ELASTIC_TIER0_DIR, a warning,
+        and tier 0 is given up (None): saves go to disk as without it (a container's 64 MiB /dev/shm)."""
+        tier0 = self.tier0
+        assert tier0 is not None
+        try:
+            return slot.buffer(layout.prefix, layout.data_bytes, pin=self.staging.needs_pin(tensors),
+                               room=tier0.room_needed(layout.file_bytes))
+        except HostMemoryError as exc:
+            tier0.release(slot)
+            if self.config.tier0_dir is not None:
+                raise
+            logger.warning("%s. Going on without tier 0 on rank %d: every checkpoint comes from disk", exc, self.rank)
+            emit("ckpt_failed", step=-1, tier="memory", error=str(exc))
+            tier0.close()
+            self.tier0 = None
+            return None
 
     def _persist(
         self,

@@ -137,20 +137,43 @@ def test_both_slots_in_use_skip_a_snapshot_instead_of_waiting(shm: Path) -> None
     assert slots.claim(3) is second
 
 
-def test_a_full_tmpfs_is_a_clear_error_at_the_first_save(tmp_path: Path) -> None:
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB tmpfs (a container's small /dev/shm), unmounted afterwards."""
     small = tmp_path / "small"
     small.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        with make(tmp_path, small) as ck:
-            big = {"w": torch.zeros(1 << 19)}  # 2 MiB: one slot does not fit
-            with pytest.raises(HostMemoryError, match=r"tier 0 does not fit in .*small.*tier0_dir=\"\""):
-                ck.snapshot(1, big)
-            ck.save(2, {"w": torch.zeros(16)})  # small enough: saving goes on
+        yield small
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_a_tier0_dir_too_small_is_a_clear_error_at_start(tmp_path: Path, small_tmpfs: Path) -> None:
+    with make(tmp_path, small_tmpfs) as ck:  # asked for: CheckpointConfig.tier0_dir
+        big = {"w": torch.zeros(1 << 19)}  # 2 MiB: one slot does not fit
+        with pytest.raises(HostMemoryError, match=r"tier 0 does not fit in .*small.*tier0_dir=\"\""):
+            ck.prepare(big)  # Resumable prepares right after its restore, before the loop
+        ck.save(2, {"w": torch.zeros(16)})  # small enough: saving goes on
+
+
+def test_the_agents_tier0_too_small_falls_back_to_disk_with_a_warning(
+    tmp_path: Path, small_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ELASTIC_TIER0_DIR", str(small_tmpfs))  # what elastic-run's agent hands its workers
+    big = {"w": torch.arange(1 << 19, dtype=torch.float32)}
+    with Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt"), rank=0, world_size=1) as ck:
+        assert ck.has_tier0
+        with caplog.at_level(logging.WARNING):
+            ck.prepare(big)
+        assert "Going on without tier 0" in caplog.text and str(small_tmpfs) in caplog.text
+        ck.save(5, big)  # a job that ran before tier 0 existed runs on
+        assert ck.snapshot(6, big).skipped
+        restored = ck.restore()
+        assert restored is not None and (restored.step, restored.tier) == (5, "local")
+        assert torch.equal(restored.state["w"], big["w"])
 
 
 def test_a_step_counts_only_once_every_rank_of_the_node_holds_it(tmp_path: Path, shm: Path) -> None:
