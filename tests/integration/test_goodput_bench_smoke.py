@@ -16,9 +16,10 @@ from tests.conftest import REPO, Procs
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 BENCH = REPO / "bench" / "goodput_bench.py"
-VARIANTS = {"none", "ours_tier1_10", "ours_tier0_1_tier1_10", "ours_tier0_1_tier1_50", "dcp_async_thread_10",
-            "dcp_async_process_10", "torch_save_50"}
-TIER0 = {"ours_tier0_1_tier1_10", "ours_tier0_1_tier1_50"}
+# A subset, for make test's budget: ours with and without tier 0 and one anchor. The 50-step variants need
+# 50 steps, and DCP's process mode starts a process that imports torch; the GPU runs cover them.
+VARIANTS = {"none", "ours_tier1_10", "ours_tier0_1_tier1_10", "dcp_async_thread_10"}
+TIER0 = {"ours_tier0_1_tier1_10"}
 SHM = Path("/dev/shm")
 
 
@@ -29,9 +30,10 @@ def _tier0_dirs() -> set[str]:
 def test_goodput_bench_tiny(procs: Procs, tmp_path: Path) -> None:
     out = tmp_path / "goodput.json"
     before = _tier0_dirs()
-    # 52 steps, warm-up 4: five saves of the 10-step variants and one of the 50-step ones are timed.
+    # 24 steps, warm-up 4: two saves of the 10-step variants are timed.
     proc = procs.start(
-        [sys.executable, str(BENCH), "--device", "cpu", "--launcher", "fork", "--rounds", "1", "--steps", "52",
+        [sys.executable, str(BENCH), "--device", "cpu", "--launcher", "fork", "--rounds", "1", "--steps", "24",
+         "--variants", *sorted(VARIANTS), "--kill-variants", *sorted(TIER0),
          "--warmup-steps", "4", "--kill-window", "4", "--steps-after-kill", "2", "--layers", "1", "--heads", "1",
          "--d-model", "32", "--seq-len", "16", "--vocab", "64", "--global-batch", "4", "--max-micro-batch", "2",
          "--run-timeout", "120", "--dir", str(tmp_path), "--out", str(out)],
@@ -43,15 +45,12 @@ def test_goodput_bench_tiny(procs: Procs, tmp_path: Path) -> None:
     assert set(result["variants"]) == VARIANTS
     summary = result["summary"]
     for name, entry in result["variants"].items():
-        if "skipped" in entry:  # only what this checkout or torch lacks
-            assert name in TIER0 | {"dcp_async_process_10"}, (name, entry["skipped"])
-            continue
         (run,) = entry["rounds"]
         assert run["rc"] == 0 and "error" not in run, (name, run.get("log_tail"))
-        assert run["tokens_per_s"] > 0 and run["timed_steps"] == 48, (name, run)
+        assert run["tokens_per_s"] > 0 and run["timed_steps"] == 20, (name, run)
         ratio = summary[name]["ratio_to_none_median"]
         assert ratio is not None and math.isfinite(ratio) and ratio > 0, (name, summary[name])
-        expected_saves = {"none": 0, "torch_save_50": 1}.get(name, 48 if name in TIER0 else 5)
+        expected_saves = {"none": 0}.get(name, 20 if name in TIER0 else 2)
         # a tier-0 snapshot finding no free slot is skipped by design (ckpt/tier0.py), never waited for
         skipped = run.get("ckpt_status", {}).get("skipped", 0) if name in TIER0 else 0
         assert run["saves"] + skipped == expected_saves, (name, run)
@@ -66,16 +65,11 @@ def test_goodput_bench_tiny(procs: Procs, tmp_path: Path) -> None:
     kill_step = result["settings"]["kill_step"]
     assert 5 <= kill_step <= 8
     for name, kill in result["kills"].items():
-        if "skipped" in kill:
-            assert name in TIER0, (name, kill)
-            continue
         assert kill["rc"] == 0 and kill["fault_fired"], (name, kill.get("log_tail"))
         assert kill["steps_lost"] == kill_step - kill["resumed_from"] >= 0, (name, kill)
         assert kill["kill_to_first_step_s"] > 0 and kill["restore_s"] >= 0, (name, kill)
-        if name in TIER0:  # tier 0 every step: the restarted worker resumes from memory
-            assert kill["restored_tier"] == "memory" and kill["steps_lost"] <= 1, (name, kill)
-        else:  # killed before the first tier-1 save (step 10): from the start
-            assert kill["resumed_from"] == 0, (name, kill)
-    assert set(result["kills"]) == {"ours_tier1_10"} | TIER0
+        # tier 0 every step: the restarted worker resumes from memory
+        assert kill["restored_tier"] == "memory" and kill["steps_lost"] <= 1, (name, kill)
+    assert set(result["kills"]) == TIER0
     assert not list(tmp_path.glob("goodput-bench-*")), "the bench leaves its checkpoints behind"
     assert _tier0_dirs() <= before, "the bench leaves its tier-0 directories in /dev/shm"
