@@ -133,6 +133,7 @@ class Resumable:
         self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
         self.step = 0
         self.resumed_from: int | None = None
+        self._names_cache: tuple[tuple[int, ...], list[list[str | None]]] | None = None
         self.restored: Restored | None = None
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._saved_step = -1
@@ -288,7 +289,7 @@ class Resumable:
         else:
             model_sd = self.model.state_dict()
             optim_sd = self.optimizer.state_dict() if self.optimizer is not None else None
-            names = param_names(self.model, self.optimizer) if self.optimizer is not None else None
+            names = self._param_names() if self.optimizer is not None else None
         layout = {"layout": self.layout.record()} if self.sharded else {}
         return {
             "step": self.step,
@@ -303,6 +304,16 @@ class Resumable:
             "rng": rng.capture(),
             "extras": self.extras,
         }
+
+    def _param_names(self) -> list[list[str | None]]:
+        """param_names(model, optimizer), walked again only when the optimizer's parameters change: a
+        snapshot every step should not walk the model every step."""
+        assert self.optimizer is not None
+        key = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        cached = self._names_cache
+        if cached is None or cached[0] != key:
+            cached = self._names_cache = (key, param_names(self.model, self.optimizer))
+        return [list(g) for g in cached[1]]
 
     def save(self, step: int) -> None:
         """Snapshot this rank's state for `step`; writing, committing and uploading run in the
