@@ -2,7 +2,9 @@
 happened (counted), nothing it started is left running; a custom script after `--` works too.
 
 The smoke run is a module fixture: the partition test runs the same job (2 nodes, 40 steps) and
-reuses its fault-free reference run (`--reference`) instead of running one of its own."""
+reuses its fault-free reference run (`--reference`) instead of running one of its own. The custom
+script's run starts in the background just before it: both runs mostly wait (agents and workers
+starting, faults being detected, a step sleep), so side by side they take little longer than one."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,26 +28,45 @@ CHAOS = Path(sys.prefix) / "bin" / "elastic-chaos"
 TINY = Path(__file__).resolve().parent.parent.parent / "examples" / "train_tiny.py"
 
 
-def chaos(args: list[str], tmp_path: Path, timeout: float) -> tuple[int, str, dict]:
-    """Run elastic-chaos with its work dir under tmp_path; on timeout end its whole tree, by pid."""
-    report = tmp_path / "report"
-    proc = subprocess.Popen([str(CHAOS), "run", "--report", str(report), "--work-dir", str(tmp_path / "work"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def start(args: list[str], tmp_path: Path) -> subprocess.Popen[bytes]:
+    """Start elastic-chaos with its work dir under tmp_path; its output goes to tmp_path/chaos.out (a file,
+    so that a run nobody reads yet never blocks on a full pipe)."""
+    with open(tmp_path / "chaos.out", "wb") as out:
+        return subprocess.Popen([str(CHAOS), "run", "--report", str(tmp_path / "report"), "--work-dir",
+                                 str(tmp_path / "work"), *args], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a run that is still going: SIGTERM (the harness ends everything it started), then its tree, by pid."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the harness ends everything it started
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate(timeout=30)
+        kill_tree(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def collect(proc: subprocess.Popen[bytes], tmp_path: Path, timeout: float) -> tuple[int, str, dict]:
+    """Wait for a run that `start` began; on timeout end it and fail with its output."""
+    report = tmp_path / "report"
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        out = (tmp_path / "chaos.out").read_text(errors="replace")
         pytest.fail(f"elastic-chaos did not finish in {timeout:.0f} s:\n{out[-3000:]}")
+    out = (tmp_path / "chaos.out").read_text(errors="replace")
     doc = json.loads((report / "report.json").read_text())
     if proc.returncode != 0:
         out += "\n--- report.md ---\n" + (report / "report.md").read_text()
     return proc.returncode, out, doc
+
+
+def chaos(args: list[str], tmp_path: Path, timeout: float) -> tuple[int, str, dict]:
+    return collect(start(args, tmp_path), tmp_path, timeout)
 
 
 def leftovers(marker: Path) -> list[str]:
@@ -67,8 +89,31 @@ class Run:
     tmp_path: Path
 
 
+CUSTOM = ["--nodes", "2", "--steps", "16", "--ckpt-every", "4", "--faults", "kill-worker@0", "--seed", "3",
+          "--timeout", "100", "--",
+          str(TINY), "--steps", "{steps}", "--ckpt-dir", "{local_dir}/ckpt", "--ckpt-every", "{ckpt_every}",
+          "--global-batch", "{global_batch}", "--dataset-size", "{dataset_size}", "--step-sleep", "0.05"]
+
+
+@dataclass(frozen=True)
+class Started:
+    proc: subprocess.Popen[bytes]
+    tmp_path: Path
+
+
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def custom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
+    """The custom script's run, started in the background (before the smoke run: `smoke` asks for it)."""
+    tmp_path = tmp_path_factory.mktemp("custom")
+    proc = start(CUSTOM, tmp_path)
+    try:
+        yield Started(proc, tmp_path)
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory, custom: Started) -> Run:
     # Typically ~40 s; the harness's own deadlines (120 s per job) end a stuck run with a report first.
     tmp_path = tmp_path_factory.mktemp("smoke")
     rc, out, doc = chaos(["--scenario", "smoke"], tmp_path, timeout=300)
@@ -99,12 +144,9 @@ def test_smoke_scenario_passes_and_its_faults_happened(smoke: Run) -> None:
 
 
 @pytest.mark.timeout(280)
-def test_custom_script_after_double_dash(tmp_path: Path) -> None:
-    args = ["--nodes", "2", "--steps", "16", "--ckpt-every", "4", "--faults", "kill-worker@0", "--seed", "3",
-            "--timeout", "100", "--",
-            str(TINY), "--steps", "{steps}", "--ckpt-dir", "{local_dir}/ckpt", "--ckpt-every", "{ckpt_every}",
-            "--global-batch", "{global_batch}", "--dataset-size", "{dataset_size}", "--step-sleep", "0.05"]
-    rc, out, doc = chaos(args, tmp_path, timeout=260)
+def test_custom_script_after_double_dash(custom: Started) -> None:
+    tmp_path = custom.tmp_path
+    rc, out, doc = collect(custom.proc, tmp_path, timeout=260)
     assert rc == 0, out[-4000:]
     assert doc["passed"] is True and doc["invariants"]["final_digest_matches_reference"] is True, doc
     (fault,) = doc["faults"]
