@@ -8,17 +8,20 @@ save and reused by every later save whose tensors fit in it.
 Copies:
 - CUDA tensors: the buffer is page-locked (cudaHostRegister on an exactly sized allocation,
   not the power-of-two rounding of torch's pinned allocator); the device-to-host copies are
-  issued with non_blocking=True on a side stream per device, after that stream waited for the
-  current stream, and an event recorded after them tracks completion.
+  issued in one `_foreach_copy_` with non_blocking=True on a side stream per device, after that
+  stream waited for an event recorded on the current stream when the snapshot was taken, and an
+  event recorded after them tracks completion. In "overlapped" mode the writer thread issues them
+  (~10 us of driver time per tensor), so the training thread pays only for that first event.
 - CPU tensors: a plain copy (torch runs large copies on its intra-op threads).
 
 Modes (CheckpointConfig.mode):
 - "staged": save_async() returns once every copy is complete, i.e. once the snapshot is
   consistent. The loop may mutate the state at once.
-- "overlapped": save_async() returns right after issuing the CUDA copies (CPU copies run on the
-  writer thread). The loop must call wait_staged() before it mutates the state, i.e. before
-  optimizer.step(); forward and backward may run meanwhile (they only write activations and
-  grads, which are not in the snapshot). torchtitan's "async_with_pinned_mem" works this way.
+- "overlapped": save_async() returns right after recording where the copies start (the writer
+  thread issues the CUDA copies and does the CPU ones). The loop must call wait_staged() before
+  it mutates the state, i.e. before optimizer.step(); forward and backward may run meanwhile
+  (they only write activations and grads, which are not in the snapshot). torchtitan's
+  "async_with_pinned_mem" works this way.
 
 Memory cost, per rank:
 - Both modes: one host buffer of the rank's state bytes (1x), page-locked when any tensor is on
@@ -95,6 +98,27 @@ def buffer_view(buffer: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
 
 
+@dataclass
+class DeviceCopies:
+    """The device-to-host copies of one device, to be issued on a side stream after `after`, an event
+    recorded on the training stream when the snapshot was taken (so they see exactly that state)."""
+
+    stream: torch.cuda.Stream
+    after: torch.cuda.Event
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+
+    def issue(self) -> torch.cuda.Event:
+        """Launch the copies (one call: ~10 us of driver time per tensor, 600 tensors for a GPT and its
+        AdamW state) and return the event that marks them done."""
+        with torch.cuda.device(self.stream.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.after)
+            torch._foreach_copy_(self.dsts, self.srcs, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+
 class HostSnapshot:
     """One save's copy of the state in the staging buffer.
 
@@ -109,15 +133,17 @@ class HostSnapshot:
         events: list[torch.cuda.Event],
         deferred: list[tuple[torch.Tensor, torch.Tensor]],
         sources: list[torch.Tensor],
+        launches: list[DeviceCopies] | None = None,
     ) -> None:
         self.layout = layout
         self._buffer = buffer
         self._events = events
         self._deferred = deferred
+        self._launches = launches or []
         self._sources = sources  # keeps the source tensors alive until their copies are done
         self._cpu_done = threading.Event()
         self._error: BaseException | None = None
-        if not deferred:
+        if not deferred and not self._launches:
             self._cpu_done.set()
 
     @property
@@ -125,16 +151,18 @@ class HostSnapshot:
         return self.layout.file_bytes
 
     def run_deferred_copies(self) -> None:
-        """Do the CPU copies of an overlapped snapshot (called on the writer thread)."""
+        """Issue the device copies and do the CPU copies of an overlapped snapshot (on the writer thread)."""
         try:
             with torch.no_grad():
+                for launch in self._launches:
+                    self._events.append(launch.issue())
                 for dst, src in self._deferred:
                     dst.copy_(src)
         except BaseException as exc:  # reported to whoever waits on the snapshot
             self._error = exc
             raise
         finally:
-            self._deferred = []
+            self._deferred, self._launches = [], []
             self._cpu_done.set()
 
     def is_consistent(self) -> bool:
@@ -263,18 +291,18 @@ class StagingArea:
                     deferred.append((dst, src))
                 else:
                     dst.copy_(src)
+            launches = []
             for device, pairs in by_device.items():
-                stream = self._stream(device)
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    for dst, src in pairs:
-                        dst.copy_(src, non_blocking=True)
-                        sources.append(src)
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                events.append(event)
+                taken = torch.cuda.Event()
+                taken.record(torch.cuda.current_stream(device))
+                copies = DeviceCopies(self._stream(device), taken, [d for d, _ in pairs], [s for _, s in pairs])
+                sources.extend(copies.srcs)
+                if overlapped:  # launched by the writer thread: the training thread only records an event
+                    launches.append(copies)
+                else:
+                    events.append(copies.issue())
         sources.extend(src for _, src in deferred)
-        snapshot = HostSnapshot(layout, into, events=events, deferred=deferred, sources=sources)
+        snapshot = HostSnapshot(layout, into, events=events, deferred=deferred, sources=sources, launches=launches)
         if not overlapped:
             snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot

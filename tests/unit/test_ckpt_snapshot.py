@@ -80,6 +80,8 @@ def test_cuda_copy_is_pinned_async_and_exact() -> None:
     layout = area.layout_for(source)
     snapshot = area.stage(source, layout, overlapped=True)
     assert area.pinned
+    assert not snapshot.wait(0.01)  # overlapped: the writer thread issues the copies
+    snapshot.run_deferred_copies()
     assert snapshot.wait(30.0)
     staged = snapshot.tensors()
     for name, tensor in source.items():
