@@ -5,7 +5,7 @@ ckpt/tier0.py), `persist_every` writes to tier 1 (disk) and from there tier 2; a
 tier 0 too. Either given alone sets both (so `save_every=N` keeps its earlier meaning, a checkpoint on
 disk every N steps); left out, both are 10. Snapshots between the persisted steps need both:
 `save_every=1, persist_every=10`. They are not the default yet: on one H200 a snapshot every step cost
-23% of the GPT example's throughput (bench/goodput_bench.py; the snapshot's bookkeeping still runs in
+~20% of the GPT example's throughput (bench/goodput_bench.py; the snapshot's bookkeeping still runs in
 the training process). Without a tier 0 (no elastic-run, or tier0_dir=""), only persisted steps are saved.
 
 The checkpointer's options are not renamed here: `ResumeConfig.ckpt` is a `ckpt.CheckpointConfig`,
