@@ -2,8 +2,8 @@
 
 1. An uninterrupted reference run of examples/train_tiny.py under elastic-run (2 workers).
 2. The same job again; when rank 1 has passed step KILL_AT, this script SIGKILLs it by pid.
-   The elastic agent restarts the worker group, the job resumes from its newest checkpoint,
-   and finishes.
+   The elastic agent restarts the worker group, the job resumes from its newest snapshot (tier 0:
+   every step, in the node's memory; the disk gets every EVERY-th step), and finishes.
 3. A summary: the kill, the restart, the step it resumed from, and whether the final digest
    equals the reference's (it must: same state, bit for bit).
 
@@ -35,9 +35,11 @@ def launch(name: str, ckpt_dir: Path, kill_at: int | None) -> dict[str, object]:
     cmd = [
         sys.executable, "-m", "elastic.launcher", "--nproc-per-node", "2", "--max-restarts", "3",
         str(REPO / "examples" / "train_tiny.py"),
-        "--steps", str(STEPS), "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(EVERY), "--step-sleep", "0.05",
+        "--steps", str(STEPS), "--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(EVERY), "--snapshot-every", "1",
+        "--step-sleep", "0.05",
     ]
-    print(f"\n=== {name}: elastic-run --nproc-per-node 2 examples/train_tiny.py --steps {STEPS} --ckpt-every {EVERY}")
+    print(f"\n=== {name}: elastic-run --nproc-per-node 2 examples/train_tiny.py --steps {STEPS} --ckpt-every {EVERY} "
+          "--snapshot-every 1")
     events_dir = OUT / f"{name}-events"  # what happened, from the workers' structured events
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "INFO", EVENTS_DIR_ENV: str(events_dir)}
     killed: int | None = None
@@ -67,10 +69,12 @@ def launch(name: str, ckpt_dir: Path, kill_at: int | None) -> dict[str, object]:
                 proc.wait()
     events = read_events(str(events_dir))
     resumed = [e["step"] for e in events if e["event"] == "resumed" and e.get("rank") == 0 and e.get("restart")]
+    tiers = [e["tier"] for e in events if e["event"] == "restored" and e.get("rank") == 0 and e.get("restart")]
     digests = [e["digest"] for e in events if e["event"] == "final_digest" and e.get("rank") == 0]
     return {
         "killed": killed,
         "resumed_from": resumed[0] if resumed else None,
+        "tier": {"memory": "tier 0, host memory", "local": "tier 1, disk"}.get(tiers[0], tiers[0]) if tiers else None,
         "digest": digests[-1] if digests else None,
         "restarts": max((e.get("restart", 0) for e in events if e["event"] == "worker_started"), default=0),
         "exit_code": proc.returncode,
@@ -90,7 +94,7 @@ def main() -> int:
     print(f"  killed run    : exit {faulty['exit_code']}, {faulty['seconds']}s, final_digest={faulty['digest']}")
     print(f"  fault         : SIGKILL of worker rank 1 after step {faulty['killed']}")
     print(f"  recovery      : worker group restarted {faulty['restarts']} time(s), "
-          f"resumed from step {faulty['resumed_from']}")
+          f"resumed from step {faulty['resumed_from']} ({faulty['tier']})")
     print(f"  digests equal : {same}")
     print(f"  logs          : {OUT}/")
     ok = same and faulty["killed"] is not None and faulty["resumed_from"] is not None and faulty["exit_code"] == 0
