@@ -79,39 +79,45 @@ class Runs:
     chains: dict[str, list[TinyJob]]
 
 
+ROUNDS: tuple[tuple[str | tuple[int, int], ...], ...] = (
+    ("reference", (0, 0)), ((1, 0),), ((0, 1),), ((1, 1), (0, 2)), ("killed", (1, 2)))
+"""The module's jobs in five rounds of at most 4 workers (2 + 2, 4, 3, 3 + 1, 2 + 2; six before): (c, k) is
+phase k of the c-th chain of CHAINS, a chain's phases in order; the reference and the kill test's job fill
+rounds. On 2 cores the workers are CPU-bound, mostly start-up, so more at once would not finish sooner;
+fewer rounds leave the cores idle less often while agents start and exit."""
+
+
+def _start(procs: Procs, tmp: Path, key: str | tuple[int, int]) -> TinyJob:
+    if key == "reference":
+        return fsdp(procs, tmp / "ref", tmp / "ref" / "ckpt", samples=True)
+    if key == "killed":
+        return fsdp(procs, tmp / "kill", tmp / "kill" / "ckpt", launcher=("--max-restarts", "2"),
+                    faults=(Fault(point="step", step=5, rank=1),))
+    assert isinstance(key, tuple)
+    c, k = key
+    nproc, flags = list(CHAINS.values())[c][k]
+    stop = (Fault(point="step", step=stop_after(k), action="raise"),) if k < 2 else ()
+    return fsdp(procs, tmp / f"chain{c}-phase{k}", tmp / f"chain{c}-ckpt", *flags, nproc=nproc, faults=stop,
+                launcher=("--max-restarts", "0"), samples=True, digests=True)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
-    """Every job of this module, side by side where at most 4 workers run at once (on 2 cores they are
-    CPU-bound, mostly start-up, so running more at once would not finish sooner)."""
+    """Every job of this module, round by round (ROUNDS)."""
     procs = Procs()
     tmp = tmp_path_factory.mktemp("sharded")
     try:
-        ref = fsdp(procs, tmp / "ref", tmp / "ref" / "ckpt", samples=True)
-        killed = fsdp(procs, tmp / "kill", tmp / "kill" / "ckpt", launcher=("--max-restarts", "2"),
-                      faults=(Fault(point="step", step=5, rank=1),))
-        ref.finish(timeout=300)
-        killed.finish(timeout=300)
-        chains: dict[str, list[TinyJob]] = {name: [] for name in CHAINS}
-        for k in range(3):  # the chains phase by phase
-            started: dict[str, TinyJob] = {}
-            for c, (name, chain) in enumerate(CHAINS.items()):
-                nproc, flags = chain[k]
-                if sum(job.nproc for job in started.values()) + nproc > 4:
-                    _finish(started, chains, ok=k == 2)
-                stop = (Fault(point="step", step=stop_after(k), action="raise"),) if k < 2 else ()
-                started[name] = fsdp(procs, tmp / f"chain{c}-phase{k}", tmp / f"chain{c}-ckpt", *flags, nproc=nproc,
-                                     faults=stop, launcher=("--max-restarts", "0"), samples=True, digests=True)
-            _finish(started, chains, ok=k == 2)
-        yield Runs(reference=ref, killed=killed, chains=chains)
+        jobs: dict[str | tuple[int, int], TinyJob] = {}
+        for keys in ROUNDS:
+            started = {key: _start(procs, tmp, key) for key in keys}
+            assert sum(job.nproc for job in started.values()) <= 4, keys
+            for key, job in started.items():  # a chain's last phase finishes; the others end with their fault
+                job.finish(timeout=300, ok=not isinstance(key, tuple) or key[1] == 2)
+            jobs.update(started)
+        chains = {name: [jobs[(c, k)] for k in range(3)] for c, name in enumerate(CHAINS)}
+        yield Runs(reference=jobs["reference"], killed=jobs["killed"], chains=chains)
     finally:
         procs.cleanup()
-
-
-def _finish(started: dict[str, TinyJob], chains: dict[str, list[TinyJob]], *, ok: bool) -> None:
-    for name, job in started.items():
-        job.finish(timeout=300, ok=ok)
-        chains[name].append(job)
-    started.clear()
 
 
 @pytest.mark.timeout(600)  # the first test waits for the module's jobs
