@@ -39,7 +39,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from core import events
-from elastic import rendezvous
+from elastic import fast_exit, rendezvous
 from elastic.agent import AgentConfig, launch
 from elastic.credentials import mask_conf
 from elastic.errors import ElasticError
@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict[int, Any]:
 
 def cli(argv: list[str] | None = None) -> int:
     """The `elastic-run` console script: exit 2 for bad flags, 1 for a failed job, 128+N for signal N."""
+    fast_exit.install()
     try:
         main(argv)
         return 0

@@ -3,13 +3,14 @@
 `bootstrap()` is called once by every worker that `trainer` runs in (it is idempotent). Under a
 torch elastic agent (elastic-run or torchrun) it:
 - ends the worker when its agent dies (`elastic.orphan`), so no orphan holds ports or GPU memory;
-- turns a lost peer's collective error into one line (`elastic.peer_loss`).
+- turns a lost peer's collective error into one line (`elastic.peer_loss`);
+- skips the interpreter's last full garbage collection at exit (`elastic.fast_exit`: ~1.5 s of CPU).
 `beat(step)` and `finish()` report progress to the agent's hang detector (`elastic.progress`).
 """
 
 from __future__ import annotations
 
-from elastic import orphan, peer_loss, progress
+from elastic import fast_exit, orphan, peer_loss, progress
 
 beat = progress.beat
 finish = progress.finish
@@ -19,6 +20,7 @@ def bootstrap() -> bool:
     """Start the worker-side services; returns whether this process runs under an elastic agent."""
     if not orphan.under_agent():
         return False
+    fast_exit.install()
     orphan.exit_with_parent()  # a worker whose agent was SIGKILLed must not linger
     peer_loss.install()  # a lost peer's traceback gives way to the agent's one line
     return True
