@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -147,17 +146,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def train_step(step: int, micro_batches: list[torch.Tensor]) -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
         batches = run.accumulate(micro_batches) if run is not None else accumulate(
             micro_batches, sampler, ddp if isinstance(ddp, DDP) else None)
-        for tokens, weight, sync in batches:
-            tokens = tokens.to(device, non_blocking=True)
-            with sync:
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                    logits = ddp(tokens[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * weight
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+        loss_sum = train_gpt.forward_backward(ddp, batches, device=device, amp_dtype=amp_dtype, scaler=scaler)
         scaler.unscale_(optimizer)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         timings.before_optimizer_step(step + 1)

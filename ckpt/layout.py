@@ -58,6 +58,14 @@ def parse_rank_dir_name(name: str) -> int | None:
     return rank if rank_dir_name(rank) == name else None
 
 
+def list_dir(path: Path) -> list[Path]:
+    """The entries of `path`, sorted; none when it is missing or not a directory."""
+    try:
+        return sorted(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def temp_name(label: str) -> str:
     """A unique scratch name in the same directory as its final target."""
     return f"{TMP_PREFIX}{label}-{uuid.uuid4().hex}"

@@ -28,7 +28,7 @@ from ckpt.errors import (
     CheckpointVersionError,
 )
 from ckpt.identity import RunIdentity, foreign
-from ckpt.layout import FETCH_PREFIX, MANIFEST_FILE, TMP_PREFIX, Layout
+from ckpt.layout import FETCH_PREFIX, MANIFEST_FILE, TMP_PREFIX, Layout, list_dir
 from ckpt.manifest import Manifest, resolve_file
 from ckpt.ranges import LocalRange
 from ckpt.reader import load_rank_dir, read_manifest
@@ -205,11 +205,11 @@ class LocalTier:
 
     def sweep_temp(self, committed: Collection[int]) -> None:
         for step in sorted(committed):
-            for entry in _list_dir(self.layout.step_dir(step)):
+            for entry in list_dir(self.layout.step_dir(step)):
                 if entry.name.startswith(TMP_PREFIX):
                     logger.info("removing stale %s", entry)
                     remove_quietly(entry)
-        for entry in _list_dir(self.root):
+        for entry in list_dir(self.root):
             if entry.name.startswith(TMP_PREFIX) and not _young_fetch_dir(entry):
                 remove_quietly(entry)
 
@@ -221,10 +221,3 @@ def _young_fetch_dir(entry: Path) -> bool:
         return time.time() - entry.stat().st_mtime < _FETCH_MAX_AGE_S
     except OSError:
         return False
-
-
-def _list_dir(path: Path) -> list[Path]:
-    try:
-        return list(path.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []

@@ -47,7 +47,7 @@ from ckpt.commit import CommitMarker
 from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError, CheckpointWriteError
 from ckpt.identity import RunIdentity
-from ckpt.layout import MANIFEST_FILE, STATE_FILE, parse_rank_dir_name, rank_dir_name
+from ckpt.layout import MANIFEST_FILE, STATE_FILE, list_dir, parse_rank_dir_name, rank_dir_name
 from ckpt.manifest import Manifest, parse_manifest, resolve_file
 from ckpt.ranges import LocalRange
 from ckpt.reader import read_manifest
@@ -260,11 +260,11 @@ class HostTier:
 
     def _scan(self) -> dict[int, list[_Found]]:
         found: dict[int, list[_Found]] = {}
-        for rank_path in _list_dir(self.root):
+        for rank_path in list_dir(self.root):
             rank = parse_rank_dir_name(rank_path.name)
             if rank is None:
                 continue
-            for slot in _list_dir(rank_path):
+            for slot in list_dir(rank_path):
                 path = slot / MANIFEST_FILE
                 try:
                     data = read_regular(path, timeout=self._read_timeout)
@@ -345,10 +345,3 @@ def detach(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(detach(v) for v in tree)
     return tree
-
-
-def _list_dir(path: Path) -> list[Path]:
-    try:
-        return sorted(path.iterdir())
-    except (FileNotFoundError, NotADirectoryError):
-        return []

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -196,6 +197,22 @@ class Throughput:
         return self.timed_steps * self.tokens_per_step / (self.last - self.started)
 
 
+def forward_backward(model: nn.Module, batches: Any, *, device: torch.device, amp_dtype: torch.dtype,
+                     scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """One step's forward and backward over its micro-batches, (tokens, loss weight, sync context) as
+    `Resumable.accumulate` yields them; returns the sum of the weighted losses (on the device)."""
+    loss_sum = torch.zeros((), device=device)
+    for tokens, weight, sync in batches:
+        tokens = tokens.to(device, non_blocking=True)
+        with sync:  # gradients are all-reduced once per step, on the last micro-batch
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * weight
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
 def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:
     if args.device == "cpu" or args.deterministic:
         if args.device == "cuda":
@@ -244,15 +261,8 @@ def main() -> None:
                 show(f"resumed from step {step}")
             meter.first_step, meter.first_started = step, time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for tokens, weight, sync in run.accumulate(micro_batches):
-            tokens = tokens.to(device, non_blocking=True)
-            with sync:  # gradients are all-reduced once per step, on the last micro-batch
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
-                    logits = ddp(tokens[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * weight
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
+        loss_sum = forward_backward(ddp, run.accumulate(micro_batches), device=device, amp_dtype=amp_dtype,
+                                    scaler=scaler)
         scaler.unscale_(optimizer)
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)

@@ -321,27 +321,29 @@ class Resumable:
 
         A failed save is logged and training goes on, until `max_failed_saves` fail in a row:
         then CheckpointSaveError (naming the directory and the cause) stops the job."""
-        self._emit_digest(step, "save")
-        try:
-            self.checkpointer.save_async(step, self.state())
+        if self._checkpoint(step, persist=True):
             self._saved_step = step
-        except CheckpointSaveError:
-            raise
-        except CheckpointError as exc:
-            log.error("checkpoint of step %d failed on rank %d: %s", step, self.topology.rank, exc)
-            emit("ckpt_failed", step=step, tier="local", error=str(exc))
 
     def snapshot(self, step: int) -> None:
-        """Snapshot this rank's state for `step` into tier 0 only (host memory; ckpt/tier0.py). A
-        snapshot skipped (its slots busy) or failed is logged at debug level: the next one follows."""
+        """Snapshot this rank's state for `step` into tier 0 only (host memory; ckpt/tier0.py); failures
+        as for `save`. A snapshot that finds its slots busy is skipped (in the checkpointer's metrics)."""
+        self._checkpoint(step, persist=False)
+
+    def _checkpoint(self, step: int, *, persist: bool) -> bool:
         self._emit_digest(step, "save")
         try:
-            self.checkpointer.snapshot(step, self.state())
+            if persist:
+                self.checkpointer.save_async(step, self.state())
+            else:
+                self.checkpointer.snapshot(step, self.state())
+            return True
         except CheckpointSaveError:
             raise
         except CheckpointError as exc:
-            log.error("tier-0 snapshot of step %d failed on rank %d: %s", step, self.topology.rank, exc)
-            emit("ckpt_failed", step=step, tier="memory", error=str(exc))
+            what = "checkpoint" if persist else "tier-0 snapshot"
+            log.error("%s of step %d failed on rank %d: %s", what, step, self.topology.rank, exc)
+            emit("ckpt_failed", step=step, tier="local" if persist else "memory", error=str(exc))
+            return False
 
     def save_final(self) -> bool:
         """Save the current step unless a save of it was made already or nothing ran since the restore,
