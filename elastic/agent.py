@@ -45,6 +45,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _ge
 from core import events, tier0_dir
 from core.events import emit
 from elastic import peer_loss, progress
+from elastic.job_metrics import JobMetrics
 from elastic.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class ElasticAgent(LocalElasticAgent):
             os.environ[tier0_dir.ENV] = self.tier0_dir
         # Like the beacon and the round's store: only on --local-addr when one is given.
         self.metrics = AgentMetrics.start(agent_config.metrics_port, getattr(spec, "local_addr", None) or "0.0.0.0")
+        self.job = JobMetrics(self.progress_dir, self.metrics)  # workers' series, restarts by cause, summary
         self._failure_seen_at: float | None = None
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
@@ -147,6 +149,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        self.job.poll()  # after a failure: the first step after it
         if result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None:
             self._kill_hung_workers(worker_group, self.agent_config.hang_timeout.total_seconds())
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
@@ -182,6 +185,7 @@ class ElasticAgent(LocalElasticAgent):
         before, state = self._membership(), worker_group.state
         if self._failure_seen_at is None:
             self._failure_seen_at = time.monotonic()
+        self.job.failed(self._failure_seen_at)
         super()._restart_workers(worker_group)
         lost = sorted(set(before) - set(self._membership()))
         reason = "worker failure" if state in (WorkerState.FAILED, WorkerState.UNHEALTHY) else "membership change"
@@ -192,7 +196,7 @@ class ElasticAgent(LocalElasticAgent):
             log.warning("peer node%s %s lost; the group re-formed with %d node%s",
                         "s" if len(lost) > 1 else "", ", ".join(lost), worker_group.group_world_size or 0,
                         "s" if (worker_group.group_world_size or 0) != 1 else "")
-        self.metrics.update(restarts_inc=1)
+        self.job.restarted(reason, lost)
         emit("restart", reason=reason, lost=lost, remaining_restarts=self._remaining_restarts,
              max_restarts=worker_group.spec.max_restarts)
 
@@ -259,6 +263,7 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        agent.job.finish()  # the one-line summary, from the workers' metrics files
         shutil.rmtree(agent.progress_dir, ignore_errors=True)
         if agent.tier0_dir is not None:
             tier0_dir.remove_node_dir(agent.tier0_dir)

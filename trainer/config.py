@@ -37,12 +37,15 @@ class ResumeConfig:
     for the default. The last step is persisted at `Resumable.teardown`."""
     persist_every: int | None = None
     """Persist every N-th completed step to tier 1 (and tier 2); see the module docstring."""
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (e.g. the sequence length), for the `elastic_train_tokens_*` metrics; None: the job
+    reports samples only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, CheckpointConfig):
             raise ValueError(f"ResumeConfig.ckpt must be a ckpt.CheckpointConfig, got {type(self.ckpt).__name__}; "
                              "ResumeConfig.at(ckpt_dir, save_every=...) builds one")
-        for name in ("save_every", "persist_every"):
+        for name in ("save_every", "persist_every", "tokens_per_sample"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -73,10 +76,11 @@ class ResumeConfig:
 
     @classmethod
     def at(cls, ckpt_dir: str | os.PathLike[str], *, save_every: int | None = None, persist_every: int | None = None,
-           shared_url: str | None = None, **options: Any) -> ResumeConfig:
+           shared_url: str | None = None, tokens_per_sample: int | None = None, **options: Any) -> ResumeConfig:
         """Checkpoints in `ckpt_dir` every `persist_every` steps and snapshots in tier 0 every `save_every`
         (module docstring: the defaults); with `shared_url` (any fsspec URL) also in a shared tier
-        (SharedConfig defaults; pass `shared=SharedConfig(...)` for its options instead).
+        (SharedConfig defaults; pass `shared=SharedConfig(...)` for its options instead). `tokens_per_sample`
+        turns on the tokens-per-second metrics.
 
         `options` are CheckpointConfig fields: run_name, keep_last, keep_every, mode (here "overlapped"
         unless given), if_busy, checksum, init_from, max_failed_saves, tier0_dir, ..."""
@@ -93,4 +97,4 @@ class ResumeConfig:
                 raise ValueError("ResumeConfig.at: pass shared_url or shared=SharedConfig(...), not both")
             options["shared"] = SharedConfig(url=shared_url)
         return cls(ckpt=CheckpointConfig(local_dir=os.fspath(ckpt_dir), **options), save_every=save_every,
-                   persist_every=persist_every)
+                   persist_every=persist_every, tokens_per_sample=tokens_per_sample)

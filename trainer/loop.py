@@ -49,7 +49,7 @@ def train_loop(
     batches = None
     try:
         step = resumable.restore()
-        batches = iter(loader) if loader is not None else None
+        batches = resumable.telemetry.timed(loader) if loader is not None else None  # data wait, for metrics
         while step < total_steps:
             if batches is None:
                 micro: list[Any] = list(sampler.micro_batches())

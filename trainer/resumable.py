@@ -66,6 +66,7 @@ from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable, release_process_group
 from trainer.digest import state_digests_on, training_digest
 from trainer.sharding import Layout
+from trainer.telemetry import Telemetry
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
 
@@ -131,6 +132,7 @@ class Resumable:
         self.checkpointer = Checkpointer(config.ckpt, rank=self.topology.rank, world_size=self.topology.world_size,
                                          on_written=_rank_saved)
         self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
+        self.telemetry = Telemetry.for_run(self)  # metrics for elastic-run's agent (trainer/telemetry.py)
         self.step = 0
         self.resumed_from: int | None = None
         self._names_cache: tuple[tuple[int, ...], list[list[str | None]]] | None = None
@@ -198,6 +200,7 @@ class Resumable:
 
     def _started(self, step: int) -> int:
         emit("resumed", step=step)
+        self.telemetry.resumed(step, self.restored)
         faults.fire("step", step)  # the fault point before the first step this incarnation runs
         return step
 
@@ -252,6 +255,7 @@ class Resumable:
         trainer/accumulate.py. Needs the sampler."""
         if self.sampler is None:
             raise ValueError("Resumable.accumulate needs a Resumable with a sampler (it knows the micro-batches)")
+        batches = self.telemetry.timed(batches)  # the time blocked on the loader, for metrics
         return accumulate(batches, self.sampler, self.ddp, sharded=self.model if self.sharded else None)
 
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None) -> bool:
@@ -262,6 +266,7 @@ class Resumable:
         persisted.
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
+        self.telemetry.step(step)
         self.step = step
         worker.beat(step)  # lets elastic-run's agent tell a hung worker from a slow one
         if self.sampler is not None:
@@ -381,6 +386,7 @@ class Resumable:
         if not self.checkpointer.close(timedelta(minutes=5)):
             log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
                         self.checkpointer.last_error)
+        self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
         self.checkpointer.check()
 
     def final_digest(self) -> str:

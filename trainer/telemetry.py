@@ -1,0 +1,207 @@
+"""What `Resumable` reports to elastic-run's agent: steps, step and data-wait time, throughput,
+checkpoints, restores and goodput (series in elastic/worker_metrics.py, served by the agent).
+
+Per step it reads the clock once (`step`) and twice per batch fetched (`timed`); everything else
+(the checkpointer's per-save metrics, the samples per second, the file) runs at the flush cadence,
+once a second. Outside elastic-run the recorder is off and every call returns at once.
+
+Goodput ledger (`state`, carried across restarts by the worker file): `productive` is the step time
+of the steps kept so far; `marks` holds it at the recent checkpoint steps. A restore to step R
+finds R's mark and throws away what came after it: those steps count as recomputed, their time as
+lost. Data wait counts as productive (the loader is part of training), a wait for a checkpoint's
+copy does not, nor does the time from a failure to the first step after it (no step runs then).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from ckpt import Checkpointer, Restored
+from ckpt.metrics import SaveMetrics
+from elastic.worker_metrics import RESTORE_TIERS, SAVE_OUTCOMES, WorkerMetrics
+
+_MAX_MARKS = 64
+_FINAL = {"snapshot": "ok", "persisted": "ok", "uploaded": "ok", "committed": "ok", "skipped": "skipped",
+          "failed": "failed", "abandoned": "abandoned", "superseded": "superseded"}
+
+
+class Telemetry:
+    def __init__(self, recorder: WorkerMetrics, *, checkpointer: Checkpointer | None = None,
+                 samples_per_step: int | None = None, tokens_per_sample: int | None = None,
+                 cadences: tuple[int, ...] = (), clock: Callable[[], float] = time.monotonic) -> None:
+        self.recorder = recorder
+        self.on = recorder.enabled
+        self._ckpt = checkpointer
+        self._samples = samples_per_step or 0
+        self._tokens = (tokens_per_sample or 0) * self._samples
+        self._cadences = cadences or (1,)
+        self._clock = clock
+        self._last = clock()
+        self._wait = 0.0
+        self._rate_at, self._rate_samples = self._last, 0.0
+        self._seen: dict[int, set[str]] = {}
+        st = recorder.state
+        self.productive: float = float(st.get("productive", 0.0))
+        self.marks: list[list[float]] = [list(m) for m in st.get("marks", [])]
+        self.last_step: int | None = st.get("step")
+        if self.on:
+            for outcome in SAVE_OUTCOMES:  # zeros, so that rate() and alerts see the series from the start
+                recorder.inc("elastic_ckpt_saves_total", 0.0, outcome)
+            for tier in RESTORE_TIERS:
+                recorder.inc("elastic_ckpt_restores_total", 0.0, tier)
+            for name in ("elastic_train_steps_total", "elastic_train_steps_recomputed_total",
+                         "elastic_train_lost_seconds_total"):
+                recorder.inc(name, 0.0)
+
+    @classmethod
+    def for_run(cls, run: Any) -> Telemetry:
+        """The telemetry of a `Resumable` (its topology, checkpointer, sampler and config)."""
+        t, config, sampler = run.topology, run.config, run.sampler
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        recorder = WorkerMetrics.from_env(rank=t.rank, local_rank=t.local_rank, restart=restart)
+        snapshots = config.snapshot_every if run.checkpointer.has_tier0 else config.persist_interval
+        return cls(recorder, checkpointer=run.checkpointer, tokens_per_sample=config.tokens_per_sample,
+                   samples_per_step=sampler.local_batch if sampler is not None else None,
+                   cadences=(config.persist_interval, snapshots))
+
+    def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """`batches`, with the time blocked in each next() counted as this step's data wait."""
+        return _Timed(iter(batches), self) if self.on else iter(batches)
+
+    def resumed(self, step: int, restored: Restored | None) -> None:
+        """The restore is done (`restored` None: a fresh start): steps after `step` that ran before are lost."""
+        if not self.on:
+            return
+        r = self.recorder
+        if restored is not None and restored.step == step:
+            r.inc("elastic_ckpt_restores_total", 1.0, restored.tier)
+        if self.last_step is not None and self.last_step > step:
+            base = _productive_at(self.marks, step, self.productive, self.last_step)
+            r.inc("elastic_train_steps_recomputed_total", self.last_step - step)
+            r.inc("elastic_train_lost_seconds_total", max(self.productive - base, 0.0))
+            self.productive = base
+        self.marks = [m for m in self.marks if m[0] < step] + [[step, self.productive]]
+        self.last_step = step
+        r.set("elastic_train_step", step)
+        r.meta["first_step_at"] = None  # the next step is the first after this restore
+        self._last = self._clock()  # the first step's time starts now, not at the process start
+        self._wait = 0.0
+        self._save_state()
+        r.flush()
+
+    def step(self, step: int) -> None:
+        """Step `step` completed (called first thing in Resumable.step_done)."""
+        if not self.on:
+            return
+        now = self._clock()
+        seconds, self._last = now - self._last, now
+        wait, self._wait = self._wait, 0.0
+        r = self.recorder
+        r.observe("elastic_train_step_seconds", seconds)
+        r.observe("elastic_train_data_wait_seconds", wait)
+        r.inc("elastic_train_steps_total")
+        if self._samples:
+            r.inc("elastic_train_samples_total", self._samples)
+            if self._tokens:
+                r.inc("elastic_train_tokens_total", self._tokens)
+        self.productive += seconds
+        self.last_step = step
+        if any(step % c == 0 for c in self._cadences):
+            self.marks.append([step, self.productive])
+            if len(self.marks) > _MAX_MARKS:
+                del self.marks[0]
+        if r.meta["first_step_at"] is None:
+            r.meta["first_step_at"] = r.wall()  # the agent's failure-to-first-step time: tell it at once
+            self.flush()
+        elif r.due():
+            self.flush()
+
+    def flush(self) -> None:
+        """Take in the checkpointer's finished saves and the throughput, then write the file."""
+        if not self.on:
+            return
+        r = self.recorder
+        if self._ckpt is not None:
+            for m in self._ckpt.metrics:
+                self._count_save(m)
+        now = self._clock()
+        samples = r.get("elastic_train_samples_total")
+        if self._samples and now > self._rate_at:
+            rate = (samples - self._rate_samples) / (now - self._rate_at)
+            r.set("elastic_train_samples_per_second", rate)
+            if self._tokens:
+                r.set("elastic_train_tokens_per_second", rate * self._tokens / self._samples)
+        self._rate_at, self._rate_samples = now, samples
+        if self.last_step is not None:
+            r.set("elastic_train_step", self.last_step)
+        r.set("elastic_train_productive_seconds", self.productive)
+        self._save_state()
+        r.flush()
+
+    def _count_save(self, m: SaveMetrics) -> None:
+        seen = self._seen.setdefault(m.step, set())
+        r = self.recorder
+        if "stall" not in seen and (m.tier0_s is not None or m.tier1_s is not None or m.done):
+            seen.add("stall")
+            r.observe("elastic_ckpt_stall_seconds", m.stall_s + m.wait_staged_s)
+            self.productive -= m.wait_staged_s  # inside a step, waiting for the checkpoint's copy
+        if "persist" not in seen and m.tier1_s is not None:
+            seen.add("persist")
+            r.observe("elastic_ckpt_persist_seconds", m.tier1_s)
+        if "upload" not in seen and m.tier2_s is not None:
+            seen.add("upload")
+            r.observe("elastic_ckpt_upload_seconds", m.tier2_s)
+        if "lag" not in seen and m.upload_lag_steps is not None:
+            seen.add("lag")
+            r.set("elastic_ckpt_upload_lag_steps", m.upload_lag_steps)
+        outcome = _FINAL.get(m.status)
+        if "outcome" not in seen and outcome is not None:
+            seen.add("outcome")
+            r.inc("elastic_ckpt_saves_total", 1.0, outcome)
+        if len(self._seen) > 512:  # the checkpointer keeps the last 256 saves
+            for old in sorted(self._seen)[:256]:
+                del self._seen[old]
+
+    def _save_state(self) -> None:
+        self.recorder.state.update(productive=self.productive, marks=self.marks, step=self.last_step)
+
+
+class _Timed:
+    __slots__ = ("_it", "_t")
+
+    def __init__(self, it: Iterator[Any], telemetry: Telemetry) -> None:
+        self._it, self._t = it, telemetry
+
+    def __iter__(self) -> _Timed:
+        return self
+
+    def __next__(self) -> Any:
+        t = self._t
+        start = t._clock()
+        try:
+            return next(self._it)
+        finally:
+            t._wait += t._clock() - start
+
+    def __getattr__(self, name: str) -> Any:  # e.g. a DataLoader iterator's _shutdown_workers
+        return getattr(self._it, name)
+
+
+def _productive_at(marks: list[list[float]], step: int, productive: float, last_step: int) -> float:
+    """The productive time at `step`: its mark, else interpolated between the nearest marks (the
+    newest mark and `last_step` bound the range from above)."""
+    below = [(0.0, 0.0)]
+    above = (float(last_step), productive)
+    for s, p in marks:
+        if s == step:
+            return p
+        if s < step:
+            below.append((s, p))
+        elif s < above[0]:
+            above = (s, p)
+    s0, p0 = max(below)
+    s1, p1 = above
+    return p0 if s1 <= s0 else p0 + (p1 - p0) * (step - s0) / (s1 - s0)
