@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ckpt import Checkpointer, Restored
 from ckpt.metrics import SaveMetrics
-from elastic.worker_metrics import RESTORE_TIERS, SAVE_OUTCOMES, WorkerMetrics
+from elastic.worker_metrics import FLUSH_INTERVAL_S, RESTORE_TIERS, SAVE_OUTCOMES, SPECS, WorkerMetrics
 
 _MAX_MARKS = 64
 _FINAL = {"snapshot": "ok", "persisted": "ok", "uploaded": "ok", "committed": "ok", "skipped": "skipped",
@@ -31,16 +32,26 @@ _FINAL = {"snapshot": "ok", "persisted": "ok", "uploaded": "ok", "committed": "o
 class Telemetry:
     def __init__(self, recorder: WorkerMetrics, *, checkpointer: Checkpointer | None = None,
                  samples_per_step: int | None = None, tokens_per_sample: int | None = None,
-                 cadences: tuple[int, ...] = (), clock: Callable[[], float] = time.monotonic) -> None:
+                 cadences: tuple[int] | tuple[int, int] | tuple[()] = (),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.recorder = recorder
         self.on = recorder.enabled
         self._ckpt = checkpointer
         self._samples = samples_per_step or 0
         self._tokens = (tokens_per_sample or 0) * self._samples
-        self._cadences = cadences or (1,)
+        cadences = cadences or (1,)
+        self._c1, self._c2 = cadences[0], cadences[-1]  # the checkpoint cadences: snapshot and persist
         self._clock = clock
         self._last = clock()
+        self._next_flush = self._last
         self._wait = 0.0
+        self._steps = 0  # since the last flush: the counters are folded in there, not per step
+        self._first_pending = True
+        # The hot path's histograms, resolved once.
+        self._h_step = recorder.hist["elastic_train_step_seconds"]
+        self._h_wait = recorder.hist["elastic_train_data_wait_seconds"]
+        self._buckets = SPECS["elastic_train_step_seconds"].buckets
+        assert self._buckets == SPECS["elastic_train_data_wait_seconds"].buckets
         self._rate_at, self._rate_samples = self._last, 0.0
         self._seen: dict[int, set[str]] = {}
         st = recorder.state
@@ -68,8 +79,11 @@ class Telemetry:
                    cadences=(config.persist_interval, snapshots))
 
     def timed(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """`batches`, with the time blocked in each next() counted as this step's data wait."""
-        return _Timed(iter(batches), self) if self.on else iter(batches)
+        """`batches`, with the time blocked in each next() counted as this step's data wait (a list or
+        tuple is not a loader: it is not timed, e.g. train_loop's micro-batches, already timed)."""
+        if not self.on or isinstance(batches, (list, tuple)):
+            return iter(batches)
+        return batches if isinstance(batches, _Timed) else _Timed(iter(batches), self)
 
     def resumed(self, step: int, restored: Restored | None) -> None:
         """The restore is done (`restored` None: a fresh start): steps after `step` that ran before are lost."""
@@ -87,36 +101,37 @@ class Telemetry:
         self.last_step = step
         r.set("elastic_train_step", step)
         r.meta["first_step_at"] = None  # the next step is the first after this restore
+        self._first_pending = True
         self._last = self._clock()  # the first step's time starts now, not at the process start
         self._wait = 0.0
-        self._save_state()
-        r.flush()
+        self.flush()
 
     def step(self, step: int) -> None:
         """Step `step` completed (called first thing in Resumable.step_done)."""
         if not self.on:
             return
+        # The hot path, kept to a clock read and a few attribute updates (bench/metrics_overhead.py).
         now = self._clock()
         seconds, self._last = now - self._last, now
         wait, self._wait = self._wait, 0.0
-        r = self.recorder
-        r.observe("elastic_train_step_seconds", seconds)
-        r.observe("elastic_train_data_wait_seconds", wait)
-        r.inc("elastic_train_steps_total")
-        if self._samples:
-            r.inc("elastic_train_samples_total", self._samples)
-            if self._tokens:
-                r.inc("elastic_train_tokens_total", self._tokens)
+        buckets, counts = self._buckets, self._h_step
+        counts[bisect_left(buckets, seconds)] += 1  # le: a value on a bound is in that bound's bucket
+        counts[-1] += seconds
+        counts = self._h_wait
+        counts[bisect_left(buckets, wait)] += 1
+        counts[-1] += wait
+        self._steps += 1
         self.productive += seconds
         self.last_step = step
-        if any(step % c == 0 for c in self._cadences):
+        if step % self._c1 == 0 or step % self._c2 == 0:
             self.marks.append([step, self.productive])
             if len(self.marks) > _MAX_MARKS:
                 del self.marks[0]
-        if r.meta["first_step_at"] is None:
-            r.meta["first_step_at"] = r.wall()  # the agent's failure-to-first-step time: tell it at once
+        if self._first_pending:
+            self._first_pending = False
+            self.recorder.meta["first_step_at"] = self.recorder.wall()  # the agent's failure-to-first-step time
             self.flush()
-        elif r.due():
+        elif now >= self._next_flush:
             self.flush()
 
     def flush(self) -> None:
@@ -128,6 +143,13 @@ class Telemetry:
             for m in self._ckpt.metrics:
                 self._count_save(m)
         now = self._clock()
+        self._next_flush = now + FLUSH_INTERVAL_S
+        steps, self._steps = self._steps, 0
+        r.inc("elastic_train_steps_total", steps)
+        if self._samples:
+            r.inc("elastic_train_samples_total", steps * self._samples)
+            if self._tokens:
+                r.inc("elastic_train_tokens_total", steps * self._tokens)
         samples = r.get("elastic_train_samples_total")
         if self._samples and now > self._rate_at:
             rate = (samples - self._rate_samples) / (now - self._rate_at)
