@@ -60,9 +60,10 @@ def _install() -> str | None:
 
 
 class PrometheusServer:
-    """One Prometheus that scrapes `targets` every second and evaluates `rule_files` every second."""
+    """One Prometheus with the scrape configs `scrape_configs` (job names and discovery; it scrapes every
+    second) that evaluates `rule_files` every second."""
 
-    def __init__(self, work: Path, targets: list[str], rule_files: list[Path]) -> None:
+    def __init__(self, work: Path, scrape_configs: list[dict[str, Any]], rule_files: list[Path]) -> None:
         binary, _ = prometheus_bins()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -70,7 +71,7 @@ class PrometheusServer:
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in rule_files],
-            "scrape_configs": [{"job_name": "elastic-train", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": scrape_configs,
         }
         (work / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = (work / "prometheus.log").open("w")

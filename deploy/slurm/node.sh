@@ -36,6 +36,9 @@
 #                      --shared-url; set it empty to append nothing)
 #   MAX_RESTARTS       elastic-run --max-restarts (default 10)
 #   LOCAL_ADDR         elastic-run --local-addr (default: elastic-run's own choice, the FQDN)
+#   METRICS_PORT       elastic-run --metrics-port: serve Prometheus metrics on this port (default: none)
+#   PROM_SD_DIR        with METRICS_PORT: write this node's target there for Prometheus's file-based
+#                      discovery (a shared directory; deploy/observability/prometheus-slurm.yml reads it)
 #   LEASE_TTL, JOIN_TIMEOUT, LAST_CALL_TIMEOUT, ETCD_TIMEOUT, ETCD_PREFIX, ETCD_CACERT, ETCD_CERT,
 #   ETCD_KEY, ETCD_USER, ETCD_PASSWORD_FILE, JOIN_TOKEN_FILE
 #                      the --rdzv-conf keys lease_ttl, join_timeout, last_call_timeout,
@@ -247,6 +250,7 @@ cmd_run() {
         --max-restarts "${MAX_RESTARTS:-10}")
     [[ -z $conf ]] || cmd+=(--rdzv-conf "$conf")
     [[ -z ${LOCAL_ADDR:-} ]] || cmd+=(--local-addr "$LOCAL_ADDR")
+    [[ -z ${METRICS_PORT:-} ]] || cmd+=(--metrics-port "$METRICS_PORT")
     cmd+=("$@")
     local dir_flag=${CKPT_DIR_FLAG---ckpt-dir} url_flag=${SHARED_URL_FLAG---shared-url}
     [[ -z $dir_flag ]] || cmd+=("$dir_flag" "$local_dir")
@@ -256,8 +260,26 @@ cmd_run() {
         mkdir -p "$local_dir"
         # A plain path is a directory on the parallel filesystem; URLs (s3://...) need no mkdir.
         [[ $shared == *://* ]] || mkdir -p "$shared"
+        [[ -z ${METRICS_PORT:-} || -z ${PROM_SD_DIR:-} ]] || write_sd_target "$node_id" "$run"
     fi
     launch "${cmd[@]}"
+}
+
+# Prometheus file-based service discovery: this node's metrics endpoint, one file per node in
+# PROM_SD_DIR, replaced atomically. elastic-train.sbatch removes the job's files when it ends.
+write_sd_target() {
+    local node=$1 run=$2 host id file word
+    is_uint "$METRICS_PORT" || die "METRICS_PORT='$METRICS_PORT' is not a port number"
+    host=${LOCAL_ADDR:-$(hostname -f 2>/dev/null || hostname)}
+    id=$(job_id)
+    for word in "$host" "$node" "$run"; do
+        [[ $word =~ ^[A-Za-z0-9._:-]+$ ]] || die "'$word' cannot go into a Prometheus target file (PROM_SD_DIR)"
+    done
+    mkdir -p "$PROM_SD_DIR"
+    file=$PROM_SD_DIR/elastic-train-$id-$node.json
+    printf '[{"targets": ["%s:%s"], "labels": {"slurm_job_id": "%s", "run_id": "%s", "node": "%s"}}]\n' \
+        "$host" "$METRICS_PORT" "$id" "$run" "$node" >"$file.tmp"
+    mv -f "$file.tmp" "$file"
 }
 
 cmd_etcd() {

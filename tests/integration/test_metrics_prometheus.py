@@ -5,7 +5,10 @@ increase, the kill is a restart by cause with its failure-to-first-step time, an
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +34,24 @@ def agent_port() -> int:
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory, agent_port: int) -> Iterator[PrometheusServer]:
-    """One Prometheus for the module, scraping the agent's port every second."""
-    server = PrometheusServer(tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{agent_port}"],
-                              [REPO / "deploy" / "observability" / "alerts.yml"])
+    """One Prometheus for the module. It finds the agent as on Slurm: deploy/slurm/node.sh writes the
+    node's target file (PROM_SD_DIR; a stand-in launcher, so nothing else runs) for file-based discovery."""
+    work = tmp_path_factory.mktemp("prometheus")
+    launcher = work / "elastic-run"
+    launcher.write_text("#!/bin/sh\nexit 0\n")
+    launcher.chmod(0o755)
+    env = {"PATH": os.environ["PATH"], "HOME": str(work), "SCONTROL": "/nonexistent/scontrol", "SLURM_JOB_ID": "77",
+           "SLURM_NNODES": "1", "SLURMD_NODENAME": "node0", "SLURM_JOB_NODELIST": "node0", "SLURM_TMPDIR": str(work),
+           "ELASTIC_RUN": str(launcher), "LOCAL_ADDR": "127.0.0.1", "METRICS_PORT": str(agent_port),
+           "PROM_SD_DIR": str(work / "targets")}
+    done = subprocess.run([str(REPO / "deploy" / "slurm" / "node.sh"), "run", "train.py"], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    target = json.loads((work / "targets" / "elastic-train-77-node0.json").read_text())
+    assert target == [{"targets": [f"127.0.0.1:{agent_port}"],
+                       "labels": {"slurm_job_id": "77", "run_id": "slurm-77", "node": "node0"}}]
+    scrape = {"job_name": "elastic-train", "file_sd_configs": [{"files": [str(work / "targets" / "*.json")]}]}
+    server = PrometheusServer(work, [scrape], [REPO / "deploy" / "observability" / "alerts.yml"])
     try:
         yield server
     finally:
@@ -79,7 +97,7 @@ def test_prometheus_sees_training_checkpoints_and_the_recovery(procs: Procs, tmp
     assert set(goodput) == {"0", "1"} and all(0 < v <= 1 for v in goodput.values()), goodput
     recomputed = _last(prometheus, "elastic_train_steps_recomputed_total")
     assert all(0 <= v <= KILL_AT for v in recomputed.values()), recomputed
-    assert _last(prometheus, "elastic_members", by="job") == {"elastic-train": 1}
+    assert _last(prometheus, "elastic_members", by="node") == {"node0": 1}  # the label of node.sh's target file
     assert _last(prometheus, "elastic_degraded", by="job") == {"elastic-train": 0}
     # alerts.yml's recording rules ran over the real series.
     assert set(_last(prometheus, "elastic:step_seconds:mean5m")) == {"0", "1"}

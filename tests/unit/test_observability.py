@@ -1,6 +1,8 @@
 """deploy/observability: the Grafana dashboard parses and asks only for series the project exports (those a
-real agent serves, with a worker file that has every series), and the alert rules pass `promtool check
-rules` and their unit tests (`promtool test rules`: each alert fires on a sick job, none on a healthy one)."""
+real agent serves, with a worker file that has every series); the alert rules pass `promtool check rules`
+and their unit tests (`promtool test rules`: each alert fires on a sick job, none on a healthy one); the
+Kubernetes trainer pods are scraped on the agent's port; the Slurm scrape config passes promtool (node.sh's
+target files are read by a real Prometheus in tests/integration/test_metrics_prometheus.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from tests.prometheus_fixtures import prometheus_bins
 pytestmark = pytest.mark.timeout(300)  # a first run installs Debian's prometheus package
 
 OBS = Path(__file__).resolve().parents[2] / "deploy" / "observability"
+K8S = OBS.parent / "k8s"
 _NAME = re.compile(r"\b(elastic_[a-z0-9_]+)\b")
 
 
@@ -76,3 +79,39 @@ def test_alert_rules_use_exported_series_and_pass_promtool(exported: set[str]) -
     for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
         done = subprocess.run([promtool, *args], cwd=OBS, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}{done.stderr}"
+
+
+def _trainer_pod_templates() -> list[dict[str, object]]:
+    job = next(d for d in yaml.safe_load_all((K8S / "job.yaml").read_text()) if d and d["kind"] == "Job")
+    jobset = next(d for d in yaml.safe_load_all((K8S / "jobset" / "jobset.yaml").read_text())
+                  if d and d["kind"] == "JobSet")
+    return [job["spec"]["template"], *(r["template"]["spec"]["template"] for r in jobset["spec"]["replicatedJobs"])]
+
+
+def test_kubernetes_trainer_pods_are_scraped_on_the_agents_metrics_port() -> None:
+    monitor = yaml.safe_load((OBS / "podmonitor.yaml").read_text())
+    templates = _trainer_pod_templates()
+    assert len(templates) >= 2
+    for template in templates:
+        meta, spec = template["metadata"], template["spec"]  # type: ignore[index]
+        container = next(c for c in spec["containers"] if c["name"] == "elastic-run")
+        flag = next(a for a in container["args"] if a.startswith("--metrics-port="))
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        annotations = meta["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+        assert int(flag.split("=")[1]) == ports["metrics"] == int(annotations["prometheus.io/port"])
+        wanted = monitor["spec"]["selector"]["matchLabels"]
+        assert wanted.items() <= meta["labels"].items(), "the PodMonitor does not select the trainer pods"
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    relabel = yaml.safe_load((OBS / "prometheus-kubernetes.yml").read_text())["scrape_configs"][0]["relabel_configs"]
+    sources = {s for r in relabel for s in r.get("source_labels", [])}
+    assert {"__meta_kubernetes_pod_annotation_prometheus_io_scrape",
+            "__meta_kubernetes_pod_annotation_prometheus_io_port"} <= sources
+
+
+def test_slurm_scrape_config_passes_promtool() -> None:
+    # (Debian's prometheus is built without Kubernetes discovery: prometheus-kubernetes.yml is checked above.)
+    _, promtool = prometheus_bins()
+    done = subprocess.run([promtool, "check", "config", "prometheus-slurm.yml"], cwd=OBS, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
