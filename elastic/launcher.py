@@ -101,7 +101,8 @@ def build_parser() -> ArgumentParser:
         type=int,
         default=None,
         metavar="PORT",
-        help="Serve Prometheus metrics (members, generation, restarts, last recovery, degraded) on PORT; 0 picks one.",
+        help="Serve Prometheus metrics on PORT: the agent's (members, restarts, recoveries, degraded) and its "
+        "workers' (steps, throughput, checkpoints, goodput; README, Observability); 0 picks one.",
     )
     return parser
 
