@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from chaos.config import PLACEHOLDERS, ChaosConfig
 from chaos.faults import CATALOG, parse_faults
 from chaos.ledger import become_subreaper
-from chaos.report import Report
+from chaos.report import Report, goodput_line
 from chaos.scenarios import SCENARIOS
 
 if TYPE_CHECKING:
@@ -168,6 +168,7 @@ def _print_summary(report: Report, directory: Path) -> None:
         else:
             print(f"  fault {f.kind} on {f.node} at step {f.at_step}: detect {f.detect_s} s, resume {f.resume_s} s, "
                   f"{f.steps_lost} steps lost")
+    print(f"  goodput: {goodput_line(report.goodput, report.reference_goodput)}")
 
 
 def _soak(config: ChaosConfig, runs: int, reference: Reference | None = None) -> int:

@@ -54,6 +54,8 @@ class Reference:
     notes: list[str] = field(default_factory=list)
     job: dict[str, Any] = field(default_factory=dict)
     """What the reference ran (`job_key`): another run may reuse it only for the same job."""
+    goodput: float | None = None
+    """The fault-free job's goodput (`goodput_of`); None: not measured (an older reference)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,7 +111,8 @@ def reference_of(job: JobResult, config: ChaosConfig) -> Reference:
     digests = [e for e in job.events if isinstance(e, tl.Digest)]
     if not job.lineage.steps:
         per_step = (job.t0 + job.duration_s - begin) / config.steps
-        return Reference(job.final_digest, job.final_world, {}, per_step, begin - job.t0, job=job_key(config))
+        return Reference(job.final_digest, job.final_world, {}, per_step, begin - job.t0, job=job_key(config),
+                         goodput=goodput_of(job))
     done_t = digests[0].t if digests else float("inf")
     prefix = [e for e in job.events if e.t <= done_t]
     runs = ln.attempts(prefix)
@@ -125,7 +128,16 @@ def reference_of(job: JobResult, config: ChaosConfig) -> Reference:
     world = runs[made_by.pop()].world
     losses = {s: c.loss for s, c in lin.steps.items()}
     return Reference(digests[0].digest if digests else None, world, losses, None, begin - job.t0, notes,
-                     job=job_key(config))
+                     job=job_key(config), goodput=goodput_of(job))
+
+
+def goodput_of(job: JobResult) -> float | None:
+    """The job's goodput as its agents measured it (the `job_summary` event of each agent that saw the
+    end: the mean over their ranks of the step time kept, over the agent's wall-clock time), averaged
+    over those agents; None when none reported it (a custom script without trainer, or no agent left)."""
+    found = [float(e.fields["goodput"]) for e in job.events
+             if isinstance(e, tl.AgentEvent) and e.name == "job_summary" and e.fields.get("goodput") is not None]
+    return round(sum(found) / len(found), 4) if found else None
 
 
 def why_restarted(events: list[tl.Event]) -> str:
@@ -201,6 +213,7 @@ def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], r
         reference_world_size=reference.world, final_world_size=job.final_world, scenario=config.scenario,
         seed=config.seed, config=config_json(config), duration_s=round(duration_s, 2),
         notes=_notes(config, job, records, reference, evidence), plot=_plot(job, records),
+        goodput=goodput_of(job), reference_goodput=reference.goodput,
     )
 
 

@@ -6,6 +6,7 @@ report.json:
     not_checked          {name: why} for those that could not (never counted as passed)
     invariant_details    {name: one line of evidence}
     faults               [{kind, node, at_step, detect_s, resume_s, steps_lost, skipped, ...}]
+    goodput, reference_goodput   share of wall-clock time in kept steps, of the fault run and the reference
     reference_digest, final_digest, reference_world_size, final_world_size
     error                why the run could not be judged, or null
 """
@@ -67,6 +68,10 @@ class Report:
     error: str | None = None
     notes: list[str] = field(default_factory=list)
     plot: Plot = field(default_factory=Plot, repr=False)
+    goodput: float | None = None
+    """The fault run's goodput (its agents' `job_summary`): share of wall-clock time in steps kept."""
+    reference_goodput: float | None = None
+    """The same of the fault-free reference run."""
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -125,6 +130,7 @@ def markdown(report: Report, *, has_png: bool = False) -> str:
         lines.append(f"| {f.index + 1} | {f.kind} | {f.node or ''} | {_cell(f.target)} | "
                      f"{'' if f.at_step is None else f.at_step} (planned {f.planned_step}) | {_num(f.detect_s)} | "
                      f"{_num(f.resume_s)} | {f.steps_lost} | {f.restarts} | {_cell(outcome)} |")
+    lines += ["", "## Goodput", "", goodput_line(report.goodput, report.reference_goodput)]
     lines += ["", "## Digests", "",
               f"- reference: `{report.reference_digest}` (world size {report.reference_world_size})",
               f"- final: `{report.final_digest}` (world size {report.final_world_size})", ""]
@@ -134,6 +140,17 @@ def markdown(report: Report, *, has_png: bool = False) -> str:
         lines += ["## Timeline", "", "![timeline](timeline.png)", ""]
     lines += ["Node logs are in `logs/` (each line prefixed with its monotonic read time).", ""]
     return "\n".join(lines)
+
+
+def goodput_line(goodput: float | None, reference: float | None) -> str:
+    """E.g. `0.62 (reference run 0.85): the faults cost 27% of the reference's useful time`."""
+    def f(v: float | None) -> str:
+        return "not measured" if v is None else f"{v:.2f}"
+
+    line = f"Share of wall-clock time in steps that were kept: {f(goodput)} (reference run {f(reference)})"
+    if goodput is not None and reference:
+        line += f"; the faults cost {max(0.0, 1 - goodput / reference):.0%} of the reference's useful time"
+    return line + "."
 
 
 def _cell(text: str) -> str:
