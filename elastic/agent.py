@@ -8,7 +8,12 @@
    failure is seen, the restart is a membership restart (as torch does for scale-up); if the loss
    only shows in the next round, the restart is refunded. `--max-restarts` therefore counts this
    node's own failures, not other nodes' (compare pytorch#108158).
-3. Structured events (`restart`, `recovered`, `hang_detected`) with timings, and optional metrics.
+3. Structured events (`restart`, `recovered`, `hang_detected`, `reform`, `reform_done`, `reform_fallback`) with
+   timings, and optional metrics.
+4. In-process re-formation (`--reform in-process`, the default, with a round-aware rendezvous such as
+   `etcd-v3`): on a membership change, workers that declared they can (elastic/reform.py) keep their
+   processes; the agent runs the next round and hands it to them. A worker that has not joined the new
+   round within `reform_timeout` is killed, and the group restarts the old way (logged and counted).
 
 Process supervision, worker env, error files and the restart loop itself stay torch's.
 `launch()` is the thin equivalent of `torch.distributed.launcher.api.launch_agent` that builds
@@ -26,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from torch.distributed.elastic import metrics as torch_metrics
 from torch.distributed.elastic.agent.server.api import (
@@ -42,9 +47,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
-from core import events, tier0_dir
+from core import events, procfs, tier0_dir
+from core.deadline import Deadline
 from core.events import emit
-from elastic import peer_loss, progress
+from elastic import peer_loss, progress, reform
 from elastic.job_metrics import JobMetrics
 from elastic.metrics import AgentMetrics
 
@@ -57,8 +63,15 @@ class AgentConfig:
     """A worker with no progress beat for this long is killed as hung; None disables hang detection."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (0: any free port); None disables them."""
+    reform: Literal["in-process", "restart"] = "in-process"
+    """On a membership change, keep the workers that can re-form in place (in-process) or restart all."""
+    reform_timeout: timedelta = timedelta(minutes=5)
+    """How long a kept worker may take to join the new round's process group (which waits for the round's
+    freshly started workers: a process start and a model build) before it is restarted."""
 
     def __post_init__(self) -> None:
+        if self.reform not in reform.MODES:
+            raise ValueError(f"reform must be one of {', '.join(reform.MODES)}, got {self.reform!r}")
         if self.hang_timeout is not None and self.hang_timeout <= timedelta(0):
             raise ValueError(f"hang_timeout must be positive, got {self.hang_timeout}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -116,6 +129,8 @@ class ElasticAgent(LocalElasticAgent):
         self.metrics = AgentMetrics.start(agent_config.metrics_port, getattr(spec, "local_addr", None) or "0.0.0.0")
         self.job = JobMetrics(self.progress_dir, self.metrics)  # workers' series, restarts by cause, summary
         self._failure_seen_at: float | None = None
+        self._rounds = reform.RoundChannel(self.progress_dir)
+        self._awaiting: tuple[int, Deadline] | None = None  # (generation, deadline) of an in-place round
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
         if self._round_info is not None:
@@ -123,6 +138,9 @@ class ElasticAgent(LocalElasticAgent):
             # for us to stop it (elastic/peer_loss.py): the lease TTL, two monitor intervals, a margin.
             grace = self._round_info.lease_ttl.total_seconds() + 2 * spec.monitor_interval + 2
             os.environ[peer_loss.ENV_GRACE] = f"{grace:g}"
+            if agent_config.reform == "in-process":
+                os.environ[reform.ENV_MODE] = "in-process"
+                os.environ[reform.ENV_TIMEOUT] = f"{agent_config.reform_timeout.total_seconds():g}"
 
     @property
     def _handler(self) -> Any:
@@ -133,8 +151,11 @@ class ElasticAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress.clear(self.progress_dir)
-        pids = super()._start_workers(worker_group)
+        self._rounds.clear()
+        self._awaiting = None
         info = self._round_info
+        os.environ[reform.ENV_GENERATION] = str(info.generation if info is not None else 0)
+        pids = super()._start_workers(worker_group)
         self.metrics.update(members=worker_group.group_world_size or 0,
                             generation=info.generation if info is not None else 0,
                             degraded=info.degraded if info is not None else False)
@@ -149,6 +170,8 @@ class ElasticAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if self._awaiting is not None and result.state == WorkerState.HEALTHY:
+            self._check_joined(worker_group)
         self.job.poll()  # after a failure: the first step after it
         if result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None:
             self._kill_hung_workers(worker_group, self.agent_config.hang_timeout.total_seconds())
@@ -182,6 +205,9 @@ class ElasticAgent(LocalElasticAgent):
                     pass
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        if self._can_reform_in_place(worker_group):
+            self._reform_in_place(worker_group)
+            return
         before, state = self._membership(), worker_group.state
         if self._failure_seen_at is None:
             self._failure_seen_at = time.monotonic()
@@ -199,6 +225,66 @@ class ElasticAgent(LocalElasticAgent):
         self.job.restarted(reason, lost)
         emit("restart", reason=reason, lost=lost, remaining_restarts=self._remaining_restarts,
              max_restarts=worker_group.spec.max_restarts)
+
+
+    # -- in-process re-formation (elastic/reform.py) ---------------------------------------------------
+
+    def _can_reform_in_place(self, worker_group: WorkerGroup) -> bool:
+        """Every local worker is alive and declared it can join a new round without a restart."""
+        if self.agent_config.reform != "in-process" or self._round_info is None:
+            return False
+        ready = self._rounds.ready_pids()
+        return bool(worker_group.workers) and all(
+            w.id is not None and ready.get(w.local_rank) == int(w.id) and procfs.alive(int(w.id))
+            for w in worker_group.workers)
+
+    def _reform_in_place(self, worker_group: WorkerGroup) -> None:
+        if self._failure_seen_at is None:
+            self._failure_seen_at = time.monotonic()
+        before = self._membership()
+        pids = {w.local_rank: w.id for w in worker_group.workers}
+        self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay
+        for w in worker_group.workers:
+            w.id = pids[w.local_rank]
+        info = self._round_info
+        assert info is not None
+        self._rounds.publish(info.generation, str(worker_group.master_addr), int(worker_group.master_port or 0),
+                             [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers])
+        self._awaiting = (info.generation, Deadline.after(self.agent_config.reform_timeout))
+        worker_group.state = WorkerState.HEALTHY
+        lost = sorted(set(before) - set(self._membership()))
+        if lost:
+            log.warning("peer node%s %s lost; re-forming the group in place with %d node%s",
+                        "s" if len(lost) > 1 else "", ", ".join(lost), worker_group.group_world_size or 0,
+                        "s" if (worker_group.group_world_size or 0) != 1 else "")
+        self.metrics.update(members=worker_group.group_world_size or 0, generation=info.generation)
+        emit("reform", generation=info.generation, lost=lost, world_size=worker_group.group_world_size,
+             group_rank=worker_group.group_rank)
+
+    def _check_joined(self, worker_group: WorkerGroup) -> None:
+        assert self._awaiting is not None
+        generation, deadline = self._awaiting
+        late = [w for w in worker_group.workers if self._rounds.acked(w.local_rank) < generation]
+        if not late:
+            seconds = round(time.monotonic() - (self._failure_seen_at or time.monotonic()), 3)
+            self._awaiting, self._failure_seen_at = None, None
+            self.metrics.update(last_recovery_seconds=seconds)
+            emit("reform_done", generation=generation, world_size=worker_group.group_world_size,
+                 group_rank=worker_group.group_rank, recovery_s=seconds)
+            return
+        if not deadline.expired():
+            return
+        # Stuck (in a CUDA call, a collective without a deadline, ...): the old way, a restart.
+        self._awaiting = None
+        for w in late:
+            log.warning("worker local rank %d (pid %s) did not join round %d within %gs; restarting it",
+                        w.local_rank, w.id, generation, self.agent_config.reform_timeout.total_seconds())
+            emit("reform_fallback", generation=generation, local_rank=w.local_rank, pid=w.id,
+                 timeout_s=self.agent_config.reform_timeout.total_seconds())
+            try:
+                os.kill(int(w.id), signal.SIGKILL)
+            except (ProcessLookupError, TypeError):
+                pass
 
 
 def _accepted(target: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:

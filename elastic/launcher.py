@@ -104,6 +104,14 @@ def build_parser() -> ArgumentParser:
         help="Serve Prometheus metrics on PORT: the agent's (members, restarts, recoveries, degraded) and its "
         "workers' (steps, throughput, checkpoints, goodput; README, Observability); 0 picks one.",
     )
+    ours.add_argument(
+        "--reform",
+        choices=("in-process", "restart"),
+        default="in-process",
+        help="On a membership change, keep workers that can re-form their process group in place (trainer's "
+        "Resumable with replicated state) and restart only the others (in-process, the default), or restart "
+        "every worker (restart). Needs the etcd-v3 backend; other backends always restart.",
+    )
     return parser
 
 
@@ -283,6 +291,7 @@ def run(args: Namespace, plan: Plan) -> dict[int, Any]:
         agent_config = AgentConfig(
             hang_timeout=timedelta(seconds=args.hang_timeout) if args.hang_timeout else None,
             metrics_port=args.metrics_port,
+            reform=args.reform,
         )
         return launch(config, cmd, cmd_args, agent_config)
     finally:

@@ -20,6 +20,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,25 @@ class Samples(Dataset[tuple[int, torch.Tensor, torch.Tensor]]):
         return i, self.x[i], self.y[i]
 
 
+def train_step(run: Resumable, ddp: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator[Any],
+               augment: float) -> float:
+    """One optimizer step; returns the global batch's mean loss. Its collectives (the gradients' and the
+    loss's all-reduce) come before optimizer.step(): a step interrupted in them leaves the state untouched,
+    so an in-process re-formation goes on from memory."""
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for (_, x, y), weight, sync in run.accumulate(batches):
+        if augment:
+            x = x + augment * torch.randn_like(x)
+        with sync:  # no_sync on all but the last micro-batch: one all-reduce per step
+            loss = nn.functional.mse_loss(ddp(x), y) * weight
+            loss.backward()
+        total += loss.detach()
+    dist.all_reduce(total)  # each rank's weighted losses sum to world x the global batch's mean loss
+    optimizer.step()
+    return total.item() / dist.get_world_size()
+
+
 def main() -> None:
     args = parse_args()
     torch.use_deterministic_algorithms(True)
@@ -98,19 +119,15 @@ def main() -> None:
             show(f"resumed from step {step}")
         batches = iter(sampler.loader(dataset, num_workers=args.num_workers))  # starts at the restored position
         while step < args.steps:
-            optimizer.zero_grad(set_to_none=True)
-            total = torch.zeros(())
-            for (_, x, y), weight, sync in run.accumulate(batches):
-                if args.augment:
-                    x = x + args.augment * torch.randn_like(x)
-                with sync:  # no_sync on all but the last micro-batch: one all-reduce per step
-                    loss = nn.functional.mse_loss(ddp(x), y) * weight
-                    loss.backward()
-                total += loss.detach()
-            optimizer.step()
+            try:
+                mean = train_step(run, ddp, optimizer, batches, args.augment)
+            except Exception as exc:  # a lost peer or a new round: re-form in place (re-raises anything else)
+                step = run.reform(exc)
+                rank, world = dist.get_rank(), dist.get_world_size()
+                show(f"reformed world={world} pid={os.getpid()} step={step}")
+                batches = iter(sampler.loader(dataset, num_workers=args.num_workers))
+                continue
             step += 1
-            dist.all_reduce(total)  # each rank's weighted losses sum to world x the global batch's mean loss
-            mean = total.item() / world
             if rank == 0:
                 show(f"step={step} loss={mean:.6f}")
             run.step_done(step, loss=mean)

@@ -101,8 +101,18 @@ class ElasticSampler:
             here = Topology.from_env()
             rank = here.rank if rank is None else rank
             world_size = here.world_size if world_size is None else world_size
+        self.config = config
+        self._partition(rank, world_size)
+        self.epoch = 0
+        self.position = 0
+        self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size) if logs else None
+        """The sample log (trainer/samples.py), when ELASTIC_SAMPLE_LOG_DIR turns it on (one writer per
+        data-parallel rank)."""
+
+    def _partition(self, rank: int, world_size: int) -> None:
         if world_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not valid for world size {world_size}")
+        config = self.config
         g = config.global_batch
         if world_size > g:
             raise ValueError(
@@ -115,7 +125,6 @@ class ElasticSampler:
                 f"global batch {g} over world size {world_size} gives some ranks {g // world_size} samples, "
                 f"fewer than the {accum} micro-batches per step that max_micro_batch {config.max_micro_batch} "
                 "needs; raise max_micro_batch or use a global batch that world size divides")
-        self.config = config
         self.rank = rank
         self.world_size = world_size
         self.accum_steps = accum
@@ -123,11 +132,15 @@ class ElasticSampler:
         start, stop = _split(g, world_size)[rank]
         self._slice = (start, stop)
         self._micro = [(start + a, start + b) for a, b in _split(stop - start, accum)]
-        self.epoch = 0
-        self.position = 0
-        self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size) if logs else None
-        """The sample log (trainer/samples.py), when ELASTIC_SAMPLE_LOG_DIR turns it on (one writer per
-        data-parallel rank)."""
+
+    def repartition(self, rank: int, world_size: int) -> None:
+        """Take rank `rank`'s share of the global batch in a world of `world_size` from the committed
+        position on (an in-process re-formation, trainer/regroup.py). Iterators made before are void:
+        make a new one (`iter(sampler.loader(...))`)."""
+        self._partition(rank, world_size)
+        if self.sample_log is not None:
+            self.sample_log.close()
+            self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size)
 
     @property
     def local_batch(self) -> int:

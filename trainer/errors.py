@@ -17,3 +17,8 @@ class InvalidStateError(TrainerError, ValueError):
     `Resumable.restore` treats it like a damaged file: it warns, naming the checkpoint, and falls
     back to an older step. The message names the entry at fault.
     """
+
+
+class RoundChanged(TrainerError):
+    """The agent published a new rendezvous round: this worker re-forms in place (`Resumable.reform`)
+    before its next step. Raised at a step boundary, caught by the loop like a failed step."""

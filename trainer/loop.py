@@ -38,7 +38,9 @@ def train_loop(
     micro-batches of the step: items of `loader` (build it with `sampler.loader(dataset)`; it is
     iterated only after the restore, so it starts at the restored data position), or lists of
     sample ids when `loader` is None. After each step `resumable.step_done` advances the data
-    position and saves every `save_every` steps. Its return value is ignored. The last step is
+    position and saves every `save_every` steps. Its return value is ignored. Under elastic-run a
+    membership change re-forms the group in place (`Resumable.reform`): the interrupted step is
+    discarded and run again by the new group, with a fresh iterator of `loader`. The last step is
     saved too (`Resumable.save_final`), so that the job restarted once finished does not redo it.
     """
     sampler = resumable.sampler
@@ -51,11 +53,18 @@ def train_loop(
         step = resumable.restore()
         batches = resumable.telemetry.timed(loader) if loader is not None else None  # data wait, for metrics
         while step < total_steps:
-            if batches is None:
-                micro: list[Any] = list(sampler.micro_batches())
-            else:
-                micro = [next(batches) for _ in range(sampler.accum_steps)]
-            train_step(step, micro)
+            try:
+                resumable.check_round()
+                if batches is None:
+                    micro: list[Any] = list(sampler.micro_batches())
+                else:
+                    micro = [next(batches) for _ in range(sampler.accum_steps)]
+                train_step(step, micro)
+            except Exception as exc:  # a lost peer or a new round: re-form in place (re-raises anything else)
+                step = resumable.reform(exc)
+                del batches  # its prefetched batches belong to the old partition
+                batches = resumable.telemetry.timed(loader) if loader is not None else None
+                continue
             step += 1
             resumable.step_done(step)
         resumable.save_final()

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -56,15 +57,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
 from core import faults
+from core.deadline import Deadline
 from core.events import emit
-from elastic import worker
-from trainer import rng, sharding
+from elastic import peer_loss, reform, worker
+from trainer import regroup, rng, sharding
 from trainer.accumulate import accumulate
 from trainer.agree import agree_on_checkpoint
 from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable, release_process_group
 from trainer.digest import state_digests_on, training_digest
+from trainer.errors import RoundChanged
 from trainer.sharding import Layout
 from trainer.telemetry import Telemetry
 from trainer.topology import Topology
@@ -140,6 +143,15 @@ class Resumable:
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._saved_step = -1
         self._closed = False
+        # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
+        # has stepped past it, and the RNG streams at that step boundary.
+        self._live_step = -1
+        self._stepped = False
+        self._boundary_rng: dict[str, Any] | None = None
+        if optimizer is not None:
+            self._hooks.append(optimizer.register_step_post_hook(self._optimizer_stepped))
+        self._rounds = (reform.RoundWatcher.start(_abort_process_group)
+                        if not self.sharded and dist.is_available() and dist.is_initialized() else None)
         t = self.topology
         emit("worker_started", rank=t.rank, world=t.world_size, local_rank=t.local_rank,
              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -165,9 +177,42 @@ class Resumable:
         settings (the message lists what differs), and ckpt's CheckpointVersionError when the
         newest checkpoint was written by a newer elastic-train.
         """
+        caught = self._join_group()
+        if caught is not None:
+            self._declare_ready()
+            return self._started(caught)
+        step = self._restore_from_checkpoints()
+        self._declare_ready()
+        return step
+
+    def _join_group(self) -> int | None:
+        """The first collectives of a restore or a re-formation, the same on every rank of the group:
+        take a live state from memory or a peer (trainer/regroup.py), then the incarnation token."""
+        caught = regroup.catch_up(
+            self.topology, -1 if self._stepped else self._live_step,
+            load_own=lambda step: self.checkpointer.restore(step=step, replicated=False),
+            apply_own=lambda r: self._apply(r.state, own_rank=True), state=self.state,
+            apply_peer=lambda state: self._apply(state, own_rank=False))
         # One token per incarnation: commits never count a rank directory a crashed earlier
         # incarnation left behind (all_min of random numbers is a random number all ranks share).
         self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
+        if caught is None:
+            return None
+        step, source = caught
+        if source != "memory":
+            emit("restored", step=step, tier="peer" if source == "peer" else "own", source_rank=None, path=None)
+        elif self._boundary_rng is not None:
+            rng.restore(self._boundary_rng)  # draws of the interrupted step are void
+        self.checkpointer.prepare(self.state())
+        self.step = self._saved_step = step
+        if source != "memory":
+            self._emit_digest(step, "restore")
+        if self.resumed_from is None:
+            self.resumed_from = step
+        self._mark_live(step)
+        return step
+
+    def _restore_from_checkpoints(self) -> int:
         # A sharded run's own tree is the layout its DTensors are restored into.
         template = self.state() if self.sharded else None
         restored = agree_on_checkpoint(
@@ -179,6 +224,7 @@ class Resumable:
             self.checkpointer.prepare(self.state())  # staging buffer allocated before the loop
             if self.sharded:
                 sharding.forget_optimizer_state(self.optimizer)  # the template's, made by get_state_dict
+            self._mark_live(0)
             return self._started(0)
         if template is not None:
             self._apply_sharded(restored)
@@ -196,6 +242,7 @@ class Resumable:
                      saved_world, self.topology.world_size, self.topology.rank, s.local_batch,
                      s.config.global_batch, s.accum_steps)
         log.info("resumed from step %d (%s)", restored.step, self.config.ckpt_dir)
+        self._mark_live(restored.step)
         return self._started(restored.step)
 
     def _started(self, step: int) -> int:
@@ -248,6 +295,82 @@ class Resumable:
             obj.load_state_dict(saved)
         self.extras.update(state.get("extras") or {})  # in place: the caller's dict
 
+    # -- in-process re-formation (trainer/regroup.py, elastic/reform.py) ----------------------------
+
+    def reform(self, error: BaseException | None = None) -> int:
+        """After a step failed with `error` (or at a step boundary): re-form the process group in place
+        if the agent has a new round, and return the step to continue from. Re-raises `error` otherwise.
+
+        Under elastic-run (`--reform in-process`, the default) a membership change does not restart
+        this process: the agent publishes the next round, the collective in flight fails, and this
+        joins the new group (new rank and world size), rebuilds the DDP wrapper in place, re-partitions
+        the sampler and agrees with the group on the step (the interrupted step is discarded). Make a
+        new data iterator afterwards: `iter(sampler.loader(...))`."""
+        watcher = self._rounds
+        round_ = watcher.newest() if watcher is not None else None
+        if watcher is not None and round_ is None and error is not None and _may_be_peer_loss(error):
+            round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
+        if watcher is None or round_ is None:
+            if error is not None:
+                raise error
+            return self.step
+        started = time.monotonic()
+        backend = str(dist.get_backend())
+        while True:
+            try:
+                regroup.join_round(round_, backend=backend, timeout=reform.join_timeout())
+                break
+            except Exception:  # noqa: BLE001 - a newer round (a peer of this one lost too) is the way out
+                newer = watcher.newest()
+                if newer is None or newer.generation <= round_.generation:
+                    raise
+                round_ = newer
+        watcher.joined(round_)
+        self._regroup(round_.rank, round_.world_size)
+        caught = self._join_group()
+        step = caught if caught is not None else self._restore_from_checkpoints()
+        seconds = round(time.monotonic() - started, 3)
+        emit("reformed", step=step, world=round_.world_size, generation=round_.generation, pid=os.getpid(),
+             reform_s=seconds)
+        log.info("reformed world=%d pid=%d step=%d in %.3fs", round_.world_size, os.getpid(), step, seconds)
+        return step
+
+    def check_round(self) -> None:
+        """Raise RoundChanged when the agent has published a new round (a step boundary is the place to
+        re-form: `accumulate` and `train_loop` call this before each step; catch it like a failed step)."""
+        if self._rounds is not None and (round_ := self._rounds.newest()) is not None:
+            raise RoundChanged(f"round {round_.generation} published: this worker becomes rank {round_.rank} "
+                               f"of {round_.world_size}; call Resumable.reform()")
+
+    def _regroup(self, rank: int, world_size: int) -> None:
+        """This process's place in the new group: topology, DDP wrapper, sampler, checkpointer."""
+        old = self.topology
+        self.topology = Topology(rank=rank, world_size=world_size, local_rank=old.local_rank)
+        self.layout = Layout.data_parallel(rank, world_size)
+        if self.ddp is not None:
+            regroup.rewrap_ddp(self.ddp)
+        if self.sampler is not None:
+            self.sampler.repartition(rank, world_size)
+        if (rank, world_size) != (old.rank, old.world_size):
+            # Its commits count ranks of the old world: finish what it has in flight, start one for this world.
+            if not self.checkpointer.close(timedelta(minutes=2)):
+                log.warning("rank %d: checkpoint work left unfinished at a re-formation: %s", old.rank,
+                            self.checkpointer.last_error)
+            self.checkpointer = Checkpointer(self.config.ckpt, rank=rank, world_size=world_size,
+                                             on_written=_rank_saved)
+
+    def _mark_live(self, step: int) -> None:
+        self._live_step, self._stepped = step, False
+        if self._rounds is not None:
+            self._boundary_rng = rng.capture()  # ~20 us; only where a re-formation can use it
+
+    def _optimizer_stepped(self, *_: Any) -> None:
+        self._stepped = True
+
+    def _declare_ready(self) -> None:
+        if self._rounds is not None:  # replicated state only (a sharded model has no watcher)
+            self._rounds.declare_ready()
+
     # -- the step --------------------------------------------------------------------------------
 
     def accumulate(self, batches: Iterable[Any]) -> Iterator[tuple[Any, float, AbstractContextManager[Any]]]:
@@ -255,6 +378,7 @@ class Resumable:
         trainer/accumulate.py. Needs the sampler."""
         if self.sampler is None:
             raise ValueError("Resumable.accumulate needs a Resumable with a sampler (it knows the micro-batches)")
+        self.check_round()  # a new round: re-form before this step (the loop catches RoundChanged)
         batches = self.telemetry.timed(batches)  # the time blocked on the loader, for metrics
         return accumulate(batches, self.sampler, self.ddp, sharded=self.model if self.sharded else None)
 
@@ -271,6 +395,7 @@ class Resumable:
         worker.beat(step)  # lets elastic-run's agent tell a hung worker from a slow one
         if self.sampler is not None:
             self.sampler.advance(step)
+        self._mark_live(step)
         fields: dict[str, Any] = {"step": step}
         if loss is not None:
             fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
@@ -378,6 +503,9 @@ class Resumable:
         if self._closed:
             return
         self._closed = True
+        if self._rounds is not None:
+            self._rounds.withdraw()  # from here on a membership change restarts this process
+            self._rounds.stop()
         worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
         for hook in self._hooks:
             hook.remove()
@@ -417,6 +545,21 @@ class Resumable:
         if destroy_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         return digest
+
+
+def _abort_process_group(_round: reform.Round) -> None:
+    # On the round watcher's thread: an NCCL collective waiting on a peer of the old round fails now.
+    # Not gloo: its abort() does not fail the collectives in flight (a lost peer's closed sockets do), and
+    # can block on the group's lock while the training thread destroys the group. There the training
+    # thread sees the round at its next step boundary (`check_round`).
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._get_default_group().abort()
+
+
+def _may_be_peer_loss(error: BaseException) -> bool:
+    """Whether `error` may come from the group changing (worth waiting for the agent's round)."""
+    text = str(error).lower()
+    return peer_loss.looks_like_peer_loss(error) or any(w in text for w in ("gloo", "nccl", "store", "abort"))
 
 
 def _rank_saved(step: int) -> None:

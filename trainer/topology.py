@@ -33,12 +33,26 @@ class Topology:
         """The minimum of `value` over all ranks."""
         if not self._grouped():
             return value
-        nccl = dist.get_backend() == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        t = torch.tensor([value], dtype=torch.int64, device=device)
+        t = torch.tensor([value], dtype=torch.int64, device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+    def all_gather(self, value: int) -> list[int]:
+        """`value` of every rank, in rank order."""
+        if not self._grouped():
+            return [value]
+        mine = torch.tensor([value], dtype=torch.int64, device=collective_device())
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        return [int(t.item()) for t in everyone]
 
     def barrier(self) -> None:
         if self._grouped():
             dist.barrier()
+
+
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take their tensors (NCCL: this rank's GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,136 @@
+"""In-process re-formation under elastic-run (issue K): survivors keep their processes and their step.
+
+Real etcd, real agents (one worker each), real SIGKILLs, examples/train_tiny.py (dropout on: its RNG
+draws are per rank, so a resume that lost a rank's RNG streams would show in the digest).
+- A node is lost and a spare takes its place, then the spare's node is lost: the survivors re-form in
+  place twice (same pids), each time from the step they had completed (none recomputed); the spare
+  catches up from a survivor's memory over the process group (its state's digest is theirs); each
+  step's global batch is consumed once.
+- One worker is SIGKILLed (its agent lives): the other worker re-forms in place, the replacement
+  restores its own tier-0 snapshot, and the final digest equals an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.faults import Fault
+from elastic.etcd_server import EtcdServer
+from tests.conftest import Procs
+from tests.integration.tiny_job import TinyJob
+
+pytestmark = pytest.mark.integration
+
+ARGS = ("--ckpt-every", "10", "--snapshot-every", "1", "--step-sleep", "0.05")
+
+
+def node(procs: Procs, tmp: Path, etcd: EtcdServer, run_id: str, name: str, nnodes: str, steps: int,
+         faults: tuple[Fault, ...] = ()) -> TinyJob:
+    return TinyJob(procs, tmp / name, "--steps", str(steps), "--ckpt-dir", str(tmp / name / "ckpt"), *ARGS,
+                   nproc=1, samples=tmp / "samples", faults=faults, env={"ELASTIC_STATE_DIGESTS": "1"},
+                   launcher=("--nnodes", nnodes, "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
+                             "--node-id", name, "--monitor-interval", "0.1", "--max-restarts", "3"))
+
+
+def wait_until(what: str, predicate: Callable[[], bool], jobs: list[TinyJob], timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            states = {j.events_dir.parent.name: [e["event"] for e in j.events()][-5:] for j in jobs}
+            raise AssertionError(f"timed out waiting for {what}: {states}")
+        time.sleep(0.1)
+
+
+def step_pids(job: TinyJob) -> set[int]:
+    return {int(e["pid"]) for e in job.events("step")}
+
+
+def last_step(job: TinyJob) -> int:
+    return max((int(e["step"]) for e in job.events("step")), default=0)
+
+
+def global_batches(samples: Path) -> dict[int, set[int]]:
+    """step -> the ids its records hold (every rank, every world size that ran it), from the sample logs."""
+    found: dict[int, set[int]] = defaultdict(set)
+    for path in samples.glob("samples-w*-r*-c*-p*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            found[rec["step"]].update(rec["ids"])
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_a_spare_replaces_a_lost_node_then_the_group_shrinks_and_survivors_keep_their_processes(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """3 nodes and a spare (max 3). Node loss: the spare takes the place, catching up from a survivor's memory
+    over the process group. Then the spare's node is lost too: the two survivors go on at world size 2."""
+    run_id, steps = f"reform-{uuid.uuid4().hex[:8]}", 70
+    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2:3", steps) for i in range(4)]
+    wait_until("3 nodes training together and a spare", lambda: sum(
+        any(e.get("world") == 3 and e["step"] >= 10 for e in j.events("step")) for j in jobs) == 3, jobs)
+    spare = next(j for j in jobs if not j.events("step"))
+    first = [j for j in jobs if j is not spare]
+    victim = max(first, key=lambda j: j.events("step")[-1]["rank"])
+    survivors = [j for j in first if j is not victim]
+    pids = {j.events_dir.parent.name: step_pids(j) for j in survivors}
+    procs.kill_node(victim.proc)
+    wait_until("the spare to train in the victim's place", lambda: len(spare.events("step")) >= 3, jobs)
+    procs.kill_node(spare.proc)
+    for j in survivors:
+        j.finish(timeout=180)
+
+    for j in survivors:
+        name = j.events_dir.parent.name
+        assert step_pids(j) == pids[name], f"{name}'s worker was restarted: pids {step_pids(j)}, before {pids[name]}"
+        reformed = j.events("reformed")
+        assert [e["world"] for e in reformed] == [3, 2], reformed
+        for e in reformed:  # from memory: the step completed before, nothing recomputed
+            done_before = [s["step"] for s in j.events("step") if s["ts"] < e["ts"]]
+            assert e["step"] == max(done_before), f"{name} recomputed completed steps at {e}"
+    restored = spare.events("restored")
+    assert [e["tier"] for e in restored] == ["peer"], restored  # a survivor's memory, not a disk
+    caught_up = {e["digest"] for e in spare.events("state_digest", point="restore")}
+    survivor_at = {e["digest"] for j in survivors for e in j.events("state_digest", point="save")
+                   if e["step"] == restored[0]["step"]}
+    assert len(caught_up) == 1 and caught_up == survivor_at, (caught_up, survivor_at)
+    digests = {e["digest"] for j in survivors for e in j.events("final_digest")}
+    assert len(digests) == 1, digests
+
+    history = global_batches(tmp_path / "samples")
+    assert sorted(history) == list(range(1, steps + 1))
+    assert all(len(ids) == 32 for ids in history.values()), "a step's global batch is incomplete or mixed"
+    every = [i for ids in history.values() for i in ids]
+    assert len(every) == len(set(every)), "a sample was consumed by two steps"
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_worker_is_replaced_and_the_survivor_re_forms_in_place_bitwise(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    steps = 40
+    reference = TinyJob(procs, tmp_path / "ref", "--steps", str(steps), "--ckpt-dir", str(tmp_path / "ref-ckpt"),
+                        *ARGS, nproc=2)
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    crash = (Fault(point="step", step=17, rank=1, action="sigkill"),)
+    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", steps, faults=crash) for i in range(2)]
+    for j in jobs:
+        j.finish(timeout=200)
+    reference.finish(timeout=200)
+
+    by_rank: dict[int, TinyJob] = {j.events("worker_started", restart=0)[0]["rank"]: j for j in jobs}
+    survivor, crashed = by_rank[0], by_rank[1]
+    assert len(step_pids(survivor)) == 1, f"the survivor's worker was restarted: {step_pids(survivor)}"
+    reformed = survivor.events("reformed")
+    assert len(reformed) == 1 and reformed[0]["world"] == 2, reformed
+    assert reformed[0]["step"] >= 16, f"the survivor went back more than one step: {reformed}"
+    restored: list[dict[str, Any]] = crashed.events("restored", restart=1)
+    assert [e["tier"] for e in restored] == ["own"], restored  # its own tier-0 snapshot: exact
+    final = {e["digest"] for j in jobs for e in j.events("final_digest")}
+    assert final == {reference.digest()}, "the re-formed run is not bitwise equal to the uninterrupted one"

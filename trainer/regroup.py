@@ -1,0 +1,171 @@
+"""Re-forming the process group in place: the trainer's side of elastic/reform.py.
+
+A worker kept over a membership change leaves its aborted process group, joins the new round's
+(`join_round`), rebuilds its DDP wrapper on it (`rewrap_ddp`), and then the whole new group agrees
+on the step it continues from (`catch_up`, also the first collective of every `Resumable.restore`,
+so that a freshly started worker of the new round takes part in the same exchange):
+
+1. Every rank says which step it holds live in memory: the last completed step, unless the
+   optimizer has stepped since (a step interrupted after `optimizer.step()`), else -1 (a fresh
+   process). No rank holds one: restore from checkpoints as usual.
+2. Every rank holds the newest, M: go on from memory. Nothing is read, nothing recomputed.
+3. Otherwise, exactly if possible: the newest step of M, M-1 that every rank either holds live or
+   can load its own checkpoint part of (tier 0 first: a replaced worker's snapshots outlive it).
+   Own parts keep each rank's RNG streams, so the run stays bitwise equal to an uninterrupted one;
+   at most one step is recomputed.
+4. Else the lowest rank holding M sends its state to the others over the process group (replicated
+   state only), verified with a sum64 checksum; a receiving rank's RNG streams are derived from the
+   sender's and its rank, as a restore does for a rank without a checkpoint part of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ckpt import Restored, tree
+from ckpt.checksum import digest_parts
+from elastic.reform import Round
+from trainer.ddp import release_process_group
+from trainer.errors import TrainerError
+from trainer.topology import Topology, collective_device
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 4 << 20
+
+
+class CatchUpError(TrainerError):
+    """The state a peer sent did not arrive intact."""
+
+
+def join_round(round_: Round, *, backend: str, timeout: timedelta) -> None:
+    """Leave the current (aborted) process group and join `round_`'s, as rank `round_.rank`."""
+    if dist.is_initialized():
+        try:
+            dist.distributed_c10d._get_default_group().abort()
+        except RuntimeError as exc:  # already aborted by the round watcher
+            log.debug("abort of the old process group: %s", exc)
+        dist.destroy_process_group()
+    # The round's TCPStore is new (elastic/rendezvous.py). A worker started for the round joins through
+    # env://, which puts the group's keys under "default_pg": so do we, to land in the same group.
+    store = dist.PrefixStore("default_pg", dist.TCPStore(round_.master_addr, round_.master_port, is_master=False,
+                                                         timeout=timeout))
+    dist.init_process_group(backend, store=store, rank=round_.rank, world_size=round_.world_size, timeout=timeout)
+    os.environ.update(RANK=str(round_.rank), WORLD_SIZE=str(round_.world_size), MASTER_ADDR=round_.master_addr,
+                      MASTER_PORT=str(round_.master_port))
+
+
+def rewrap_ddp(ddp: DistributedDataParallel) -> None:
+    """Rebuild `ddp` on the new default process group, in place: the caller's reference keeps working.
+
+    DDP's constructor broadcasts rank 0's parameters and buffers; a freshly started rank 0 of the new
+    round would overwrite this rank's live state with its initial one, so the state is put back after.
+    """
+    settings: dict[str, Any] = dict(
+        device_ids=ddp.device_ids, output_device=ddp.output_device, dim=ddp.dim,
+        broadcast_buffers=ddp.broadcast_buffers, find_unused_parameters=ddp.find_unused_parameters,
+        bucket_cap_mb=ddp.bucket_bytes_cap / (1024 * 1024), gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        static_graph=bool(getattr(ddp, "static_graph", False)))
+    if getattr(ddp, "_comm_hooks", None):
+        log.warning("the DDP wrapper had communication hooks; the rebuilt one has none: register them again")
+    module = ddp.module
+    live = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor)}
+    release_process_group(ddp)
+    fresh = DistributedDataParallel(module, **settings)
+    ddp.__dict__.update(fresh.__dict__)  # the old reducer goes with the old dict: its hooks are removed
+    del fresh
+    with torch.no_grad():
+        for key, value in module.state_dict(keep_vars=True).items():
+            if key in live:
+                value.copy_(live[key])
+    for p in module.parameters():
+        p.grad = None  # gradients of the interrupted step
+
+
+def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Restored | None],
+             apply_own: Callable[[Restored], None], state: Callable[[], Mapping[str, Any]],
+             apply_peer: Callable[[Mapping[str, Any]], None]) -> tuple[int, str] | None:
+    """Collective: the step the group goes on from and where this rank's state came from ("memory",
+    "own" checkpoint part, "peer"), or None when no rank holds a live state (see the module docstring).
+
+    `load_own(step)` loads this rank's own checkpoint part of `step` (None: none); `apply_own` applies
+    it; `state()` is this rank's state tree; `apply_peer` applies another rank's."""
+    live = topology.all_gather(live_step)
+    newest = max(live)
+    if newest < 0:
+        return None
+    mine = live[topology.rank]
+    if all(s == newest for s in live):
+        return newest, "memory"
+    for step in (newest, newest - 1):
+        if step < 0:
+            break
+        loaded = load_own(step) if mine != step else None
+        ok = mine == step or (loaded is not None and loaded.own and loaded.step == step)
+        if topology.all_min(int(ok)) == 1:
+            if loaded is not None:
+                apply_own(loaded)
+                return step, "own"
+            return step, "memory"
+    source = live.index(newest)
+    received = broadcast_state(state() if topology.rank == source else None, source, topology)
+    if mine != newest:
+        apply_peer(received)
+        return newest, "peer"
+    return newest, "memory"
+
+
+def broadcast_state(state: Mapping[str, Any] | None, source: int, topology: Topology) -> Mapping[str, Any]:
+    """`source`'s state tree on every rank: a JSON header (the tree's skeleton, each tensor's dtype and
+    shape, the checksum), then all tensors in one byte buffer. No pickle."""
+    device = collective_device()
+    if topology.rank == source:
+        assert state is not None
+        tensors, skeleton = tree.flatten(state)
+        parts = [t.detach().contiguous().view(-1).view(torch.uint8).cpu() for t in tensors.values()]
+        buffer = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        header = json.dumps({"skeleton": skeleton, "checksum": _checksum(buffer),
+                             "tensors": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                         for k, t in tensors.items()]}).encode()
+        size = torch.tensor([len(header), buffer.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(2, dtype=torch.int64, device=device)
+    dist.broadcast(size, source)
+    head_len, body_len = (int(x) for x in size.tolist())
+    head = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device) if topology.rank == source
+            else torch.empty(head_len, dtype=torch.uint8, device=device))
+    dist.broadcast(head, source)
+    body = buffer.to(device) if topology.rank == source else torch.empty(body_len, dtype=torch.uint8, device=device)
+    dist.broadcast(body, source)
+    if topology.rank == source:
+        assert state is not None
+        return state
+    doc = json.loads(bytes(head.cpu().numpy()))
+    body = body.cpu()
+    if _checksum(body) != doc["checksum"]:
+        raise CatchUpError(f"the state rank {source} sent ({body_len} bytes) does not match its checksum; "
+                           "the transfer was damaged: restart the job (it resumes from its checkpoints)")
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for key, dtype_name, shape in doc["tensors"]:
+        dtype = getattr(torch, dtype_name)
+        count = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        out[key] = body[offset:offset + count].view(dtype).reshape(shape).clone()
+        offset += count
+    restored: Mapping[str, Any] = tree.unflatten(doc["skeleton"], out)
+    return restored
+
+
+def _checksum(buffer: torch.Tensor) -> str:
+    view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+    return digest_parts([view], algorithm="sum64", chunk_bytes=_CHUNK).digest
