@@ -241,6 +241,7 @@ class ElasticAgent(LocalElasticAgent):
     def _reform_in_place(self, worker_group: WorkerGroup) -> None:
         if self._failure_seen_at is None:
             self._failure_seen_at = time.monotonic()
+        self.job.failed(self._failure_seen_at)  # metrics: the time to the first step after it
         before = self._membership()
         pids = {w.local_rank: w.id for w in worker_group.workers}
         self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay
@@ -260,6 +261,7 @@ class ElasticAgent(LocalElasticAgent):
         self.metrics.update(members=worker_group.group_world_size or 0, generation=info.generation)
         emit("reform", generation=info.generation, lost=lost, world_size=worker_group.group_world_size,
              group_rank=worker_group.group_rank)
+        self.job.reformed()
 
     def _check_joined(self, worker_group: WorkerGroup) -> None:
         assert self._awaiting is not None

@@ -329,6 +329,7 @@ class Resumable:
         self._regroup(round_.rank, round_.world_size)
         caught = self._join_group()
         step = caught if caught is not None else self._restore_from_checkpoints()
+        self.telemetry.resumed(step, None)  # metrics: steps after `step` are recomputed; the next is the first
         seconds = round(time.monotonic() - started, 3)
         emit("reformed", step=step, world=round_.world_size, generation=round_.generation, pid=os.getpid(),
              reform_s=seconds)
