@@ -222,7 +222,7 @@ class ElasticAgent(LocalElasticAgent):
             log.warning("peer node%s %s lost; the group re-formed with %d node%s",
                         "s" if len(lost) > 1 else "", ", ".join(lost), worker_group.group_world_size or 0,
                         "s" if (worker_group.group_world_size or 0) != 1 else "")
-        self.job.restarted(reason, lost)
+        self.job.restarted(reason, reformed=set(before) != set(self._membership()))
         emit("restart", reason=reason, lost=lost, remaining_restarts=self._remaining_restarts,
              max_restarts=worker_group.spec.max_restarts)
 

@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 CAUSE_OF_REASON = {"worker failure": "worker_failure", "peer lost": "peer_lost",
                    "membership change": "membership_change"}
 """The agent's restart reasons (the `restart` event) and their `cause` label."""
-_REFORMING = ("peer lost", "membership change")
 
 
 class WorkersCollector:
@@ -132,12 +131,13 @@ class JobMetrics:
         if self._failed_at is None:
             self._failed_at = self._wall() - (self._clock() - seen_at if seen_at is not None else 0.0)
 
-    def restarted(self, reason: str, lost: list[str]) -> None:
-        """The worker group restarted for `reason` (the `restart` event's); `lost` peer nodes."""
+    def restarted(self, reason: str, *, reformed: bool) -> None:
+        """The worker group restarted for `reason` (the `restart` event's); `reformed`: with other members
+        than before (a peer lost, a node joined), not the same ones after a worker failed."""
         cause = CAUSE_OF_REASON.get(reason, "other")
         self.restarts[cause] += 1
         self.metrics.restarted(cause)
-        if reason in _REFORMING or lost:
+        if reformed:
             self.reformed()
 
     def reformed(self) -> None:

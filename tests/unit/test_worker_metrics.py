@@ -125,7 +125,7 @@ def test_failure_to_first_step_and_the_summary(tmp_path: Path) -> None:
     run_steps(t, mono, 1, 12)  # 6 s of steps
     wall.now += 20.0
     job.failed(mono.now - 1.0)  # seen a second ago
-    job.restarted("worker failure", [])
+    job.restarted("worker failure", reformed=False)
     t.resumed(10, None)  # the restarted worker (in this process, for the test): steps 11 and 12 are lost
     job.poll()
     assert job._failed_at is not None  # no step since the failure
@@ -139,3 +139,12 @@ def test_failure_to_first_step_and_the_summary(tmp_path: Path) -> None:
     assert s.recomputed_steps == 2 and s.recomputed_s == pytest.approx(1.0)
     assert s.goodput == pytest.approx(6.0 / 36.5)
     assert "1 restart (worker_failure 1)" in s.line() and "goodput 0.16" in s.line()
+
+
+def test_a_restart_with_the_same_members_is_no_re_formation(tmp_path: Path) -> None:
+    job = JobMetrics(tmp_path, AgentMetrics.start(None))
+    job.restarted("membership change", reformed=False)  # the other node restarted its failed worker
+    job.restarted("peer lost", reformed=True)
+    s = job.summary()
+    assert s.restarts == {"membership_change": 1, "peer_lost": 1} and s.reformations == 1 and s.goodput is None
+    assert "2 restarts (membership_change 1, peer_lost 1), 1 re-formation," in s.line()
