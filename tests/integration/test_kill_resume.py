@@ -2,8 +2,8 @@
 
 The job is RNG-dependent on purpose (dropout and Gaussian input augmentation draw from the torch
 RNG), so a digest can only match if the RNG streams are restored exactly, not just the weights.
-Every run shares the module's reference run (same flags, never interrupted). Faults come from the
-library's injector (ELASTIC_FAULTS); what happened is read from the workers' events.
+Every run shares the module's reference run (same flags, never interrupted; the 3-rank job has a 3-rank
+one). Faults come from the library's injector (ELASTIC_FAULTS); what happened is read from the workers' events.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ killed at a random step. Without snapshots between the saves, a kill costs up to
 NO_TIER0 = {"ELASTIC_TIER0_DIR": ""}
 """Tier 0 off: every checkpoint comes from disk (tests of tier 1's own protocol)."""
 
+THREE_RANKS = ("--num-workers", "1")
+"""The flags of the 3-rank jobs (the kill inside a checkpoint write and its reference), with a DataLoader worker."""
+
 
 def random_kill(seed: int) -> Fault:
     rng = random.Random(seed)
@@ -50,8 +53,9 @@ def random_kill(seed: int) -> Fault:
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinyJob]]:
-    """The uninterrupted reference run and the runs with injected faults, started side by side (each is
-    mostly start-up and rendezvous, not compute) and shared by the tests below."""
+    """The uninterrupted reference runs and the runs with injected faults, started side by side (each is
+    mostly start-up and rendezvous, not compute) and shared by the tests below; once the reference has
+    finished, its restart on a copy of its checkpoint directory ("restarted") joins them."""
     procs = Procs()
     try:
         started = {
@@ -59,9 +63,14 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinyJob
             **{f"kill-{seed}": tiny(procs, tmp_path_factory.mktemp(f"kill{seed}"), "--num-workers", str(workers),
                                     *(("--snapshot-every", "1") if tier0 else ()), faults=(random_kill(seed),))
                for seed, workers, tier0 in RANDOM_KILLS},
-            "in-save": tiny(procs, tmp_path_factory.mktemp("insave"), faults=(Fault(point="save", step=15, rank=0),),
-                            env=NO_TIER0),
+            "reference-3": tiny(procs, tmp_path_factory.mktemp("ref3"), *THREE_RANKS, nproc=3),
+            "in-save": tiny(procs, tmp_path_factory.mktemp("insave"), *THREE_RANKS, nproc=3, env=NO_TIER0,
+                            faults=(Fault(point="save", step=15, rank=0),)),
         }
+        started["reference"].finish(timeout=240)
+        restarted = tmp_path_factory.mktemp("restarted")
+        shutil.copytree(started["reference"].events_dir.parent / "ckpt", restarted / "ckpt")
+        started["restarted"] = tiny(procs, restarted)
         for job in started.values():
             job.finish(timeout=240)
         yield started
@@ -103,31 +112,19 @@ def test_worker_killed_at_a_random_step_resumes_bitwise(
     assert job.digest() == reference
 
 
-@pytest.mark.timeout(240)
-def test_four_ranks_resume_bitwise(procs: Procs, tmp_path: Path) -> None:
-    # From 3 ranks on, float sums depend on the all-reduce's order, which depends on DDP's gradient
-    # bucket layout: the example's wrap_ddp keeps one layout, so the resumed run matches bitwise.
-    # The two jobs run side by side (each is mostly start-up and rendezvous, not compute). That load
-    # once exposed a race in the run-identity claim between a node's ranks (now claimed under the
-    # directory guard; tests/unit/test_ckpt_identity.py).
-    ref = tiny(procs, tmp_path / "ref", "--num-workers", "1", steps=15, nproc=4)
-    job = tiny(procs, tmp_path / "kill", "--num-workers", "1", steps=15, nproc=4,
-               faults=(Fault(point="step", step=12, rank=2),))
-    ref.finish(timeout=180)
-    job.finish(timeout=180)
-    assert_killed(job, point="step", step=12, rank=2)
-    assert job.resumed_from() in {5, 10}, job.out[-3000:]
-    assert job.digest() == ref.digest()
-
-
 @pytest.mark.timeout(300)
-def test_kill_inside_a_checkpoint_write_resumes_bitwise(jobs: dict[str, TinyJob], reference: str) -> None:
+def test_kill_inside_a_checkpoint_write_at_three_ranks_resumes_bitwise(jobs: dict[str, TinyJob]) -> None:
     # Rank 0 (the one that would write COMMIT) dies after its files of step 15 are on disk, before the commit.
     # Tier 0 is off in this job: it would hold step 15 whole (tier 1's protocol is what is tested here).
+    # Three ranks: from 3 ranks on, float sums depend on the all-reduce's order, which depends on DDP's
+    # gradient bucket layout; the example's wrap_ddp keeps one layout, so the resumed run matches its
+    # 3-rank reference bitwise. The module's jobs run side by side: that load once exposed a race in the
+    # run-identity claim between a node's ranks (now claimed under the directory guard;
+    # tests/unit/test_ckpt_identity.py).
     job = jobs["in-save"]
     assert_killed(job, point="save", step=15, rank=0)
     assert job.resumed_from() == 10, job.out[-3000:]  # the half-written step 15 was not restored
-    assert job.digest() == reference
+    assert job.digest() == jobs["reference-3"].digest()
     # Written again, and committed, after the resume.
     assert (job.events_dir.parent / "ckpt" / "step_000000000015" / "COMMIT").exists()
 
@@ -160,14 +157,10 @@ def test_external_sigkill_of_a_worker_resumes_to_identical_digest(
 
 
 @pytest.mark.timeout(300)
-def test_restart_of_a_finished_job_resumes_at_the_end(
-    procs: Procs, tmp_path: Path, jobs: dict[str, TinyJob], reference: str
-) -> None:
-    # The reference run is the finished job: it is restarted on a copy of its checkpoint directory.
+def test_restart_of_a_finished_job_resumes_at_the_end(jobs: dict[str, TinyJob], reference: str) -> None:
+    # The reference run is the finished job: it was restarted on a copy of its checkpoint directory.
     # Its last step (23, past the last interval save at 20) was saved at the end: nothing is redone.
-    shutil.copytree(jobs["reference"].events_dir.parent / "ckpt", tmp_path / "ckpt")
-    job = tiny(procs, tmp_path)
-    job.finish()
+    job = jobs["restarted"]
     assert job.resumed_from(restart=0) == STEPS
     assert not job.events("step")  # nothing is trained again
     assert job.digest() == reference
