@@ -1,7 +1,8 @@
-"""A plain torch.distributed script (no elastic-train imports) for bench/recovery_bench.py.
+"""A plain torch.distributed script (no elastic-train imports) for bench/recovery_bench.py's torchrun mode.
 
-Every rank does an all_reduce per step; rank 0 prints `step=<n> world=<ws> t=<unix time>` so the bench
-can see when the re-formed group makes its first step.
+Every rank does an all_reduce per step and prints `step=<n> world=<ws> rank=<r> pid=<pid> t=<unix time>`,
+so the bench can see when the re-formed group makes its first step and whether the survivors' processes
+are the same. It keeps no state: a restarted worker starts again at step 1.
 """
 
 import argparse
@@ -22,7 +23,7 @@ def main() -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group(args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, pid = dist.get_rank(), dist.get_world_size(), os.getpid()
     t = torch.zeros(1, device="cuda" if args.backend == "nccl" else "cpu")
     end = time.monotonic() + args.max_seconds
     step = 0
@@ -31,8 +32,7 @@ def main() -> None:
         if args.backend == "nccl":
             torch.cuda.synchronize()  # NCCL is asynchronous: a step counts once its collective finished
         step += 1
-        if rank == 0:
-            print(f"step={step} world={world} t={time.time():.3f}", flush=True)
+        print(f"step={step} world={world} rank={rank} pid={pid} t={time.time():.3f}", flush=True)
         time.sleep(args.interval)
     dist.destroy_process_group()
 
