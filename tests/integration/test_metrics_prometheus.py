@@ -23,8 +23,8 @@ from tests.prometheus_fixtures import PrometheusServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]  # a first run installs the package
 
-KILL_AT = 20
-STEPS = 60
+KILL_AT = 12
+STEPS = 40
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_prometheus_sees_training_checkpoints_and_the_recovery(procs: Procs, tmp
     job = TinyJob(procs, tmp_path, "--steps", str(STEPS), "--ckpt-dir", str(tmp_path / "ckpt"), "--ckpt-every", "10",
                   "--step-sleep", "0.1", launcher=("--metrics-port", str(agent_port), "--max-restarts", "1"),
                   faults=[Fault(point="step", step=KILL_AT, rank=1)])
-    # While it runs (4 s of steps after the restart, several scrapes): the steps counter only goes up,
+    # While it runs (3 s of steps after the restart, several scrapes): the steps counter only goes up,
     # restart or not, and the restarted pair's steps show up.
     deadline, seen = time.monotonic() + 120, []
     while time.monotonic() < deadline and job.proc.poll() is None:
