@@ -99,6 +99,7 @@ def test_prometheus_sees_training_checkpoints_and_the_recovery(procs: Procs, tmp
     assert all(0 <= v <= KILL_AT for v in recomputed.values()), recomputed
     assert _last(prometheus, "elastic_members", by="node") == {"node0": 1}  # the label of node.sh's target file
     assert _last(prometheus, "elastic_degraded", by="job") == {"elastic-train": 0}
+    assert _last(prometheus, "elastic_generation", by="job")["elastic-train"] >= 2  # the restart's new round
     # alerts.yml's recording rules ran over the real series.
     assert set(_last(prometheus, "elastic:step_seconds:mean5m")) == {"0", "1"}
 
