@@ -61,7 +61,7 @@ from elastic.etcd_server import EtcdServer, free_port  # noqa: E402
 
 WORKER = REPO / "bench" / "recovery_worker.py"
 TINY = REPO / "examples" / "train_tiny.py"
-LINE = re.compile(r"step=(\d+) world=(\d+) rank=(\d+) pid=(\d+) t=([\d.]+)")
+LINE = re.compile(r"step=(\d+) world=(\d+) t=([\d.]+) rank=(\d+) pid=(\d+)")
 MODES = ("in-process", "restart", "torchrun")
 FAULTS = ("node", "worker")
 STEP_SLEEP_S = 0.02  # short steps: "the first step after" is precise to a few tens of ms
@@ -104,7 +104,7 @@ class Node:
         for line in self.proc.stdout:
             self.lines.append(line)
             if m := LINE.search(line):
-                self.printed.append(Step(int(m[1]), int(m[2]), int(m[3]), int(m[4]), float(m[5]), self.index))
+                self.printed.append(Step(int(m[1]), int(m[2]), int(m[4]), int(m[5]), float(m[3]), self.index))
 
     def _poll_events(self) -> None:
         """Parse what the event files gained since the last call (whole lines only)."""
@@ -132,10 +132,19 @@ class Node:
         self._poll_events()
         return list(self.recorded)
 
-    def kill(self) -> None:
-        """SIGKILL the agent and every worker (torch puts workers in sessions of their own)."""
-        kill_tree(self.proc.pid, signal.SIGKILL)
+    def kill(self) -> float:
+        """SIGKILL the agent and every worker (torch puts workers in sessions of their own); returns when
+        (wall clock): the tree is read first, so reading /proc does not count as recovery time."""
+        targets = [self.proc.pid, *descendants(self.proc.pid)]
+        killed_at = time.time()
+        for pid in targets:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        kill_tree(self.proc.pid, signal.SIGKILL)  # anything forked meanwhile
         self.proc.wait(timeout=10)
+        return killed_at
 
 
 def stop_all(nodes: list[Node]) -> None:
@@ -159,7 +168,8 @@ def command(mode: str, nnodes: str, endpoint: str, run_id: str, index: int, work
               "--monitor-interval", "0.1"]
     if mode == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *common, "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", endpoint, str(WORKER), "--backend", backend, "--interval", str(STEP_SLEEP_S)]
+                "--rdzv-endpoint", endpoint, str(WORKER), "--backend", backend, "--interval", str(STEP_SLEEP_S),
+                "--every-rank"]
     return [sys.executable, "-m", "elastic.launcher", *common, "--rdzv-endpoint", endpoint, "--node-id",
             f"node{index}", "--reform", mode, str(TINY), "--steps", "1000000", "--ckpt-dir", str(work / "ckpt"),
             "--ckpt-every", "100", "--snapshot-every", "1", "--step-sleep", str(STEP_SLEEP_S)]
@@ -224,10 +234,10 @@ def measure(mode: str, fault: str, nodes: int, target: int, started: list[Node],
 
     old_pids = {**pids_before, victim.index: victim_pid}
     load = os.getloadavg()[0]
-    killed_at = time.time()
     if fault == "node":
-        victim.kill()
+        killed_at = victim.kill()
     else:
+        killed_at = time.time()
         os.kill(victim_pid, signal.SIGKILL)
 
     def regrouped() -> list[Step]:

@@ -1,8 +1,9 @@
 """A plain torch.distributed script (no elastic-train imports) for bench/recovery_bench.py's torchrun mode.
 
-Every rank does an all_reduce per step and prints `step=<n> world=<ws> rank=<r> pid=<pid> t=<unix time>`,
-so the bench can see when the re-formed group makes its first step and whether the survivors' processes
-are the same. It keeps no state: a restarted worker starts again at step 1.
+Every rank does an all_reduce per step; rank 0 prints `step=<n> world=<ws> t=<unix time>` (tests read that
+line too), with --every-rank every rank prints it followed by ` rank=<r> pid=<pid>`, so the bench can see
+when the re-formed group makes its first step and whether the survivors' processes are the same. It keeps
+no state: a restarted worker starts again at step 1.
 """
 
 import argparse
@@ -18,6 +19,7 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.1)
     p.add_argument("--max-seconds", type=float, default=600)
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--every-rank", action="store_true", help="every rank prints its steps, with its rank and pid")
     args = p.parse_args()
     if args.backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -32,7 +34,10 @@ def main() -> None:
         if args.backend == "nccl":
             torch.cuda.synchronize()  # NCCL is asynchronous: a step counts once its collective finished
         step += 1
-        print(f"step={step} world={world} rank={rank} pid={pid} t={time.time():.3f}", flush=True)
+        if args.every_rank:
+            print(f"step={step} world={world} t={time.time():.3f} rank={rank} pid={pid}", flush=True)
+        elif rank == 0:
+            print(f"step={step} world={world} t={time.time():.3f}", flush=True)
         time.sleep(args.interval)
     dist.destroy_process_group()
 
