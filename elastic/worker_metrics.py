@@ -9,11 +9,11 @@ A restarted worker continues its predecessor's file (same local rank, same agent
 series never go back across restarts, and `state` (the trainer's goodput ledger) carries over.
 
 `SPECS` is the one table of the series (name, type, help, label); the agent exports exactly these.
+The cadence (FLUSH_INTERVAL_S, and a flush at exit) is the caller's: trainer/telemetry.py.
 """
 
 from __future__ import annotations
 
-import atexit
 import bisect
 import json
 import os
@@ -78,10 +78,10 @@ class WorkerMetrics:
     """One worker's series. `path` None: a no-op recorder (not under elastic-run)."""
 
     def __init__(self, path: Path | None, *, rank: int, local_rank: int, restart: int,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time) -> None:
         self.path = path
         self.enabled = path is not None
-        self._clock, self.wall = clock, wall
+        self.wall = wall
         self.meta: dict[str, Any] = {"rank": rank, "local_rank": local_rank, "restart": restart, "pid": os.getpid(),
                                      "started_at": wall(), "first_step_at": None}
         self.values: dict[str, dict[str, float]] = {}
@@ -91,13 +91,11 @@ class WorkerMetrics:
         """Carried across restarts as it is (the trainer's own bookkeeping)."""
         self.carried: dict[str, Any] | None = None
         """The predecessor's file (its `meta` and `state`), or None."""
-        self._next_flush = 0.0
         for name, spec in SPECS.items():
             if spec.kind == "histogram":
                 self.hist[name] = [0.0] * (len(spec.buckets) + 2)
         if path is not None:
             self._carry(path)
-            atexit.register(self.flush)
 
     @classmethod
     def from_env(cls, *, rank: int, local_rank: int, restart: int) -> WorkerMetrics:
@@ -137,17 +135,12 @@ class WorkerMetrics:
         counts[bisect.bisect_left(SPECS[name].buckets, value)] += 1  # le: a value on a bound is in its bucket
         counts[-1] += value
 
-    def due(self) -> bool:
-        """Whether a flush is due (at most one per FLUSH_INTERVAL_S)."""
-        return self.enabled and self._clock() >= self._next_flush
-
     # -- the file -------------------------------------------------------------------------------
 
     def flush(self) -> None:
         """Write the file now (atomic replace); never raises: metrics must not break training."""
         if self.path is None:
             return
-        self._next_flush = self._clock() + FLUSH_INTERVAL_S
         body = {"meta": {**self.meta, "written_at": self.wall()}, "values": self.values, "hist": self.hist,
                 "state": self.state}
         tmp = self.path.with_name(self.path.name + ".tmp")

@@ -14,6 +14,7 @@ copy does not, nor does the time from a failure to the first step after it (no s
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from bisect import bisect_left
@@ -59,6 +60,7 @@ class Telemetry:
         self.marks: list[list[float]] = [list(m) for m in st.get("marks", [])]
         self.last_step: int | None = st.get("step")
         if self.on:
+            atexit.register(self.flush)  # the last second's steps, when the process ends without close()
             for outcome in SAVE_OUTCOMES:  # zeros, so that rate() and alerts see the series from the start
                 recorder.inc("elastic_ckpt_saves_total", 0.0, outcome)
             for tier in RESTORE_TIERS:

@@ -26,7 +26,7 @@ class Clock:
 
 def recorder(tmp_path: Path, clock: Clock, *, rank: int = 0, local_rank: int = 0, wall: Clock | None = None
              ) -> WorkerMetrics:
-    return WorkerMetrics(file_path(tmp_path, local_rank), rank=rank, local_rank=local_rank, restart=0, clock=clock,
+    return WorkerMetrics(file_path(tmp_path, local_rank), rank=rank, local_rank=local_rank, restart=0,
                          wall=wall or clock)
 
 
