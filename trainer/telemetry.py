@@ -53,7 +53,7 @@ class Telemetry:
         self._h_wait = recorder.hist["elastic_train_data_wait_seconds"]
         self._buckets = SPECS["elastic_train_step_seconds"].buckets
         assert self._buckets == SPECS["elastic_train_data_wait_seconds"].buckets
-        self._rate_at, self._rate_samples = self._last, 0.0
+        self._rate_at, self._rate_samples = self._last, recorder.get("elastic_train_samples_total")  # carried
         self._seen: dict[int, set[str]] = {}
         st = recorder.state
         self.productive: float = float(st.get("productive", 0.0))
@@ -153,12 +153,14 @@ class Telemetry:
             if self._tokens:
                 r.inc("elastic_train_tokens_total", steps * self._tokens)
         samples = r.get("elastic_train_samples_total")
-        if self._samples and now > self._rate_at:
+        # Over at least half a flush interval: a flush soon after another (the first step's, close's, the
+        # one at exit) keeps the last rate rather than report a spike or a zero.
+        if self._samples and now - self._rate_at >= FLUSH_INTERVAL_S / 2:
             rate = (samples - self._rate_samples) / (now - self._rate_at)
             r.set("elastic_train_samples_per_second", rate)
             if self._tokens:
                 r.set("elastic_train_tokens_per_second", rate * self._tokens / self._samples)
-        self._rate_at, self._rate_samples = now, samples
+            self._rate_at, self._rate_samples = now, samples
         if self.last_step is not None:
             r.set("elastic_train_step", self.last_step)
         r.set("elastic_train_productive_seconds", self.productive)

@@ -59,6 +59,9 @@ def test_counters_and_ledger_carry_over_a_restart(tmp_path: Path) -> None:
     run_steps(t2, clock, 11, 20)
     t2.flush()
     assert t2.recorder.get("elastic_train_steps_total") == 27
+    assert t2.recorder.get("elastic_train_samples_per_second") == pytest.approx(16)  # 8 a step, 2 steps a second
+    t2.flush()  # close()'s flush right after another: the rate stays, no zero and no spike
+    assert t2.recorder.get("elastic_train_samples_per_second") == pytest.approx(16)
     assert t2.recorder.get("elastic_train_productive_seconds") == pytest.approx(20 * 0.5)
 
 
