@@ -57,7 +57,6 @@ def batches(log: Path) -> dict[int, tuple[int, list[int]]]:
 def test_world_size_2_1_3_consumes_each_sample_once_and_follows_the_fixed_world_run(
     procs: Procs, tmp_path: Path
 ) -> None:
-    reference = tiny(procs, 2, STEPS, tmp_path / "ref", tmp_path / "ref-ckpt")  # runs alongside phase 1
     ckpt = tmp_path / "ckpt"
     # A job that finishes saves its last step: phases 1 and 2 fail right after their last step instead,
     # so that it is lost. Phase 1 commits 5, 10 and loses 11-13; phase 2 commits 15, 20 and loses 21-22.
@@ -66,6 +65,8 @@ def test_world_size_2_1_3_consumes_each_sample_once_and_follows_the_fixed_world_
                   faults=(Fault(point="step", step=13, action="raise"),))
     phase1.finish(ok=False)
     assert [e["step"] for e in phase1.events("fault")] == [13, 13]
+    # The fixed-world run goes beside phase 2, whose one worker would leave a core idle.
+    reference = tiny(procs, 2, STEPS, tmp_path / "ref", tmp_path / "ref-ckpt")
     phase2 = tiny(procs, 1, 22, tmp_path / "p2", ckpt, "--num-workers", "2", launcher=stop,
                   faults=(Fault(point="step", step=22, action="raise"),))
     phase2.finish(ok=False)
