@@ -1,8 +1,9 @@
 """Recovery after a fault, side by side: elastic-run in-process, elastic-run restart and torchrun (c10d).
 
 N simulated nodes on loopback, one agent + 1 worker each, every agent in a session of its own. Once the
-group has trained 20 steps at world size N, the bench injects one fault into the node that holds the
-last rank and times until the re-formed group's first step:
+group has trained 20 steps at world size N (and a random 0-200 ms more, so the kill lands anywhere in a
+step), the bench injects one fault into the node that holds the last rank and times until the re-formed
+group's first step:
 - `node`: SIGKILL the node's agent and worker (`--nnodes 1:N`); the survivors go on at world size N-1;
 - `worker`: SIGKILL only its worker (`--nnodes N`); its agent starts a new one; the group goes on at N.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -66,6 +68,7 @@ MODES = ("in-process", "restart", "torchrun")
 FAULTS = ("node", "worker")
 STEP_SLEEP_S = 0.02  # short steps: "the first step after" is precise to a few tens of ms
 WARMUP_STEPS = 20
+KILL_PHASE_S = 0.2  # the kill lands up to this long after the 20th step was seen
 AGENT_EVENTS = ("reform", "restart")
 
 
@@ -225,6 +228,8 @@ def measure(mode: str, fault: str, nodes: int, target: int, started: list[Node],
         return len({s.rank for s in at_n}) == nodes and len({s.step for s in at_n}) >= WARMUP_STEPS
 
     wait_for(together, 180, f"{mode}: {nodes} nodes training together")
+    # Not right after a step record (when the bench sees it): at a random phase of the step cycle.
+    time.sleep(random.uniform(0, KILL_PHASE_S))
     latest = {s.node: s for s in sorted((s for s in steps() if s.world == nodes), key=lambda s: s.ts)}
     # The last rank's node; c10d's store host (torchrun's first agent) must live.
     victim = max((n for n in started if not (mode == "torchrun" and n.index == 0)), key=lambda n: latest[n.index].rank)
@@ -303,7 +308,8 @@ def compare(scenarios: dict[str, dict[str, Any]], fault: str, nodes: int) -> dic
     inproc = scenarios.get(f"in-process_{fault}_{nodes}_nodes", {})
     if ours is not None:
         limit, recompute = (0.5, 0) if fault == "node" else (1.0, 1)
-        entry["target"] = f"in-process median <= {limit} s, pids unchanged, <= {recompute} recomputed"
+        entry["target"] = f"in-process median <= {limit} s, pids unchanged, <= {recompute} recomputed" + (
+            "" if fault == "node" else " (issue K: with a warm spare process, which this slice lacks)")
         entry["meets_target"] = (ours <= limit and inproc["recomputed_max"] <= recompute
                                  and not inproc["survivor_pids_changed"])
     return entry
