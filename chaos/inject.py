@@ -5,6 +5,7 @@ as skipped; it never passes silently.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -217,9 +218,16 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
     tier0 = next((d for w in workers if (d := environ(w.pid).get(TIER0_ENV))), None)
     if workers:
         killed = workers[0].pid
-        to.ledger.record(killed, f"worker rank {workers[0].rank} of {node.name}")
-        os.kill(killed, signal.SIGKILL)
-        _wait_gone(killed)
+        # Every node's workers: a survivor that re-forms in place (elastic/reform.py) would hand its live
+        # state to the replacement, and no restore would read a checkpoint at all.
+        for n in to.cluster.live_nodes:
+            for w in n.workers():
+                to.ledger.record(w.pid, f"worker rank {w.rank} of {n.name}")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGKILL)
+        for n in to.cluster.live_nodes:
+            for w in n.workers():
+                _wait_gone(w.pid)
     step, step_dir = newest_committed(node.local_dir)
     if step_dir is None:  # the killed worker's retention took it: a restart with nothing to corrupt
         return Injection(node.name, f"group rank {fault.target}", details={"killed_worker_pid": killed},

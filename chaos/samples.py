@@ -27,9 +27,13 @@ class SampleRecord:
     step: int
     rank: int
     ids: tuple[int, ...]
+    world: int | None = None
+    """The world size the worker was in (from the file name): a process re-formed in place writes a file
+    per world it ran in."""
 
 
 _SAMPLES_FILE = re.compile(r"-p(\d+)\.jsonl$")
+_WORLD = re.compile(r"-w(\d+)-")
 
 
 def read_samples(directory: Path) -> list[SampleRecord]:
@@ -39,11 +43,12 @@ def read_samples(directory: Path) -> list[SampleRecord]:
         m = _SAMPLES_FILE.search(path.name)
         if m is None:
             continue
+        w = _WORLD.search(path.name)
         for line in path.read_text(errors="replace").splitlines():
             try:
                 doc = json.loads(line)
                 out.append(SampleRecord(int(m[1]), int(doc["step"]), int(doc["rank"]),
-                                        tuple(int(i) for i in doc["ids"])))
+                                        tuple(int(i) for i in doc["ids"]), int(w[1]) if w else None))
             except (ValueError, KeyError, TypeError):
                 continue
     return out
@@ -53,16 +58,19 @@ def consumed_by_step(events: list[Event], runs: list[Attempt], lin: Lineage,
                      records: list[SampleRecord]) -> tuple[dict[int, list[int]], list[str]]:
     """For every committed step, the sample ids the attempt that committed it consumed, in rank order.
 
-    A worker belongs to the attempt whose start is nearest to its `worker_started` event."""
+    A worker belongs to the attempt whose start is nearest to its `worker_started` event, and a worker that
+    re-formed in place also to the attempt of each `reformed` event (there, its records of the attempt's
+    world size)."""
     starts = [a.start_t for a in runs]
-    attempt_of: dict[int, int] = {}
+    attempts_of: dict[int, set[int]] = {}
     for e in events:
         if isinstance(e, WorkerStart) and starts:
-            attempt_of[e.pid] = min(range(len(starts)), key=lambda i: abs(starts[i] - e.t))
+            attempts_of.setdefault(e.pid, set()).add(min(range(len(starts)), key=lambda i: abs(starts[i] - e.t)))
     by_key: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
     for r in records:
-        if r.pid in attempt_of:
-            by_key.setdefault((attempt_of[r.pid], r.step), {})[r.rank] = r.ids
+        for a in attempts_of.get(r.pid, ()):
+            if r.world is None or runs[a].world in (None, r.world):
+                by_key.setdefault((a, r.step), {})[r.rank] = r.ids
     consumed: dict[int, list[int]] = {}
     problems: list[str] = []
     for step, c in sorted(lin.steps.items()):

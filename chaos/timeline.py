@@ -7,6 +7,8 @@ docstring of `core/events.py`; the harness uses these:
 
     worker_started   every rank, once at start (rank, world, restart, pid)
     resumed          rank 0: the step restored (0: a fresh start)
+    reformed         every rank that re-formed in place (step, world, pid): like a `worker_started`
+                     and, from the new rank 0, a `resumed`: a new attempt of the same processes
     step             rank 0: after every optimizer step (step, loss)
     final_digest     rank 0: at the end (digest)
     ckpt_skipped     any rank: a copy of a step was unusable at restore, another was tried
@@ -95,7 +97,7 @@ _RANK0_ONLY = {"step", "resumed", "final_digest"}
 """Worker events the harness takes from rank 0 alone: every rank may emit them, rank 0 speaks for the group."""
 
 _AGENT = {"join", "leave", "round_closed", "restart", "recovered", "degraded", "hang_detected", "bad_record",
-          "job_summary"}
+          "job_summary", "reform", "reform_done", "reform_fallback"}
 
 
 def from_record(record: Mapping[str, Any], node: str, offset: float = 0.0) -> list[Event]:
@@ -115,6 +117,11 @@ def from_record(record: Mapping[str, Any], node: str, offset: float = 0.0) -> li
                                 int(record.get("restart", 0)))]
         if name == "resumed":
             return [Resumed(t, node, int(record["step"]))]
+        if name == "reformed":  # the same processes in a new group: an attempt of its own (lineage.py)
+            rank = int(record["rank"])
+            start: list[Event] = [WorkerStart(t, node, rank, int(record["world"]), int(record["pid"]),
+                                              int(record.get("restart", 0)))]
+            return start + [Resumed(t, node, int(record["step"]))] if rank == 0 else start
         if name == "final_digest":
             return [Digest(t, node, str(record["digest"]).lower())]
         if name == "ckpt_skipped":
@@ -123,7 +130,7 @@ def from_record(record: Mapping[str, Any], node: str, offset: float = 0.0) -> li
             return [CheckpointFailed(t, node, int(record["step"]), str(record.get("error", "")))]
         if name in _AGENT:
             out: list[Event] = [AgentEvent(t, node, name, dict(record))]
-            if name == "recovered" and record.get("recovery_s") is not None:
+            if name in ("recovered", "reform_done") and record.get("recovery_s") is not None:
                 out.append(FailureSeen(t - float(record["recovery_s"]), node))
             return out
     except (KeyError, TypeError, ValueError):

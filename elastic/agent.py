@@ -65,6 +65,9 @@ class AgentConfig:
     """Serve Prometheus metrics on this port (0: any free port); None disables them."""
     reform: Literal["in-process", "restart"] = "in-process"
     """On a membership change, keep the workers that can re-form in place (in-process) or restart all."""
+    reform_leave_timeout: timedelta = timedelta(seconds=10)
+    """How long a kept worker may take to leave its old process group once the round is published: it
+    notices at its next step boundary, or at once when its collective fails. Longer means stuck."""
     reform_timeout: timedelta = timedelta(minutes=5)
     """How long a kept worker may take to join the new round's process group (which waits for the round's
     freshly started workers: a process start and a model build) before it is restarted."""
@@ -130,7 +133,8 @@ class ElasticAgent(LocalElasticAgent):
         self.job = JobMetrics(self.progress_dir, self.metrics)  # workers' series, restarts by cause, summary
         self._failure_seen_at: float | None = None
         self._rounds = reform.RoundChannel(self.progress_dir)
-        self._awaiting: tuple[int, Deadline] | None = None  # (generation, deadline) of an in-place round
+        # An in-place round: its generation, and the deadlines to leave the old group and to join the new one.
+        self._awaiting: tuple[int, Deadline, Deadline] | None = None
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
         if self._round_info is not None:
@@ -251,7 +255,8 @@ class ElasticAgent(LocalElasticAgent):
         assert info is not None
         self._rounds.publish(info.generation, str(worker_group.master_addr), int(worker_group.master_port or 0),
                              [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers])
-        self._awaiting = (info.generation, Deadline.after(self.agent_config.reform_timeout))
+        self._awaiting = (info.generation, Deadline.after(self.agent_config.reform_leave_timeout),
+                          Deadline.after(self.agent_config.reform_timeout))
         worker_group.state = WorkerState.HEALTHY
         lost = sorted(set(before) - set(self._membership()))
         if lost:
@@ -265,7 +270,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def _check_joined(self, worker_group: WorkerGroup) -> None:
         assert self._awaiting is not None
-        generation, deadline = self._awaiting
+        generation, leave_by, join_by = self._awaiting
         late = [w for w in worker_group.workers if self._rounds.acked(w.local_rank) < generation]
         if not late:
             seconds = round(time.monotonic() - (self._failure_seen_at or time.monotonic()), 3)
@@ -274,15 +279,20 @@ class ElasticAgent(LocalElasticAgent):
             emit("reform_done", generation=generation, world_size=worker_group.group_world_size,
                  group_rank=worker_group.group_rank, recovery_s=seconds)
             return
-        if not deadline.expired():
+        # Stuck: in a collective whose peer neither answers nor closes the connection (a network partition;
+        # gloo's abort() does not end it), in a CUDA call, ... : the old way, a restart.
+        config = self.agent_config
+        stuck = [(w, "leave its process group", config.reform_leave_timeout) for w in late
+                 if self._rounds.leaving(w.local_rank) < generation and leave_by.expired()]
+        stuck += [(w, "join the new group", config.reform_timeout) for w in late if join_by.expired()]
+        if not stuck:
             return
-        # Stuck (in a CUDA call, a collective without a deadline, ...): the old way, a restart.
         self._awaiting = None
-        for w in late:
-            log.warning("worker local rank %d (pid %s) did not join round %d within %gs; restarting it",
-                        w.local_rank, w.id, generation, self.agent_config.reform_timeout.total_seconds())
-            emit("reform_fallback", generation=generation, local_rank=w.local_rank, pid=w.id,
-                 timeout_s=self.agent_config.reform_timeout.total_seconds())
+        for w, what, timeout in stuck:
+            log.warning("worker local rank %d (pid %s) did not %s for round %d within %gs; restarting it",
+                        w.local_rank, w.id, what, generation, timeout.total_seconds())
+            emit("reform_fallback", generation=generation, local_rank=w.local_rank, pid=w.id, stage=what,
+                 timeout_s=timeout.total_seconds())
             try:
                 os.kill(int(w.id), signal.SIGKILL)
             except (ProcessLookupError, TypeError):

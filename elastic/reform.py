@@ -10,6 +10,7 @@ Files in the agent's progress directory (tmpfs, elastic/progress.py), all replac
 
     reform_ready_<local_rank>   the worker's pid: it can re-form in place
     round.json                  the newest round: generation, store address, each local rank's rank
+    reforming_<local_rank>      "<generation>": the worker left its old process group for that round
     reformed_<local_rank>       "<generation>": the worker joined that round's process group (its ack)
 
 A file, not a socket: a worker polls one stat() every 20 ms, and nothing breaks when either side
@@ -77,7 +78,7 @@ class RoundChannel:
 
     def clear(self) -> None:
         """Before a new set of workers starts: forget the old ones' readiness and acks."""
-        for pattern in ("reform_ready_*", "reformed_*"):
+        for pattern in ("reform_ready_*", "reforming_*", "reformed_*"):
             for f in self.directory.glob(pattern):
                 f.unlink(missing_ok=True)
 
@@ -100,8 +101,15 @@ class RoundChannel:
 
     def acked(self, local_rank: int) -> int:
         """The newest generation the worker joined in place (-1: none)."""
+        return self._generation(f"reformed_{local_rank}")
+
+    def leaving(self, local_rank: int) -> int:
+        """The newest generation the worker left its old process group for (-1: none)."""
+        return self._generation(f"reforming_{local_rank}")
+
+    def _generation(self, name: str) -> int:
         try:
-            return int((self.directory / f"reformed_{local_rank}").read_text())
+            return int((self.directory / name).read_text())
         except (OSError, ValueError):
             return -1
 
@@ -166,6 +174,10 @@ class RoundWatcher:
             while self._newest is None and not deadline.expired():
                 self._changed.wait(deadline.capped(0.5))
             return self._newest
+
+    def leaving(self, round_: Round) -> None:
+        """The worker is leaving its old process group for `round_` (the agent then waits for the join)."""
+        _write(self.directory / f"reforming_{self.local_rank}", str(round_.generation))
 
     def joined(self, round_: Round) -> None:
         """The worker is in `round_`'s process group now: ack it to the agent."""

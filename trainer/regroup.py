@@ -16,6 +16,10 @@ so that a freshly started worker of the new round takes part in the same exchang
 4. Else the lowest rank holding M sends its state to the others over the process group (replicated
    state only), verified with a sum64 checksum; a receiving rank's RNG streams are derived from the
    sender's and its rank, as a restore does for a rank without a checkpoint part of its own.
+
+The same transfer serves a restore from checkpoints in which not every rank can read one (a
+replacement node with an empty local tier and no shared tier): `peer_checkpoint` sends the newest
+step some rank can read, instead of the group starting over from step 0.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ckpt import Restored, tree
 from ckpt.checksum import digest_parts
 from elastic.reform import Round
 from trainer.ddp import release_process_group
-from trainer.errors import TrainerError
+from trainer.errors import InvalidStateError, StateMismatchError, TrainerError
 from trainer.topology import Topology, collective_device
 
 log = logging.getLogger(__name__)
@@ -123,6 +127,33 @@ def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Re
         apply_peer(received)
         return newest, "peer"
     return newest, "memory"
+
+
+def peer_checkpoint(topology: Topology, found: Restored | None, *, check: Callable[[Restored], None],
+                    apply_own: Callable[[Restored], None],
+                    apply_peer: Callable[[Mapping[str, Any]], None]) -> tuple[int, str] | None:
+    """Collective, after the group found no checkpoint that every rank can read: the newest that some rank
+    can (`found`, this rank's newest readable one), sent by the lowest such rank to the others (replicated
+    state). Returns (step, "own" | "peer") as `catch_up` does, or None when no rank has one."""
+    if found is not None:
+        try:
+            check(found)
+        except (InvalidStateError, StateMismatchError) as exc:
+            log.warning("not offering step %d from %s to the group: %s", found.step, found.path, exc)
+            found = None
+    steps = topology.all_gather(found.step if found is not None else -1)
+    newest = max(steps)
+    if newest < 0:
+        return None
+    source = steps.index(newest)
+    log.info("rank %d sends step %d to the ranks that cannot read it", source, newest)
+    received = broadcast_state(found.state if topology.rank == source and found is not None else None, source,
+                               topology)
+    if found is not None and found.step == newest and found.own:
+        apply_own(found)
+        return newest, "own"
+    apply_peer(received)
+    return newest, "peer"
 
 
 def broadcast_state(state: Mapping[str, Any] | None, source: int, topology: Topology) -> Mapping[str, Any]:

@@ -198,7 +198,10 @@ class Resumable:
         self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
         if caught is None:
             return None
-        step, source = caught
+        return self._continue_from(*caught)
+
+    def _continue_from(self, step: int, source: str) -> int:
+        """The bookkeeping of a state taken from memory, an own checkpoint part or a peer (trainer/regroup.py)."""
         if source != "memory":
             emit("restored", step=step, tier="peer" if source == "peer" else "own", source_rank=None, path=None)
         elif self._boundary_rng is not None:
@@ -219,6 +222,17 @@ class Resumable:
             self.checkpointer, self.topology, where=self.config.ckpt_dir, into=template,
             check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
                                         template=template))
+        if restored is None and not self.sharded:
+            # Not every rank can read a checkpoint (a replacement node's empty --ckpt-dir): a peer's, sent
+            # over the group, rather than everyone starting over.
+            peer = regroup.peer_checkpoint(
+                self.topology, self.checkpointer.restore(),
+                check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
+                                            sampler=self.sampler),
+                apply_own=lambda r: self._apply(r.state, own_rank=True),
+                apply_peer=lambda state: self._apply(state, own_rank=False))
+            if peer is not None:
+                return self._started(self._continue_from(*peer))
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self.checkpointer.prepare(self.state())  # staging buffer allocated before the loop
@@ -317,6 +331,7 @@ class Resumable:
         started = time.monotonic()
         backend = str(dist.get_backend())
         while True:
+            watcher.leaving(round_)
             try:
                 regroup.join_round(round_, backend=backend, timeout=reform.join_timeout())
                 break

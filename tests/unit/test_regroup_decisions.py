@@ -1,0 +1,82 @@
+"""The catch-up decision of an in-process re-formation (trainer/regroup.py), against a fake group.
+
+The fake answers the two collectives `catch_up` makes (all_gather of the live steps, all_min of the
+votes) as the whole group would; the real thing over gloo, with real kills, is
+tests/integration/test_reform.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from ckpt import Restored
+from trainer import regroup
+from trainer.topology import Topology
+
+
+class Group(Topology):
+    """Rank `rank` of a group whose other ranks' answers are given."""
+
+    def __init__(self, rank: int, live: list[int], votes: list[list[int]]) -> None:
+        super().__init__(rank=rank, world_size=len(live), local_rank=0)
+        object.__setattr__(self, "_live", live)
+        object.__setattr__(self, "_votes", votes)  # the other ranks' votes, one list per round
+
+    def all_gather(self, value: int) -> list[int]:
+        live = list(self._live)  # type: ignore[attr-defined]
+        assert live[self.rank] == value
+        return live
+
+    def all_min(self, value: int) -> int:
+        others = self._votes.pop(0)  # type: ignore[attr-defined]
+        return min([value, *others])
+
+
+def own(step: int) -> Restored:
+    return Restored(step=step, state={"step": step}, rank=0, own=True, tier="memory", path=f"/shm/{step}")
+
+
+def run(group: Group, parts: Mapping[int, Restored]) -> tuple[tuple[int, str] | None, list[int]]:
+    applied: list[int] = []
+
+    def apply_peer(_: Mapping[str, Any]) -> None:
+        raise AssertionError("no transfer expected")
+
+    caught = regroup.catch_up(group, group._live[group.rank],  # type: ignore[attr-defined]
+                              load_own=parts.get, apply_own=lambda r: applied.append(r.step),
+                              state=dict, apply_peer=apply_peer)
+    return caught, applied
+
+
+def test_no_live_state_anywhere_means_a_restore_from_checkpoints() -> None:
+    assert run(Group(0, [-1, -1], []), {}) == (None, [])
+
+
+def test_everyone_live_at_the_same_step_goes_on_from_memory() -> None:
+    assert run(Group(1, [7, 7, 7], []), {}) == ((7, "memory"), [])
+
+
+def test_a_replaced_rank_with_its_own_snapshot_at_the_newest_step_loads_it_and_survivors_keep_memory() -> None:
+    assert run(Group(1, [7, -1], [[1]]), {7: own(7)}) == ((7, "own"), [7])
+    assert run(Group(0, [7, -1], [[1]]), {}) == ((7, "memory"), [])
+
+
+def test_one_step_back_when_the_replaced_rank_only_has_the_step_before() -> None:
+    # The newest (7) fails the vote (rank 1 lacks it); at 6 every rank has its own part: survivors reload it.
+    assert run(Group(0, [7, -1], [[0], [1]]), {6: own(6)}) == ((6, "own"), [6])
+    assert run(Group(1, [7, -1], [[1], [1]]), {6: own(6)}) == ((6, "own"), [6])
+
+
+def test_without_an_exact_step_a_peer_sends_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 is fresh and holds only rank 0's part (not its own): no exact step; rank 0 (live at 7) sends.
+    sent: list[int] = []
+    monkeypatch.setattr(regroup, "broadcast_state", lambda state, source, topology: sent.append(source) or
+                        {"step": 7})
+    received: list[Mapping[str, Any]] = []
+    not_own = Restored(step=7, state={}, rank=0, own=False, tier="local", path="/ckpt/7/rank0")
+    caught = regroup.catch_up(Group(1, [7, -1], [[1], [1]]), -1, load_own={7: not_own}.get,
+                              apply_own=lambda r: None, state=dict, apply_peer=received.append)
+    assert caught == (7, "peer") and sent == [0] and received == [{"step": 7}]
