@@ -4,7 +4,8 @@ HOST --master-port P` and no rendezvous flags, on two simulated nodes (two agent
 Workers initialise their process group from the environment (env://) or from the address the launch
 script passed on the command line (`init_method=tcp://HOST:P`), as Slurm and hand-written launch
 scripts do; both must work, as under torchrun. So must `tcp://` on the default single-node command
-with an explicit --master-port.
+with an explicit --master-port. The env:// case is tests/integration/test_torchrun_compat.py's
+static-2-nodes case (the same command, side by side with torchrun); this module runs the tcp:// ones.
 """
 
 from __future__ import annotations
@@ -57,12 +58,11 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Job]]:
     procs = Procs()
     started: dict[str, Job] = {}
     try:
-        for init in ("env", "tcp"):
-            port = free_port()
-            url = "env://" if init == "env" else f"tcp://127.0.0.1:{port}"
-            started[init] = Job(port, [procs.elastic_run(
-                "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "--nproc-per-node", "1", "--monitor-interval", "0.1", str(worker), url) for rank in range(2)])
+        port = free_port()
+        started["tcp"] = Job(port, [procs.elastic_run(
+            "--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--nproc-per-node", "1", "--monitor-interval", "0.1", str(worker), f"tcp://127.0.0.1:{port}")
+            for rank in range(2)])
         port = free_port()
         started["single"] = Job(port, [procs.elastic_run("--master-port", str(port), "--nproc-per-node", "2",
                                                          "--monitor-interval", "0.1", str(worker),
@@ -83,10 +83,9 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> tuple[list[in
     return [p.returncode for p in procs], "\n".join(outputs)
 
 
-@pytest.mark.parametrize("init", ["env", "tcp"])
-def test_two_static_nodes_finish(jobs: dict[str, Job], init: str) -> None:
-    port = jobs[init].port
-    rcs, out = _finish(jobs[init].procs, timeout=120)
+def test_two_static_nodes_finish_with_tcp_init(jobs: dict[str, Job]) -> None:
+    port = jobs["tcp"].port
+    rcs, out = _finish(jobs["tcp"].procs, timeout=120)
     assert rcs == [0, 0], out
     done = _done_lines(out)
     assert sorted(d["rank"] for d in done) == ["0", "1"], out

@@ -10,7 +10,8 @@ All jobs of the module run up front, three at a time, so their start-up overlaps
 Each case costs two jobs of two or more processes that import torch (~10 s of CPU a job on 2 cores), so
 flags that do not interact share a case: the entrypoint flags (--run-path, -m, --no-python) ride along the
 rendezvous variants, and --log-dir/--redirects/--tee and --local-addr along two of them. A plain script
-path is the entrypoint of the static and min:max cases.
+path is the entrypoint of the static case. The static case is also elastic-run's own test of torchrun's
+static multi-node command with env:// workers (tests/integration/test_static_multinode.py has the tcp:// ones).
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ MUST_AGREE = (
 # host follow the rendezvous (compared where both launchers use the same one: static, --local-addr).
 MAY_DIFFER = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT", "MASTER_ADDR")
 # elastic-run's own additions (the agent's progress dir for hang detection, the peer-loss grace, the
-# node's tier-0 checkpoint directory).
-ELASTIC_ONLY = ("ELASTIC_PROGRESS_DIR", "ELASTIC_PEER_LOSS_GRACE_S", "ELASTIC_TIER0_DIR")
+# node's tier-0 checkpoint directory, the in-process re-formation's mode, round generation and timeout:
+# elastic/reform.py).
+ELASTIC_ONLY = ("ELASTIC_PROGRESS_DIR", "ELASTIC_PEER_LOSS_GRACE_S", "ELASTIC_TIER0_DIR", "ELASTIC_REFORM",
+                "ELASTIC_ROUND_GENERATION", "ELASTIC_REFORM_TIMEOUT_S")
 
 
 @dataclass
@@ -77,6 +80,7 @@ class Job:
     """One launcher's run of a case: its nodes' outputs and the workers' environments by rank."""
 
     out_dir: Path
+    argvs: list[list[str]]
     returncodes: list[int] = field(default_factory=list)
     output: str = ""
 
@@ -100,7 +104,7 @@ def _run_job(argvs: list[list[str]], out_dir: Path, env: dict[str, str], cwd: Pa
     job_env = {**env, "COMPAT_OUT": str(out_dir)}
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env,
                               cwd=cwd, start_new_session=True) for argv in argvs]
-    job = Job(out_dir)
+    job = Job(out_dir, argvs)
     try:
         for proc in procs:
             out, _ = proc.communicate(timeout=150)
@@ -140,16 +144,15 @@ def _cases(root: Path, etcd: EtcdServer) -> list[Case]:
 
     raw = {
         "standalone+run-path": both("--standalone", *one, "2", "--run-path", w, "--flag", "x"),
-        "module+logs": ([[*one, "1", *logged("elastic"), "-m", "compat_worker", "m1"]],
-                         [[*one, "1", *logged("torchrun"), "-m", "compat_worker", "m1"]]),
         "no-python+local-addr": both("--standalone", "--local-addr", "127.0.0.1", *one, "1", "--no-python",
                                       sys.executable, w, "np"),
         "static-2-nodes": (static(free_port()), static(free_port())),
-        "nnodes-min-max": (
+        "nnodes-min-max+module+logs": (
             [["--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"compat-{uuid.uuid4().hex[:8]}",
-              *one, "1", w]],
+              *one, "1", *logged("elastic"), "-m", "compat_worker", "m1"]],
             [["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-              "--rdzv-id", "compat", "--rdzv-conf", "last_call_timeout=1", *one, "1", w]],
+              "--rdzv-id", "compat", "--rdzv-conf", "last_call_timeout=1", *one, "1", *logged("torchrun"),
+              "-m", "compat_worker", "m1"]],
         ),
     }
     return [Case(name, [ELASTIC_RUN + a for a in e], [TORCHRUN + a for a in t]) for name, (e, t) in raw.items()]
@@ -163,7 +166,7 @@ def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tupl
     env.pop("OMP_NUM_THREADS", None)
     env["COMPAT_BASE_KEYS"] = json.dumps(sorted([*env, "COMPAT_OUT", "COMPAT_BASE_KEYS"]))
     futures: dict[str, tuple[Future[Job], Future[Job]]] = {}
-    first = ("static-2-nodes", "nnodes-min-max", "standalone+run-path")  # the longest, so none is left alone
+    first = ("static-2-nodes", "nnodes-min-max+module+logs", "standalone+run-path")  # the longest: none left alone
     with ThreadPoolExecutor(max_workers=3) as pool:
         for case in sorted(cases, key=lambda c: first.index(c.name) if c.name in first else len(first)):
             futures[case.name] = (
@@ -173,7 +176,7 @@ def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tupl
         yield {name: (e.result(), t.result()) for name, (e, t) in futures.items()}
 
 
-CASES = ["standalone+run-path", "module+logs", "no-python+local-addr", "static-2-nodes", "nnodes-min-max"]
+CASES = ["standalone+run-path", "no-python+local-addr", "static-2-nodes", "nnodes-min-max+module+logs"]
 SIZES = {"standalone+run-path": 2, "static-2-nodes": 2}
 
 
@@ -202,12 +205,17 @@ def test_workers_see_torchruns_environment(name: str, results: dict[str, tuple[J
 def test_static_nodes_use_the_given_master_address_and_node_ranks(results: dict[str, tuple[Job, Job]]) -> None:
     for job in results["static-2-nodes"]:
         envs = job.envs()
+        port = {argv[argv.index("--master-port") + 1] for argv in job.argvs}
+        assert len(port) == 1  # both nodes were given the same store
         assert {envs[r]["GROUP_RANK"] for r in envs} == {"0", "1"}
+        assert all(envs[r]["GROUP_RANK"] == str(r) for r in envs)  # node rank R is group rank R (1 worker a node)
         assert {envs[r]["MASTER_ADDR"] for r in envs} == {"127.0.0.1"}
-        assert len({envs[r]["MASTER_PORT"] for r in envs}) == 1
+        assert {envs[r]["MASTER_PORT"] for r in envs} == port  # workers get the store the flags named
+        assert {(envs[r]["WORLD_SIZE"], envs[r]["_SUM"]) for r in envs} == {("2", "2")}  # the all_reduce spanned both
     ours, theirs = results["static-2-nodes"]
-    assert "static rendezvous at 127.0.0.1:" in ours.output  # the one-line note on elasticity
+    assert ours.output.count("static rendezvous at 127.0.0.1:") == 2  # each node's one-line note on elasticity
     assert "--rdzv-endpoint" in ours.output
+    assert "embedded etcd" not in ours.output  # a static job starts no etcd
 
 
 def test_local_addr_is_the_store_address(results: dict[str, tuple[Job, Job]]) -> None:
@@ -216,7 +224,7 @@ def test_local_addr_is_the_store_address(results: dict[str, tuple[Job, Job]]) ->
 
 
 def test_log_dir_redirects_and_tee_write_the_same_files(workspace: Path, results: dict[str, tuple[Job, Job]]) -> None:
-    ours, theirs = results["module+logs"]
+    ours, theirs = results["nnodes-min-max+module+logs"]
     layout = {}
     for launcher in ("elastic", "torchrun"):
         files = sorted(p for p in (workspace / "logs" / launcher).rglob("*.log"))
