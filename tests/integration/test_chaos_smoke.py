@@ -2,9 +2,11 @@
 happened (counted), nothing it started is left running; a custom script after `--` works too.
 
 The smoke run is a module fixture: the partition test runs the same job (2 nodes, 40 steps) and
-reuses its fault-free reference run (`--reference`) instead of running one of its own. The custom
-script's run starts in the background just before it: both runs mostly wait (agents and workers
-starting, faults being detected, a step sleep), so side by side they take little longer than one."""
+reuses its fault-free reference run (`--reference`) instead of running one of its own; it starts as
+soon as the smoke run has recorded that reference, beside the smoke run's chaos job. The custom
+script's run starts in the background just before the smoke run: the runs wait much of the time
+(agents and workers starting, faults being detected, a step sleep), so side by side they take
+little longer than one."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +68,6 @@ def collect(proc: subprocess.Popen[bytes], tmp_path: Path, timeout: float) -> tu
     return proc.returncode, out, doc
 
 
-def chaos(args: list[str], tmp_path: Path, timeout: float) -> tuple[int, str, dict]:
-    return collect(start(args, tmp_path), tmp_path, timeout)
-
-
 def leftovers(marker: Path) -> list[str]:
     """Processes anywhere on the machine whose command line names our work dir: agents and workers."""
     found = []
@@ -113,14 +112,65 @@ def custom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory, custom: Started) -> Run:
-    # Typically ~40 s; the harness's own deadlines (120 s per job) end a stuck run with a report first.
+def smoke_started(tmp_path_factory: pytest.TempPathFactory, custom: Started) -> Iterator[Started]:
+    """The smoke run, started in the background (after the custom script's: `custom` asks for it first)."""
     tmp_path = tmp_path_factory.mktemp("smoke")
-    rc, out, doc = chaos(["--scenario", "smoke"], tmp_path, timeout=300)
-    return Run(rc, out, doc, tmp_path)
+    proc = start(["--scenario", "smoke"], tmp_path)
+    try:
+        yield Started(proc, tmp_path)
+    finally:
+        stop(proc)
 
 
-@pytest.mark.timeout(330)
+def recorded_reference(run: Started, timeout: float) -> list[str]:
+    """`--reference DIR` of the smoke run's report once it holds the reference (written, whole, before the
+    chaos job starts), or no flag if the run ended or `timeout` passed without one (then the partition
+    run makes its own)."""
+    report = run.tmp_path / "report"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            json.loads((report / "reference.json").read_text())
+            return ["--reference", str(report)]
+        except (OSError, ValueError):  # not there yet, or not whole yet
+            if run.proc.poll() is not None:
+                return []
+        time.sleep(0.5)
+    return []
+
+
+def _netns_works() -> bool:
+    if os.geteuid() != 0:
+        return False
+    from chaos.inject import _probe_netns
+
+    return _probe_netns() is None
+
+
+@pytest.fixture(scope="module")
+def partition(tmp_path_factory: pytest.TempPathFactory, smoke_started: Started) -> Iterator[Started | None]:
+    """The partition-node run of the smoke run's job (2 nodes x 1 worker, 40 steps, checkpoint every 5),
+    started once the smoke run recorded its reference, to reuse it; None where network namespaces do not work."""
+    if not _netns_works():
+        yield None
+        return
+    tmp_path = tmp_path_factory.mktemp("partition")
+    proc = start(["--nodes", "2", "--steps", "40", "--faults", "partition-node@last", "--seed", "1",
+                  "--timeout", "100", *recorded_reference(smoke_started, timeout=240)], tmp_path)
+    try:
+        yield Started(proc, tmp_path)
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def smoke(smoke_started: Started, partition: Started | None) -> Run:
+    # Typically ~40 s; the harness's own deadlines (120 s per job) end a stuck run with a report first.
+    rc, out, doc = collect(smoke_started.proc, smoke_started.tmp_path, timeout=300)
+    return Run(rc, out, doc, smoke_started.tmp_path)
+
+
+@pytest.mark.timeout(570)  # its setup may wait up to 240 s for the smoke run's reference (partition)
 def test_smoke_scenario_passes_and_its_faults_happened(smoke: Run) -> None:
     rc, out, doc, tmp_path = smoke.rc, smoke.out, smoke.doc, smoke.tmp_path
     assert rc == 0, out[-4000:]
@@ -155,22 +205,12 @@ def test_custom_script_after_double_dash(custom: Started) -> None:
     assert leftovers(tmp_path) == []
 
 
-def _netns_works() -> bool:
-    if os.geteuid() != 0:
-        return False
-    from chaos.inject import _probe_netns
-
-    return _probe_netns() is None
-
-
 @pytest.mark.timeout(610)  # may include the smoke fixture's run
 @pytest.mark.skipif(not _netns_works(), reason="partition-node needs root and a working `ip netns`")
-def test_partition_node_in_network_namespaces(smoke: Run, tmp_path: Path) -> None:
-    # The smoke scenario's job (2 nodes x 1 worker, 40 steps, checkpoint every 5): its reference serves.
-    recorded = smoke.tmp_path / "report"
-    reuse = ["--reference", str(recorded)] if (recorded / "reference.json").is_file() else []
-    rc, out, doc = chaos(["--nodes", "2", "--steps", "40", "--faults", "partition-node@last", "--seed", "1",
-                          "--timeout", "100", *reuse], tmp_path, timeout=260)
+def test_partition_node_in_network_namespaces(partition: Started | None) -> None:
+    assert partition is not None
+    tmp_path = partition.tmp_path
+    rc, out, doc = collect(partition.proc, tmp_path, timeout=260)
     assert rc == 0, out[-4000:]
     assert doc["passed"] is True, json.dumps(doc, indent=1)[:4000]
     (fault,) = doc["faults"]
