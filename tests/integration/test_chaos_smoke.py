@@ -122,20 +122,25 @@ def smoke_started(tmp_path_factory: pytest.TempPathFactory, custom: Started) -> 
         stop(proc)
 
 
-def recorded_reference(run: Started, timeout: float) -> list[str]:
-    """`--reference DIR` of the smoke run's report once it holds the reference (written, whole, before the
-    chaos job starts), or no flag if the run ended or `timeout` passed without one (then the partition
-    run makes its own)."""
-    report = run.tmp_path / "report"
+def recorded_reference(run: Started, into: Path, timeout: float) -> list[str]:
+    """`--reference DIR` with a copy of the smoke run's reference in `into`, once its report holds one (written,
+    whole, before the chaos job starts), or no flag if the run ended or `timeout` passed without one (then the
+    partition run makes its own). A copy: a command line naming the smoke run's directory would count as a
+    process the smoke run left behind (`leftovers`)."""
+    recorded = run.tmp_path / "report" / "reference.json"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            json.loads((report / "reference.json").read_text())
-            return ["--reference", str(report)]
+            text = recorded.read_text()
+            json.loads(text)
         except (OSError, ValueError):  # not there yet, or not whole yet
             if run.proc.poll() is not None:
                 return []
-        time.sleep(0.5)
+            time.sleep(0.5)
+            continue
+        into.mkdir(parents=True, exist_ok=True)
+        (into / "reference.json").write_text(text)
+        return ["--reference", str(into)]
     return []
 
 
@@ -156,7 +161,8 @@ def partition(tmp_path_factory: pytest.TempPathFactory, smoke_started: Started) 
         return
     tmp_path = tmp_path_factory.mktemp("partition")
     proc = start(["--nodes", "2", "--steps", "40", "--faults", "partition-node@last", "--seed", "1",
-                  "--timeout", "100", *recorded_reference(smoke_started, timeout=240)], tmp_path)
+                  "--timeout", "100", *recorded_reference(smoke_started, tmp_path / "reference", timeout=240)],
+                 tmp_path)
     try:
         yield Started(proc, tmp_path)
     finally:
