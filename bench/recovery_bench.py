@@ -323,6 +323,15 @@ def compare(scenarios: dict[str, dict[str, Any]], fault: str, nodes: int) -> dic
     return entry
 
 
+def code_version() -> dict[str, Any]:
+    """The commit measured, and the tracked files that differed from it (the bench runs the working tree)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout
+
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "uncommitted": changed}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, nargs="+", default=[2, 3], help="node counts for the node-loss scenario")
@@ -344,6 +353,7 @@ def main() -> int:
 
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()]},
+        "code": code_version(),
         "backend": args.backend,
         "step_sleep_s": STEP_SLEEP_S,
         "timing_source": "elastic-run: the workers' `step` events (ts, ms); torchrun: the workers' printed t=",
