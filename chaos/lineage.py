@@ -18,6 +18,8 @@ class Attempt:
     world: int | None
     resumed_from: int = 0
     steps: list[Step] = field(default_factory=list)
+    in_place: bool = False
+    """Re-formed in place: resumed from memory, at any step."""
 
 
 def attempts(events: list[Event]) -> list[Attempt]:
@@ -31,6 +33,7 @@ def attempts(events: list[Event]) -> list[Attempt]:
             if not out or out[-1].steps:
                 out.append(Attempt(e.t, out[-1].world if out else None))
             out[-1].resumed_from = e.step
+            out[-1].in_place = e.in_place
         elif isinstance(e, Step):
             if not out:
                 out.append(Attempt(e.t, None))
@@ -73,7 +76,7 @@ def lineage(runs: list[Attempt], resume_every: int) -> Lineage:
             lost.append((attempt.start_t, max(0, reached - start)))
         if start > reached:
             problems.append(f"attempt {i + 1} resumed from step {start}, but the job had only reached step {reached}")
-        elif start and start % resume_every:
+        elif start and start % resume_every and not attempt.in_place:
             problems.append(f"attempt {i + 1} resumed from step {start}, which is not a checkpoint step "
                             f"(every {resume_every})")
         committed = {s: c for s, c in committed.items() if s <= start}

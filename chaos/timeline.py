@@ -60,6 +60,8 @@ class WorkerStart(Event):
 @dataclass(frozen=True)
 class Resumed(Event):
     step: int
+    in_place: bool = False
+    """Re-formed in place (`reformed`): from the step in memory, which need not be a checkpoint step."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def from_record(record: Mapping[str, Any], node: str, offset: float = 0.0) -> li
             rank = int(record["rank"])
             start: list[Event] = [WorkerStart(t, node, rank, int(record["world"]), int(record["pid"]),
                                               int(record.get("restart", 0)))]
-            return start + [Resumed(t, node, int(record["step"]))] if rank == 0 else start
+            return start + [Resumed(t, node, int(record["step"]), in_place=True)] if rank == 0 else start
         if name == "final_digest":
             return [Digest(t, node, str(record["digest"]).lower())]
         if name == "ckpt_skipped":

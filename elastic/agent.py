@@ -53,6 +53,7 @@ from core.events import emit
 from elastic import peer_loss, progress, reform
 from elastic.job_metrics import JobMetrics
 from elastic.metrics import AgentMetrics
+from elastic.worker import STACKS_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +295,8 @@ class ElasticAgent(LocalElasticAgent):
             emit("reform_fallback", generation=generation, local_rank=w.local_rank, pid=w.id, stage=what,
                  timeout_s=timeout.total_seconds())
             try:
+                os.kill(int(w.id), STACKS_SIGNAL)  # where it is stuck, in its log (elastic/worker.py)
+                time.sleep(0.2)
                 os.kill(int(w.id), signal.SIGKILL)
             except (ProcessLookupError, TypeError):
                 pass

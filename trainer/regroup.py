@@ -13,7 +13,9 @@ so that a freshly started worker of the new round takes part in the same exchang
    can load its own checkpoint part of (tier 0 first: a replaced worker's snapshots outlive it).
    Own parts keep each rank's RNG streams, so the run stays bitwise equal to an uninterrupted one;
    at most one step is recomputed.
-4. Else the lowest rank holding M sends its state to the others over the process group (replicated
+4. Else, when every rank that lacks M has an own checkpoint part of some step, restore from checkpoints
+   (exact, as a restart would; the steps since are recomputed).
+5. Else the lowest rank holding M sends its state to the others over the process group (replicated
    state only), verified with a sum64 checksum; a receiving rank's RNG streams are derived from the
    sender's and its rank, as a restore does for a rank without a checkpoint part of its own.
 
@@ -37,7 +39,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckpt import Restored, tree
 from ckpt.checksum import digest_parts
-from elastic.reform import Round
+from core.deadline import Deadline
+from elastic import peer_loss, reform
+from elastic.reform import Round, RoundWatcher
 from trainer.ddp import release_process_group
 from trainer.errors import InvalidStateError, StateMismatchError, TrainerError
 from trainer.topology import Topology, collective_device
@@ -49,6 +53,46 @@ _CHUNK = 4 << 20
 
 class CatchUpError(TrainerError):
     """The state a peer sent did not arrive intact."""
+
+
+def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round | None:
+    """Leave this process group for the agent's newest round and join that round's; None when there is
+    none (after `error`, one that may come from the group changing, it waits the lost-peer grace for the
+    agent to publish one). A newer round published while joining (a peer of this one lost too) is
+    joined instead."""
+    round_ = watcher.newest()
+    if round_ is None and error is not None and may_be_peer_loss(error):
+        round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
+    if round_ is None:
+        return None
+    backend = str(dist.get_backend())
+    while True:
+        watcher.leaving(round_)
+        try:
+            join_round(round_, backend=backend, timeout=reform.join_timeout())
+            break
+        except Exception:  # noqa: BLE001 - a newer round is the way out; else the error stands
+            newer = watcher.newest()
+            if newer is None or newer.generation <= round_.generation:
+                raise
+            round_ = newer
+    watcher.joined(round_)
+    return round_
+
+
+def abort_process_group(_round: reform.Round) -> None:
+    # On the round watcher's thread: an NCCL collective waiting on a peer of the old round fails now.
+    # Not gloo: its abort() does not fail the collectives in flight (a lost peer's closed sockets do), and
+    # can block on the group's lock while the training thread destroys the group. There the training
+    # thread sees the round at its next step boundary (`check_round`).
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._get_default_group().abort()
+
+
+def may_be_peer_loss(error: BaseException) -> bool:
+    """Whether `error` may come from the group changing (worth waiting for the agent's round)."""
+    text = str(error).lower()
+    return peer_loss.looks_like_peer_loss(error) or any(w in text for w in ("gloo", "nccl", "store", "abort"))
 
 
 def join_round(round_: Round, *, backend: str, timeout: timedelta) -> None:
@@ -98,12 +142,15 @@ def rewrap_ddp(ddp: DistributedDataParallel) -> None:
 
 def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Restored | None],
              apply_own: Callable[[Restored], None], state: Callable[[], Mapping[str, Any]],
-             apply_peer: Callable[[Mapping[str, Any]], None]) -> tuple[int, str] | None:
+             apply_peer: Callable[[Mapping[str, Any]], None],
+             has_own: Callable[[], bool] = lambda: False) -> tuple[int, str] | None:
     """Collective: the step the group goes on from and where this rank's state came from ("memory",
     "own" checkpoint part, "peer"), or None when no rank holds a live state (see the module docstring).
 
     `load_own(step)` loads this rank's own checkpoint part of `step` (None: none); `apply_own` applies
-    it; `state()` is this rank's state tree; `apply_peer` applies another rank's."""
+    it; `state()` is this rank's state tree; `apply_peer` applies another rank's; `has_own()` says
+    whether this rank has an own checkpoint part of any step (then an exact restore from checkpoints,
+    as a restart would do, is preferred to a peer's state with derived RNG streams: None)."""
     live = topology.all_gather(live_step)
     newest = max(live)
     if newest < 0:
@@ -121,6 +168,8 @@ def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Re
                 apply_own(loaded)
                 return step, "own"
             return step, "memory"
+    if topology.all_min(int(mine == newest or has_own())) == 1:
+        return None  # every rank can resume exactly from a checkpoint of its own: go back to it
     source = live.index(newest)
     received = broadcast_state(state() if topology.rank == source else None, source, topology)
     if mine != newest:

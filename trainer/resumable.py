@@ -39,7 +39,6 @@ after each completed step (and after the restore), `save` once this rank's files
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -57,15 +56,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
 from core import faults
-from core.deadline import Deadline
 from core.events import emit
-from elastic import peer_loss, reform, worker
-from trainer import regroup, rng, sharding
+from elastic import reform, worker
+from trainer import regroup, rng, setup, sharding
 from trainer.accumulate import accumulate
 from trainer.agree import agree_on_checkpoint
 from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
-from trainer.ddp import layout_is_stable, release_process_group
+from trainer.ddp import release_process_group
 from trainer.digest import state_digests_on, training_digest
 from trainer.errors import RoundChanged
 from trainer.sharding import Layout
@@ -127,11 +125,11 @@ class Resumable:
         self.scheduler = scheduler
         self.scaler = scaler
         self.sharded = sharding.is_sharded(self.model)
-        self.layout = _layout(self.model, mesh, self.topology, sharded=self.sharded)
+        self.layout = setup.layout(self.model, mesh, self.topology, sharded=self.sharded)
         """This rank's data-parallel coordinate and the parallel degrees (trainer/sharding.py)."""
-        self.sampler = _checked_sampler(sampler, self.topology, self.layout)
-        self.extras: dict[str, Any] = _own_extras(extras)  # the caller's dict itself
-        _hint_unstable_layout(model, self.topology.world_size)
+        self.sampler = setup.checked_sampler(sampler, self.topology, self.layout)
+        self.extras: dict[str, Any] = setup.own_extras(extras)  # the caller's dict itself
+        setup.hint_unstable_layout(model, self.topology.world_size)
         self.checkpointer = Checkpointer(config.ckpt, rank=self.topology.rank, world_size=self.topology.world_size,
                                          on_written=_rank_saved)
         self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
@@ -150,7 +148,7 @@ class Resumable:
         self._boundary_rng: dict[str, Any] | None = None
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_post_hook(self._optimizer_stepped))
-        self._rounds = (reform.RoundWatcher.start(_abort_process_group)
+        self._rounds = (reform.RoundWatcher.start(regroup.abort_process_group)
                         if not self.sharded and dist.is_available() and dist.is_initialized() else None)
         t = self.topology
         emit("worker_started", rank=t.rank, world=t.world_size, local_rank=t.local_rank,
@@ -192,13 +190,17 @@ class Resumable:
             self.topology, -1 if self._stepped else self._live_step,
             load_own=lambda step: self.checkpointer.restore(step=step, replicated=False),
             apply_own=lambda r: self._apply(r.state, own_rank=True), state=self.state,
-            apply_peer=lambda state: self._apply(state, own_rank=False))
+            apply_peer=lambda state: self._apply(state, own_rank=False), has_own=self._has_own_checkpoint)
         # One token per incarnation: commits never count a rank directory a crashed earlier
         # incarnation left behind (all_min of random numbers is a random number all ranks share).
         self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
         if caught is None:
             return None
         return self._continue_from(*caught)
+
+    def _has_own_checkpoint(self) -> bool:
+        found = self.checkpointer.restore(replicated=False)
+        return found is not None and found.own
 
     def _continue_from(self, step: int, source: str) -> int:
         """The bookkeeping of a state taken from memory, an own checkpoint part or a peer (trainer/regroup.py)."""
@@ -320,27 +322,12 @@ class Resumable:
         joins the new group (new rank and world size), rebuilds the DDP wrapper in place, re-partitions
         the sampler and agrees with the group on the step (the interrupted step is discarded). Make a
         new data iterator afterwards: `iter(sampler.loader(...))`."""
-        watcher = self._rounds
-        round_ = watcher.newest() if watcher is not None else None
-        if watcher is not None and round_ is None and error is not None and _may_be_peer_loss(error):
-            round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
-        if watcher is None or round_ is None:
+        started = time.monotonic()
+        round_ = regroup.join_next_round(self._rounds, error) if self._rounds is not None else None
+        if round_ is None:
             if error is not None:
                 raise error
             return self.step
-        started = time.monotonic()
-        backend = str(dist.get_backend())
-        while True:
-            watcher.leaving(round_)
-            try:
-                regroup.join_round(round_, backend=backend, timeout=reform.join_timeout())
-                break
-            except Exception:  # noqa: BLE001 - a newer round (a peer of this one lost too) is the way out
-                newer = watcher.newest()
-                if newer is None or newer.generation <= round_.generation:
-                    raise
-                round_ = newer
-        watcher.joined(round_)
         self._regroup(round_.rank, round_.world_size)
         caught = self._join_group()
         step = caught if caught is not None else self._restore_from_checkpoints()
@@ -428,7 +415,7 @@ class Resumable:
 
     def state(self) -> dict[str, Any]:
         """The tree a checkpoint holds (this rank's part; DTensor leaves of a sharded model)."""
-        _check_json_able(self.extras)
+        setup.check_json_able(self.extras)
         if self.sharded:  # by parameter name, so that optimizer state reshards like the parameters
             model_sd, optim_sd = sharding.model_state(self.model, self.optimizer)
             names = None
@@ -563,71 +550,6 @@ class Resumable:
         return digest
 
 
-def _abort_process_group(_round: reform.Round) -> None:
-    # On the round watcher's thread: an NCCL collective waiting on a peer of the old round fails now.
-    # Not gloo: its abort() does not fail the collectives in flight (a lost peer's closed sockets do), and
-    # can block on the group's lock while the training thread destroys the group. There the training
-    # thread sees the round at its next step boundary (`check_round`).
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        dist.distributed_c10d._get_default_group().abort()
-
-
-def _may_be_peer_loss(error: BaseException) -> bool:
-    """Whether `error` may come from the group changing (worth waiting for the agent's round)."""
-    text = str(error).lower()
-    return peer_loss.looks_like_peer_loss(error) or any(w in text for w in ("gloo", "nccl", "store", "abort"))
-
-
 def _rank_saved(step: int) -> None:
     # On the writer thread, once this rank's files of `step` are written, before the commit.
     faults.fire("save", step)
-
-
-def _layout(model: torch.nn.Module, mesh: DeviceMesh | None, topology: Topology, *, sharded: bool) -> Layout:
-    if mesh is not None:
-        layout = Layout.of(mesh)
-        if layout.dp * layout.tp != topology.world_size:
-            raise ValueError(f"the mesh {mesh} spans {layout.dp * layout.tp} ranks, the job {topology.world_size}; "
-                             "pass Resumable the mesh over every rank of the job")
-        return layout
-    if sharded:
-        return sharding.layout_of_model(model, rank=topology.rank, world_size=topology.world_size)
-    return Layout.data_parallel(topology.rank, topology.world_size)
-
-
-def _checked_sampler(sampler: ElasticSampler | None, topology: Topology, layout: Layout) -> ElasticSampler | None:
-    if sampler is None or (sampler.rank, sampler.world_size) == (layout.dp_rank, layout.dp):
-        if sampler is not None and layout.tp_rank != 0:
-            sampler.sample_log = None  # the first rank of its tensor-parallel group logs the samples they all read
-        return sampler
-    if layout.tp == 1:
-        raise ValueError(f"the sampler is for rank {sampler.rank} of {sampler.world_size}, but this process is rank "
-                         f"{topology.rank} of {topology.world_size}; build ElasticSampler without rank and "
-                         "world_size (they default to this process's) or pass Resumable the same topology")
-    raise ValueError(f"the sampler is for rank {sampler.rank} of {sampler.world_size}, but this process is "
-                     f"data-parallel rank {layout.dp_rank} of {layout.dp} (tensor-parallel degree {layout.tp}); "
-                     "build it with ElasticSampler(config, mesh=mesh) so that the ranks of one tensor-parallel "
-                     "group read the same samples")
-
-
-def _own_extras(extras: dict[str, Any] | None) -> dict[str, Any]:
-    if extras is not None and not isinstance(extras, dict):
-        raise ValueError(f"extras must be a dict (it is kept and updated in place), got {type(extras).__name__}")
-    extras = extras if extras is not None else {}
-    _check_json_able(extras)
-    return extras
-
-
-def _hint_unstable_layout(model: torch.nn.Module, world_size: int) -> None:
-    if world_size >= 3 and not layout_is_stable(model):
-        log.info("this DDP rebuilds its gradient buckets after its first iteration, so with %d ranks the first "
-                 "step after a resume rounds differently from an uninterrupted run (resume stays correct, "
-                 "not bitwise); wrap the model with trainer.wrap_ddp for bitwise resume", world_size)
-
-
-def _check_json_able(extras: dict[str, Any]) -> None:
-    try:
-        json.dumps(extras)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"extras must be JSON-able (dicts with str keys, lists, str, int, float, bool, None): "
-                         f"{exc}") from exc

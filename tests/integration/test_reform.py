@@ -89,7 +89,8 @@ def test_a_spare_replaces_a_lost_node_then_the_group_shrinks_and_survivors_keep_
 
     for j in survivors:
         name = j.events_dir.parent.name
-        assert step_pids(j) == pids[name], f"{name}'s worker was restarted: pids {step_pids(j)}, before {pids[name]}"
+        assert step_pids(j) == pids[name], (f"{name}'s worker was restarted: pids {step_pids(j)}, before "
+                                            f"{pids[name]}; {j.events('reform_fallback')}\n{j.out[-6000:]}")
         reformed = j.events("reformed")
         assert [e["world"] for e in reformed] == [3, 2], reformed
         for e in reformed:  # from memory: the step completed before, nothing recomputed

@@ -77,6 +77,14 @@ def test_without_an_exact_step_a_peer_sends_the_newest(monkeypatch: pytest.Monke
                         {"step": 7})
     received: list[Mapping[str, Any]] = []
     not_own = Restored(step=7, state={}, rank=0, own=False, tier="local", path="/ckpt/7/rank0")
-    caught = regroup.catch_up(Group(1, [7, -1], [[1], [1]]), -1, load_own={7: not_own}.get,
+    caught = regroup.catch_up(Group(1, [7, -1], [[1], [1], [1]]), -1, load_own={7: not_own}.get,
                               apply_own=lambda r: None, state=dict, apply_peer=received.append)
     assert caught == (7, "peer") and sent == [0] and received == [{"step": 7}]
+
+
+def test_a_rank_with_an_older_checkpoint_of_its_own_makes_the_group_restore_exactly() -> None:
+    # Rank 1 has neither 7 nor 6 of its own, but an older part (say step 5): everyone goes back to the
+    # checkpoints, as a restart would, rather than take rank 0's state with derived RNG streams.
+    caught = regroup.catch_up(Group(1, [7, -1], [[1], [1], [1]]), -1, load_own={}.get, apply_own=lambda r: None,
+                              state=dict, apply_peer=lambda s: None, has_own=lambda: True)
+    assert caught is None

@@ -18,8 +18,8 @@ from ckpt import ShardMismatchError
 from trainer import DataConfig, ElasticSampler, StateMismatchError, rng
 from trainer.agree import agree_on_checkpoint
 from trainer.errors import InvalidStateError
-from trainer.resumable import _checked_sampler
 from trainer.samples import SAMPLE_LOG_ENV
+from trainer.setup import checked_sampler
 from trainer.sharding import Layout
 from trainer.topology import Topology
 from trainer.validate import check_state
@@ -63,9 +63,9 @@ def test_the_ranks_of_one_tp_group_read_the_same_samples_and_one_logs_them(
     # Resumable takes a sampler for this rank's data-parallel coordinate, and none other.
     layout = Layout.of(mesh((2, 2), (1, 1), ("dp", "tp")))
     topology = Topology(rank=3, world_size=4, local_rank=3)
-    assert _checked_sampler(peers[1], topology, layout) is peers[1]
+    assert checked_sampler(peers[1], topology, layout) is peers[1]
     with pytest.raises(ValueError, match="data-parallel rank 1 of 2 .* ElasticSampler\\(config, mesh=mesh\\)"):
-        _checked_sampler(ElasticSampler(config, rank=3, world_size=4), topology, layout)
+        checked_sampler(ElasticSampler(config, rank=3, world_size=4), topology, layout)
 
 
 def draws() -> list[float]:
