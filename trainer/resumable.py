@@ -323,6 +323,10 @@ class Resumable:
         the sampler and agrees with the group on the step (the interrupted step is discarded). Make a
         new data iterator afterwards: `iter(sampler.loader(...))`."""
         started = time.monotonic()
+        if self._rounds is not None and self.ddp is not None and (self._rounds.newest() is not None or error):
+            # DDP's reducer holds the old group: without it the group's sockets close when it is destroyed,
+            # so a peer still waiting on this rank in a collective of the old group fails at once.
+            release_process_group(self.ddp)
         round_ = regroup.join_next_round(self._rounds, error) if self._rounds is not None else None
         if round_ is None:
             if error is not None:
