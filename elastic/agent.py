@@ -14,6 +14,10 @@
    `etcd-v3`): on a membership change, workers that declared they can (elastic/reform.py) keep their
    processes; the agent runs the next round and hands it to them. A worker that has not joined the new
    round within `reform_timeout` is killed, and the group restarts the old way (logged and counted).
+5. Only the failed process restarts: when a worker crashes and every other one can re-form in place,
+   the agent runs the next round, the others re-form, and a warm spare (elastic/spare.py: a process
+   with Python, torch and the script's imports already loaded, started once the workers run) becomes
+   the crashed local rank; without a warm spare a fresh one is started for that rank alone.
 
 Process supervision, worker env, error files and the restart loop itself stay torch's.
 `launch()` is the thin equivalent of `torch.distributed.launcher.api.launch_agent` that builds
@@ -53,6 +57,7 @@ from core.events import emit
 from elastic import peer_loss, progress, reform
 from elastic.job_metrics import JobMetrics
 from elastic.metrics import AgentMetrics
+from elastic.spare import ENV_CUDA_DEVICE, Spare, can_run
 from elastic.worker import STACKS_SIGNAL
 
 log = logging.getLogger(__name__)
@@ -72,6 +77,9 @@ class AgentConfig:
     reform_timeout: timedelta = timedelta(minutes=5)
     """How long a kept worker may take to join the new round's process group (which waits for the round's
     freshly started workers: a process start and a model build) before it is restarted."""
+    warm_spare: bool = True
+    """In in-process mode, keep one worker process per node started ahead of need (Python, torch and the
+    script's imports loaded) to take a crashed worker's place; it costs one idle process's memory."""
 
     def __post_init__(self) -> None:
         if self.reform not in reform.MODES:
@@ -134,8 +142,11 @@ class ElasticAgent(LocalElasticAgent):
         self.job = JobMetrics(self.progress_dir, self.metrics)  # workers' series, restarts by cause, summary
         self._failure_seen_at: float | None = None
         self._rounds = reform.RoundChannel(self.progress_dir)
-        # An in-place round: its generation, and the deadlines to leave the old group and to join the new one.
-        self._awaiting: tuple[int, Deadline, Deadline] | None = None
+        # An in-place round: its generation, the local ranks kept in place, and the deadlines to leave the old
+        # group and to join the new one.
+        self._awaiting: tuple[int, frozenset[int], Deadline, Deadline] | None = None
+        self._spare: Spare | None = None
+        self._spare_failures = 0
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
         if self._round_info is not None:
@@ -174,9 +185,13 @@ class ElasticAgent(LocalElasticAgent):
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        # Before torch's poll, which stops every worker of the node once one has failed.
+        self._replace_failed_in_place(worker_group)
         result = super()._monitor_workers(worker_group)
         if self._awaiting is not None and result.state == WorkerState.HEALTHY:
             self._check_joined(worker_group)
+        if result.state == WorkerState.HEALTHY:
+            self._keep_spare_warm(worker_group)
         self.job.poll()  # after a failure: the first step after it
         if result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None:
             self._kill_hung_workers(worker_group, self.agent_config.hang_timeout.total_seconds())
@@ -234,9 +249,12 @@ class ElasticAgent(LocalElasticAgent):
 
     # -- in-process re-formation (elastic/reform.py) ---------------------------------------------------
 
+    def _can_reform(self) -> bool:
+        return self.agent_config.reform == "in-process" and self._round_info is not None
+
     def _can_reform_in_place(self, worker_group: WorkerGroup) -> bool:
         """Every local worker is alive and declared it can join a new round without a restart."""
-        if self.agent_config.reform != "in-process" or self._round_info is None:
+        if not self._can_reform():
             return False
         ready = self._rounds.ready_pids()
         return bool(worker_group.workers) and all(
@@ -248,31 +266,122 @@ class ElasticAgent(LocalElasticAgent):
             self._failure_seen_at = time.monotonic()
         self.job.failed(self._failure_seen_at)  # metrics: the time to the first step after it
         before = self._membership()
-        pids = {w.local_rank: w.id for w in worker_group.workers}
-        self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay
-        for w in worker_group.workers:
-            w.id = pids[w.local_rank]
-        info = self._round_info
-        assert info is not None
-        self._rounds.publish(info.generation, str(worker_group.master_addr), int(worker_group.master_port or 0),
-                             [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers])
-        self._awaiting = (info.generation, Deadline.after(self.agent_config.reform_leave_timeout),
-                          Deadline.after(self.agent_config.reform_timeout))
-        worker_group.state = WorkerState.HEALTHY
+        generation = self._next_round_in_place(worker_group, {w.local_rank: w.id for w in worker_group.workers})
         lost = sorted(set(before) - set(self._membership()))
         if lost:
             log.warning("peer node%s %s lost; re-forming the group in place with %d node%s",
                         "s" if len(lost) > 1 else "", ", ".join(lost), worker_group.group_world_size or 0,
                         "s" if (worker_group.group_world_size or 0) != 1 else "")
-        self.metrics.update(members=worker_group.group_world_size or 0, generation=info.generation)
-        emit("reform", generation=info.generation, lost=lost, world_size=worker_group.group_world_size,
+        emit("reform", generation=generation, lost=lost, world_size=worker_group.group_world_size,
              group_rank=worker_group.group_rank)
         self.job.reformed()
 
+    def _next_round_in_place(self, worker_group: WorkerGroup, kept: dict[int, Any]) -> int:
+        """Run the next round with the processes of `kept` (local rank -> pid) staying; publish it to them."""
+        self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay
+        for w in worker_group.workers:
+            w.id = kept.get(w.local_rank)
+        info = self._round_info
+        assert info is not None
+        self._rounds.publish(info.generation, str(worker_group.master_addr), int(worker_group.master_port or 0),
+                             [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers])
+        if kept:
+            self._awaiting = (info.generation, frozenset(kept), Deadline.after(self.agent_config.reform_leave_timeout),
+                              Deadline.after(self.agent_config.reform_timeout))
+        worker_group.state = WorkerState.HEALTHY
+        self.metrics.update(members=worker_group.group_world_size or 0, generation=info.generation)
+        return info.generation
+
+    # -- only the failed process restarts (elastic/spare.py) -------------------------------------------
+
+    def _replace_failed_in_place(self, worker_group: WorkerGroup) -> None:
+        """A worker crashed and every other local worker can re-form in place: the next round, with the
+        others kept and a spare (warm if one is ready) in the crashed worker's place."""
+        pcontext: Any = self._pcontext
+        handlers: dict[int, Any] | None = getattr(pcontext, "subprocess_handlers", None)
+        if (not handlers or self._awaiting is not None or not self._can_reform() or self._remaining_restarts <= 0
+                or not can_run(worker_group.spec.entrypoint, pcontext.args[0])):
+            return
+        codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+        failed = sorted(lr for lr, code in codes.items() if code not in (None, 0))
+        ready = self._rounds.ready_pids()
+        if not failed or any(ready.get(lr) != h.proc.pid for lr, h in handlers.items()) or any(
+                codes[w.local_rank] is not None for w in worker_group.workers if w.local_rank not in failed):
+            return  # nothing failed, or some worker cannot re-form (or finished): torch's restart
+        self._remaining_restarts -= 1  # this node's own failure
+        if self._failure_seen_at is None:
+            self._failure_seen_at = time.monotonic()
+        self.job.failed(self._failure_seen_at)
+        dead = {lr: handlers[lr].proc.pid for lr in failed}
+        kept = {w.local_rank: w.id for w in worker_group.workers if w.local_rank not in dead}
+        generation = self._next_round_in_place(worker_group, kept)
+        restart_count = worker_group.spec.max_restarts - self._remaining_restarts
+        warm = []
+        for w in worker_group.workers:
+            if w.local_rank not in dead:
+                continue
+            env = {**os.environ, **pcontext.envs[w.local_rank],
+                   **_round_env(worker_group, w, restart_count, generation)}
+            spare = self._spare if self._spare is not None and self._spare.alive() else None
+            self._spare = None
+            warm.append(spare is not None)
+            if spare is None:
+                spare = Spare.start(str(worker_group.spec.entrypoint), pcontext.args[w.local_rank], self._spare_env())
+            handlers[w.local_rank] = spare.take(local_rank=w.local_rank, interpreter_args=pcontext.args[w.local_rank],
+                                                env=env, stdout=pcontext.stdouts.get(w.local_rank),
+                                                stderr=pcontext.stderrs.get(w.local_rank))
+            w.id = spare.pid
+        log.warning("worker%s local rank %s (pid %s) failed; replaced by %s, the others re-form in place "
+                    "(round %d)", "s" if len(dead) > 1 else "", ", ".join(map(str, dead)),
+                    ", ".join(map(str, dead.values())), "a warm spare" if all(warm) else "a new process", generation)
+        self.job.restarted("worker failure", reformed=False)
+        emit("restart", reason="worker failure", lost=[], replaced=sorted(dead), dead_pids=sorted(dead.values()),
+             warm_spare=all(warm), generation=generation, remaining_restarts=self._remaining_restarts,
+             max_restarts=worker_group.spec.max_restarts)
+
+    def _keep_spare_warm(self, worker_group: WorkerGroup) -> None:
+        """Start a spare once the node's workers run and can re-form in place (and again after one is used)."""
+        if (not self.agent_config.warm_spare or not self._can_reform() or self._awaiting is not None
+                or self._spare_failures >= _SPARE_FAILURES_MAX):
+            return
+        if self._spare is not None:
+            if self._spare.alive():
+                return
+            self._spare_failures += 1
+            log.warning("warm spare (pid %d) exited with %s%s", self._spare.pid, self._spare.proc.returncode,
+                        "; no more spares on this node" if self._spare_failures >= _SPARE_FAILURES_MAX else "")
+            self._spare = None
+            return
+        pcontext: Any = self._pcontext
+        if not getattr(pcontext, "subprocess_handlers", None) or not can_run(worker_group.spec.entrypoint,
+                                                                               pcontext.args[0]):
+            return
+        ready = self._rounds.ready_pids()
+        if not all(w.id is not None and ready.get(w.local_rank) == int(w.id) for w in worker_group.workers):
+            return  # not yet restored and training, or not a script that re-forms (trainer)
+        self._spare = Spare.start(str(worker_group.spec.entrypoint), pcontext.args[0], self._spare_env())
+        emit("spare_started", pid=self._spare.pid)
+
+    def _spare_env(self) -> dict[str, str]:
+        """The environment a spare warms up in: the workers', less what names one rank of one round."""
+        pcontext: Any = self._pcontext
+        env = {**os.environ, **pcontext.envs[0]}
+        for key in (*_ROUND_KEYS, "LOCAL_RANK", "TORCHELASTIC_ERROR_FILE"):
+            env.pop(key, None)
+        if self._worker_group.spec.local_world_size == 1:
+            env[ENV_CUDA_DEVICE] = "0"  # the one worker's device: its context can be made ahead
+        return env
+
+    def dismiss_spare(self) -> None:
+        if self._spare is not None:
+            self._spare.stop()
+            self._spare = None
+
     def _check_joined(self, worker_group: WorkerGroup) -> None:
         assert self._awaiting is not None
-        generation, leave_by, join_by = self._awaiting
-        late = [w for w in worker_group.workers if self._rounds.acked(w.local_rank) < generation]
+        generation, kept, leave_by, join_by = self._awaiting
+        late = [w for w in worker_group.workers
+                if w.local_rank in kept and self._rounds.acked(w.local_rank) < generation]
         if not late:
             seconds = round(time.monotonic() - (self._failure_seen_at or time.monotonic()), 3)
             self._awaiting, self._failure_seen_at = None, None
@@ -300,6 +409,23 @@ class ElasticAgent(LocalElasticAgent):
                 os.kill(int(w.id), signal.SIGKILL)
             except (ProcessLookupError, TypeError):
                 pass
+
+
+_SPARE_FAILURES_MAX = 3
+"""Spares that died unused before the agent stops offering one (a script whose imports crash, say)."""
+
+# What torch's agent sets per worker and per round (local_elastic_agent._start_workers).
+_ROUND_KEYS = ("RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", reform.ENV_GENERATION)
+
+
+def _round_env(worker_group: WorkerGroup, worker: Any, restart_count: int, generation: int) -> dict[str, str]:
+    """The per-round variables of one worker, as torch's `_start_workers` sets them."""
+    return {"RANK": str(worker.global_rank), "GROUP_RANK": str(worker_group.group_rank),
+            "ROLE_RANK": str(worker.role_rank), "WORLD_SIZE": str(worker.world_size),
+            "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "ROLE_WORLD_SIZE": str(worker.role_world_size),
+            "MASTER_ADDR": str(worker_group.master_addr), "MASTER_PORT": str(worker_group.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count), reform.ENV_GENERATION: str(generation)}
 
 
 def _accepted(target: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -364,6 +490,7 @@ def launch(
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        agent.dismiss_spare()
         agent.job.finish()  # the one-line summary, from the workers' metrics files
         shutil.rmtree(agent.progress_dir, ignore_errors=True)
         if agent.tier0_dir is not None:

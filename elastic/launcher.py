@@ -22,6 +22,7 @@ those to exit status 2 and 1.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -46,6 +47,9 @@ from elastic.errors import ElasticError
 from elastic.etcd_server import EtcdServer
 
 log = logging.getLogger("elastic.launcher")
+
+ENV_WARM_SPARE = "ELASTIC_WARM_SPARE"
+"""The default of --warm-spare where the flag is not given ("0" turns it off: test suites, tight hosts)."""
 
 STATIC = "static"
 TORCHRUN_DEFAULT_RUN_ID = "none"
@@ -111,6 +115,15 @@ def build_parser() -> ArgumentParser:
         help="On a membership change, keep workers that can re-form their process group in place (trainer's "
         "Resumable with replicated state) and restart only the others (in-process, the default), or restart "
         "every worker (restart). Needs the etcd-v3 backend; other backends always restart.",
+    )
+    ours.add_argument(
+        "--warm-spare",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(ENV_WARM_SPARE, "1").lower() not in ("0", "off", "false", "no"),
+        help="With --reform in-process: keep one worker process per node started ahead of need (Python, torch "
+        "and the script's imports loaded) that takes a crashed worker's place, so only the crashed process "
+        "restarts and the group waits about a re-formation, not a process start. Default: on "
+        f"(${ENV_WARM_SPARE}=0 turns the default off); --no-warm-spare starts a replacement when it is needed.",
     )
     return parser
 
@@ -292,6 +305,7 @@ def run(args: Namespace, plan: Plan) -> dict[int, Any]:
             hang_timeout=timedelta(seconds=args.hang_timeout) if args.hang_timeout else None,
             metrics_port=args.metrics_port,
             reform=args.reform,
+            warm_spare=args.warm_spare,
         )
         return launch(config, cmd, cmd_args, agent_config)
     finally:

@@ -1,0 +1,71 @@
+"""elastic/spare.py: a warm spare process becomes the worker its order describes.
+
+One real spare (Python + torch + the script's imports, then the order over its stdin pipe), the real
+script run as `__main__`: its environment is the order's (not the one it warmed up in), its arguments are
+the order's, its output goes to the order's log files (appended, as torch's log files for that rank),
+its exit status is the script's. The command-line forms a spare can and cannot run are unit-checked.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic.spare import Spare, Target, _top_level_imports, can_run
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = '''
+import json, os, sys
+import helper_module_of_the_script  # found beside the script, as `python script.py` would find it
+print("out:" + json.dumps({"argv": sys.argv[1:], "rank": os.environ.get("RANK"),
+                           "warm_only": os.environ.get("ONLY_WHILE_WARMING"), "name": __name__,
+                           "helper_preloaded": helper_module_of_the_script.LOADED_BEFORE_ORDER}))
+print("err line", file=sys.stderr)
+sys.exit(int(sys.argv[-1]))
+'''
+
+HELPER = '''
+import os
+LOADED_BEFORE_ORDER = os.environ.get("RANK") is None
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_runs_the_order_it_is_given(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    (tmp_path / "helper_module_of_the_script.py").write_text(HELPER)
+    stdout, stderr = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    stdout.write_text("the dead worker's last line\n")
+    warm_env = {**os.environ, "ONLY_WHILE_WARMING": "1"}
+    warm_env.pop("RANK", None)
+    spare = Spare.start(sys.executable, ["-u", str(script), "--flag"], warm_env)
+    order_env = {k: v for k, v in warm_env.items() if k != "ONLY_WHILE_WARMING"} | {"RANK": "5"}
+    spare.take(local_rank=1, interpreter_args=["-u", str(script), "--flag", "3"], env=order_env,
+               stdout=str(stdout), stderr=str(stderr))
+    assert spare.proc.wait(timeout=100) == 3  # the script's own exit status
+
+    lines = stdout.read_text().splitlines()
+    assert lines[0] == "the dead worker's last line"  # appended, like the rank's log file
+    out = next(line for line in lines if line.startswith("out:"))
+    assert out == ('out:{"argv": ["--flag", "3"], "rank": "5", "warm_only": null, "name": "__main__", '
+                   '"helper_preloaded": true}')
+    assert "err line" in stderr.read_text()
+
+
+def test_which_command_lines_a_spare_can_run(tmp_path: Path) -> None:
+    assert Target.parse(["-u", "train.py", "--x", "1"]) == Target("path", "train.py", ("--x", "1"))
+    assert Target.parse(["-u", "-m", "pkg.train", "--x"]) == Target("module", "pkg.train", ("--x",))
+    assert Target.parse(["-c", "print(1)"]) is None
+    assert Target.parse([]) is None
+    assert can_run(sys.executable, ["-u", "train.py"])
+    assert not can_run("/bin/true", ["-u", "train.py"])  # --no-python: a binary, not this interpreter
+    assert not can_run(sys.executable, ["-c", "print(1)"])
+    script = tmp_path / "s.py"
+    script.write_text("import os\nfrom torch import nn\nfrom . import rel\ndef f():\n    import json\n")
+    assert _top_level_imports(str(script)) == ["os", "torch"]  # not relative ones, not those inside functions
+    assert _top_level_imports(str(tmp_path / "missing.py")) == []
