@@ -22,6 +22,10 @@ from elastic.round import RoundState
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "train_tiny.py"
 
+# A warm spare (elastic/spare.py) costs each job one more torch process start (~6 s of CPU here) that few tests
+# use: off by default in the suite; the tests of spares pass --warm-spare.
+os.environ.setdefault("ELASTIC_WARM_SPARE", "0")
+
 
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EtcdServer]:
