@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +23,7 @@ import pytest
 from elastic import launcher
 from elastic.etcd_client import EtcdClient
 from elastic.etcd_server import EtcdServer, free_port
-from tests.conftest import read_state
+from tests.conftest import Procs, read_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -126,15 +128,12 @@ def _end_group(proc: subprocess.Popen[str]) -> None:
 
 @pytest.fixture(scope="module")
 def embedded_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen[str]]]:
-    """The two jobs on an embedded etcd, started together so their start-up (torch imports, etcd)
-    overlaps on this small machine; each test waits for its own."""
+    """The job on an embedded etcd (elastic-run with no rendezvous flags)."""
     script = tmp_path_factory.mktemp("embedded") / "train.py"
     script.write_text(TRAIN)
     launch = [sys.executable, "-m", "elastic.launcher", "--monitor-interval", "0.1"]
-    runs = {
-        "plain": _start([*launch, "--nproc-per-node", "2", str(script)]),
-        "standalone": _start([*launch, "--standalone", "--nproc-per-node", "1", str(script)]),
-    }
+    # --standalone's own etcd is checked by test_torchrun_compat.py's standalone case (same flag, 2 workers).
+    runs = {"plain": _start([*launch, "--nproc-per-node", "2", str(script)])}
     try:
         yield runs
     finally:
@@ -205,13 +204,6 @@ def test_embedded_etcd_two_workers_get_torchrun_env(embedded_runs: dict[str, sub
     ready = re.search(r"embedded etcd ready at http://[\d.]+:\d+ \(pid \d+, data (\S+)\)", out)
     assert ready, out
     assert not os.path.exists(ready.group(1)), f"embedded etcd data dir {ready.group(1)} left behind"
-
-
-def test_standalone_runs_on_its_own_etcd(embedded_runs: dict[str, subprocess.Popen[str]]) -> None:
-    rc, out = finish(embedded_runs["standalone"], timeout=50)
-    assert rc == 0, out
-    assert_one_world(env_reports(out), 1, out)
-    assert "embedded etcd at" in out
 
 
 @pytest.mark.parametrize(
@@ -382,20 +374,67 @@ def test_python_main_raises_child_failed_and_console_exits_1(short_runs: dict[st
     assert closed["source"] == "AGENT" and closed["metadata"]["world_size"] == 1
 
 
-@pytest.mark.timeout(90)
-def test_sigterm_stops_cleanly_with_exit_143(procs, tmp_path: Path) -> None:
-    script = tmp_path / "sleep.py"
+@dataclass
+class SleepingJob:
+    """An elastic-run job of one worker that sleeps (it imports no torch), with --metrics-port."""
+
+    proc: subprocess.Popen[str]
+    lines: list[str]
+    """The agent's output so far, collected by `reader`."""
+    reader: threading.Thread
+    metrics: str
+    """The agent's /metrics body once it reported its round (elastic_members 1)."""
+
+
+@pytest.fixture(scope="module")
+def sleeping_job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SleepingJob]:
+    """Started once its worker is up and the agent's /metrics, read over HTTP, shows its one member; the
+    SIGTERM test ends it."""
+    script = tmp_path_factory.mktemp("sleeping") / "sleep.py"
     script.write_text("import os, time\nos.write(1, b'WORKER-UP\\n')\ntime.sleep(120)\n")
-    proc = procs.elastic_run("--nproc-per-node", "1", "--monitor-interval", "0.1", str(script))
-    assert proc.stdout is not None
-    for line in proc.stdout:  # bounded by the test's timeout; the worker prints one line at once
-        if "WORKER-UP" in line:
-            break
+    port = free_port()
+    procs = Procs()
+    try:
+        proc = procs.elastic_run("--nproc-per-node", "1", "--monitor-interval", "0.1", "--metrics-port", str(port),
+                                 str(script))
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+        reader.start()
+        deadline, body = time.monotonic() + 60, ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any("WORKER-UP" in line for line in list(lines)):
+                try:
+                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                    if re.search(r"^elastic_members 1\.0$", body, re.M):
+                        break
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        assert re.search(r"^elastic_members 1\.0$", body, re.M), body[-2000:] + "".join(lines[-20:])
+        yield SleepingJob(proc, lines, reader, body)
+    finally:
+        procs.cleanup()
+
+
+@pytest.mark.timeout(90)
+def test_agent_serves_membership_metrics(sleeping_job: SleepingJob) -> None:
+    body = sleeping_job.metrics  # `elastic-run --metrics-port`: Prometheus text, read while the job runs
+    assert re.search(r"^elastic_members 1\.0$", body, re.M), body[-2000:]
+    assert re.search(r"^elastic_generation 1\.0$", body, re.M), body[-2000:]  # the first round
+    assert re.search(r"^elastic_degraded 0\.0$", body, re.M), body[-2000:]
+    assert "elastic_restarts_total" in body and "elastic_last_recovery_seconds" in body
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_stops_cleanly_with_exit_143(sleeping_job: SleepingJob) -> None:
+    proc = sleeping_job.proc
     os.kill(proc.pid, signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 143, rest
-    assert "Traceback" not in rest, rest
-    assert rest.count("elastic-run: stopped by SIGTERM") == 1 and "left open" in rest
+    proc.wait(timeout=60)
+    sleeping_job.reader.join(timeout=30)  # it ends with the agent's output
+    out = "".join(sleeping_job.lines)
+    assert proc.returncode == 143, out
+    assert "Traceback" not in out, out
+    assert out.count("elastic-run: stopped by SIGTERM") == 1 and "left open" in out
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,8 @@ Each case costs two jobs of two or more processes that import torch (~10 s of CP
 flags that do not interact share a case: the entrypoint flags (--run-path, -m, --no-python) ride along the
 rendezvous variants, and --log-dir/--redirects/--tee and --local-addr along two of them. A plain script
 path is the entrypoint of the static case. The static case is also elastic-run's own test of torchrun's
-static multi-node command with env:// workers (tests/integration/test_static_multinode.py has the tcp:// ones).
+static multi-node command with env:// workers (tests/integration/test_static_multinode.py has the tcp:// ones),
+and the standalone case its test of --standalone on a private embedded etcd.
 """
 
 from __future__ import annotations
@@ -216,6 +217,12 @@ def test_static_nodes_use_the_given_master_address_and_node_ranks(results: dict[
     assert ours.output.count("static rendezvous at 127.0.0.1:") == 2  # each node's one-line note on elasticity
     assert "--rdzv-endpoint" in ours.output
     assert "embedded etcd" not in ours.output  # a static job starts no etcd
+
+
+def test_standalone_runs_on_its_own_etcd(results: dict[str, tuple[Job, Job]]) -> None:
+    ours, _ = results["standalone+run-path"]
+    assert ours.returncodes == [0], ours.output
+    assert "embedded etcd at" in ours.output  # --standalone: a private etcd, not torchrun's c10d store
 
 
 def test_local_addr_is_the_store_address(results: dict[str, tuple[Job, Job]]) -> None:
