@@ -16,7 +16,9 @@ spare never outlives its agent.
 What a user may notice: modules the script imports at its top level are imported before the rank
 variables are set (RANK, WORLD_SIZE, ...), so a module that reads them *at import time* sees the
 node's environment; such a script should read them in its main function or run with
-`--no-warm-spare`.
+`--no-warm-spare`. Likewise cuBLAS starts in the warm-up with `CUBLAS_WORKSPACE_CONFIG=:4096:8` unless
+the launcher's environment sets it: a script that sets another value in its own code should set it in
+the environment instead.
 
 The agent side is `Spare` (start, take, stop); the process side is this module's `main`
 (`python -m elastic.spare -- <the worker's interpreter arguments>`).
@@ -193,8 +195,29 @@ def warm(target: Target) -> None:
     device = os.environ.get(ENV_CUDA_DEVICE)
     if device is not None and torch.cuda.is_available():
         torch.cuda.set_device(int(device))
-        torch.cuda.init()
-        torch.empty(1, device=f"cuda:{int(device)}")  # the primary context, and the allocator's first pool
+        _warm_cuda(torch.device("cuda", int(device)))
+
+
+def _warm_cuda(device: Any) -> None:
+    """The device context, the BLAS handles and the kernels most training steps use (CUDA loads each kernel on
+    its first launch): one tiny bf16 step. Draws nothing from the random generators a restore sets."""
+    import torch
+    from torch import nn
+
+    # cuBLAS reads its workspace setting once, at its first handle: here, before the script's own setting could
+    # apply. ":4096:8" is what a deterministic script sets (torch's default size on Hopper, too).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    x = torch.linspace(-1, 1, 8 * 16 * 64, device=device).reshape(8, 16, 64)
+    layers = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(device)
+    optimizer = torch.optim.AdamW(layers.parameters(), fused=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        h = layers(x)
+        h = nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)
+        loss = nn.functional.cross_entropy(h.flatten(0, 1), torch.zeros(8 * 16, dtype=torch.long, device=device))
+    loss.backward()
+    nn.utils.clip_grad_norm_(layers.parameters(), 1.0)
+    optimizer.step()
+    torch.cuda.synchronize(device)
 
 
 def _redirect(fd: int, path: str | None) -> None:

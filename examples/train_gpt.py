@@ -236,7 +236,8 @@ def main() -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     show(f"worker rank={rank} world={world} pid={os.getpid()} restart={restart}")
     torch.manual_seed(args.seed)
-    model = GPT(args).to(device)
+    with device:  # built on its device: no host-side initialisation of every parameter, then a copy
+        model = GPT(args)
     # wrap_ddp (one gradient-bucket layout) for bitwise resume; plain DDP rebuilds its buckets for speed.
     wrap = wrap_ddp if args.deterministic or device.type == "cpu" else DDP
     ddp = wrap(model, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else model
