@@ -15,6 +15,11 @@
                                      cannot be restored, but no committed one may be lost)
     no_orphan_processes              nothing the harness started, or any of its descendants, is alive
     all_faults_injected              every fault not skipped fired, and each corruption was read by a restore
+    only_hit_processes_restart       in-process re-formation (elastic-run's default): after a fault, new worker
+                                     processes start only where the fault hit (a killed or hung worker: one
+                                     process on its node; a lost or cut-off node: none elsewhere; an added node:
+                                     its own); every other worker keeps its pid. A stuck worker the agent
+                                     restarts (`reform_fallback`) is allowed and named
 
 A check that cannot be made (e.g. the script emits no `final_digest` event) is `None` with the reason: it never
 counts as passed.
@@ -25,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chaos.lineage import Attempt, Lineage, attempts
-from chaos.timeline import CheckpointSkipped, Event, Resumed, Step, WorkerStart
+from chaos.timeline import AgentEvent, CheckpointSkipped, Event, Resumed, Step, WorkerStart
 from trainer.data import DataConfig, ElasticSampler
 
 
@@ -53,6 +58,8 @@ class FaultOutcome:
     """Why a fault that was not skipped never fired."""
     corrupted_ranks: tuple[int, ...] = ()
     """The rank directories whose files the harness damaged."""
+    node: str | None = None
+    """The node the fault hit (the killed worker's, the lost or added one, ...)."""
     in_flight: int = 0
     """Steps run after the newest checkpoint step whose save had not committed on every node when
     the fault hit; they are allowed on top of the bound."""
@@ -90,6 +97,7 @@ def check_all(ev: Evidence) -> dict[str, Check]:
         "steps_lost_within_interval": steps_lost_within(ev),
         "no_orphan_processes": no_orphans(ev),
         "all_faults_injected": all_injected(ev),
+        "only_hit_processes_restart": only_hit_processes_restart(ev),
     }
 
 
@@ -324,6 +332,50 @@ def all_injected(ev: Evidence) -> Check:
     fired = sum(1 for f in ev.faults if f.injected)
     skipped = sum(1 for f in ev.faults if f.skipped is not None)
     return Check(True, f"{fired} fired, {skipped} skipped with a reason")
+
+
+# New worker processes a fault may cause, where in-process re-formation keeps every other one: (on the hit node,
+# elsewhere). None: any number (corrupt-checkpoint restarts every node's workers on purpose, so a restore reads it).
+_NEW_PROCESSES: dict[str, tuple[int | None, int] | None] = {
+    "kill-worker": (1, 0), "hang-worker": (1, 0), "kill-node": (0, 0), "partition-node": (None, 0),
+    "add-node": (None, 0), "corrupt-checkpoint": None,
+}
+
+
+def only_hit_processes_restart(ev: Evidence) -> Check:
+    fired = sorted((f for f in ev.faults if f.injected_t is not None), key=lambda f: f.injected_t or 0.0)
+    if not fired:
+        return Check(True, "no fault fired")
+    agents = [e for e in ev.events if isinstance(e, AgentEvent)]
+    if not any(e.name == "reform" or (e.name == "restart" and e.fields.get("replaced")) for e in agents):
+        return Check(None, "no worker re-formed in place (--reform restart, or a script without trainer): every "
+                           "worker restarts on a fault by design")
+    starts = [e for e in ev.events if isinstance(e, WorkerStart)]
+    fallbacks = [e for e in ev.events if isinstance(e, AgentEvent) and e.name == "reform_fallback"]
+    problems: list[str] = []
+    for i, fault in enumerate(fired):
+        begin = fault.injected_t or 0.0
+        end = (fired[i + 1].injected_t or begin) if i + 1 < len(fired) else float("inf")
+        allowed = _NEW_PROCESSES.get(fault.kind, (0, 0))
+        if allowed is None:
+            continue
+        seen = {(e.node, e.pid) for e in starts if e.t < begin}
+        new: dict[str, set[int]] = {}
+        for e in starts:
+            if begin <= e.t < end and (e.node, e.pid) not in seen:
+                new.setdefault(e.node, set()).add(e.pid)
+        excused = {e.node for e in fallbacks if begin <= e.t < end}
+        for node, pids in sorted(new.items()):
+            limit = allowed[0] if node == fault.node else allowed[1]
+            if limit is not None and len(pids) > limit and node not in excused:
+                where = "the hit node" if node == fault.node else "a node the fault did not hit"
+                problems.append(f"{fault.kind} on {fault.node}: {len(pids)} new worker process(es) on {node} "
+                                f"({where}; at most {limit}): pids {sorted(pids)}")
+    if problems:
+        return Check(False, "; ".join(problems))
+    note = f" (a stuck worker restarted by its agent on {', '.join(sorted({e.node for e in fallbacks}))})" \
+        if fallbacks else ""
+    return Check(True, f"after each of {len(fired)} fault(s), new processes only where it hit{note}")
 
 
 def _ranges(values: list[int]) -> str:

@@ -183,7 +183,7 @@ def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], r
             corrupted_step=r.details.get("corrupted_step"), corrupted_node=r.node,
             exercised=r.details.get("exercised"), not_fired=r.details.get("not_fired"),
             corrupted_ranks=_ranks_of(r.details.get("files", {})),
-            in_flight=in_flight(r, config.ckpt_every),
+            in_flight=in_flight(r, config.ckpt_every), node=r.node,
         )
         for r in records
     ]

@@ -367,3 +367,31 @@ def test_reference_is_the_first_attempt_that_finished() -> None:
     midway = Log().start().steps(1, 12).start(resumed=10).steps(11, 20).digest("cc")
     with pytest.raises(ChaosError, match="restarted mid-run"):
         reference_of(_job(midway), config)
+
+
+def _killed_worker_run(*, node0_restarts: bool, fallback: bool = False, in_place: bool = True) -> inv.Evidence:
+    """2 nodes; rank 1's worker (node1) is killed at t=5: its node replaces it, node0 re-forms in place (or, with
+    `node0_restarts`, starts a new process too)."""
+    log = Log().start().steps(1, 5)
+    fault = inv.FaultOutcome(kind="kill-worker", injected=True, skipped=None, steps_lost=0, lost_bound=1,
+                             injected_t=log.t + 0.05, node="node1")
+    if in_place:
+        log.emit("restart", "node1", replaced=[0], warm_spare=True)
+        log.emit("reform", "node0")
+    if fallback:
+        log.emit("reform_fallback", "node0", local_rank=0)
+    log.worker(0, 2, pid=300 if node0_restarts else 100, node="node0")
+    log.worker(1, 2, pid=201, node="node1")
+    log.steps(6, 20).digest("ab")
+    return evidence(log, faults=[fault])
+
+
+def test_only_the_hit_process_restarts_after_a_worker_kill() -> None:
+    kept = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=False))
+    assert kept.ok is True, kept
+    broken = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True))
+    assert broken.ok is False and "node0" in broken.detail and "[300]" in broken.detail, broken
+    excused = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, fallback=True))
+    assert excused.ok is True and "stuck worker" in excused.detail, excused
+    restart_mode = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, in_place=False))
+    assert restart_mode.ok is None, restart_mode
