@@ -147,6 +147,8 @@ class ElasticAgent(LocalElasticAgent):
         self._awaiting: tuple[int, frozenset[int], Deadline, Deadline] | None = None
         self._spare: Spare | None = None
         self._spare_failures = 0
+        self._joiners: dict[int, Spare] = {}  # local rank -> a spare started before this node joins a running job
+        self._started_once = False
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
         if self._round_info is not None:
@@ -165,13 +167,23 @@ class ElasticAgent(LocalElasticAgent):
     def _membership(self) -> tuple[str, ...]:
         return self._round_info.round_members if self._round_info is not None else ()
 
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        if not self._started_once:
+            self._started_once = True
+            self._prestart_joiners(worker_group)
+        super()._initialize_workers(worker_group)
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress.clear(self.progress_dir)
         self._rounds.clear()
         self._awaiting = None
         info = self._round_info
         os.environ[reform.ENV_GENERATION] = str(info.generation if info is not None else 0)
-        pids = super()._start_workers(worker_group)
+        if self._joiners:
+            pids = self._start_through(self._joiners, worker_group)
+            self._joiners = {}
+        else:
+            pids = super()._start_workers(worker_group)
         self.metrics.update(members=worker_group.group_world_size or 0,
                             generation=info.generation if info is not None else 0,
                             degraded=info.degraded if info is not None else False)
@@ -339,6 +351,48 @@ class ElasticAgent(LocalElasticAgent):
              warm_spare=all(warm), generation=generation, remaining_restarts=self._remaining_restarts,
              max_restarts=worker_group.spec.max_restarts)
 
+    def _prestart_joiners(self, worker_group: WorkerGroup) -> None:
+        """A node joining a running job starts its workers' processes first (warm spares, one per local rank) and
+        joins the round only once they are warm: the nodes already training then wait in the new process group for
+        a script's start, not for Python, torch and the device context."""
+        spec = worker_group.spec
+        joins = getattr(self._round_info, "joins_a_running_round", None)
+        if (not self.agent_config.warm_spare or not self._can_reform() or not can_run(spec.entrypoint, spec.args)
+                or joins is None or not joins()):
+            return
+        env = {k: v for k, v in os.environ.items() if k not in _ROUND_KEYS}
+        if spec.local_world_size == 1:
+            env[ENV_CUDA_DEVICE] = "0"
+        args = [str(a) for a in spec.args]
+        self._joiners = {lr: Spare.start(str(spec.entrypoint), args, env) for lr in range(spec.local_world_size)}
+        deadline = Deadline.after(_JOINER_WARM_TIMEOUT)
+        while not all(s.warm() or not s.alive() for s in self._joiners.values()) and not deadline.expired():
+            time.sleep(0.05)
+        log.info("joining a running job: %d worker process(es) started and warm before the rendezvous",
+                 len(self._joiners))
+        emit("joiner_prestarted", pids=[s.pid for s in self._joiners.values()],
+             warm=all(s.warm() for s in self._joiners.values()))
+
+    def _start_through(self, spares: dict[int, Spare], worker_group: WorkerGroup) -> dict[int, Any]:
+        """torch's `_start_workers` (its environment, log files and process context), each local rank's process
+        being the spare started for it instead of a new one."""
+        from torch.distributed.elastic.multiprocessing import api as mp_api
+
+        def adopt(*, entrypoint: str, args: tuple[Any, ...], env: dict[str, str], stdout: str | None,
+                  stderr: str | None, local_rank_id: int, **_: Any) -> Any:
+            spare = spares[local_rank_id]
+            if not spare.alive():  # died warming up: a process of the usual kind for this rank
+                spare = Spare.start(entrypoint, [str(a) for a in args], {**os.environ, **env})
+            return spare.take(local_rank=local_rank_id, interpreter_args=[str(a) for a in args],
+                              env={**os.environ, **env}, stdout=stdout, stderr=stderr)
+
+        real = mp_api.get_subprocess_handler
+        mp_api.get_subprocess_handler = adopt  # type: ignore[assignment]
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            mp_api.get_subprocess_handler = real
+
     def _keep_spare_warm(self, worker_group: WorkerGroup) -> None:
         """Start a spare once the node's workers run and can re-form in place (and again after one is used)."""
         if (not self.agent_config.warm_spare or not self._can_reform() or self._awaiting is not None
@@ -373,9 +427,9 @@ class ElasticAgent(LocalElasticAgent):
         return env
 
     def dismiss_spare(self) -> None:
-        if self._spare is not None:
-            self._spare.stop()
-            self._spare = None
+        for spare in [*([self._spare] if self._spare is not None else []), *self._joiners.values()]:
+            spare.stop()
+        self._spare, self._joiners = None, {}
 
     def _check_joined(self, worker_group: WorkerGroup) -> None:
         assert self._awaiting is not None
@@ -410,6 +464,9 @@ class ElasticAgent(LocalElasticAgent):
             except (ProcessLookupError, TypeError):
                 pass
 
+
+_JOINER_WARM_TIMEOUT = timedelta(minutes=2)
+"""How long a joining node waits for its workers' processes to warm up before it joins the round anyway."""
 
 _SPARE_FAILURES_MAX = 3
 """Spares that died unused before the agent stops offering one (a script whose imports crash, say)."""

@@ -155,6 +155,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         )
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
 
+    def joins_a_running_round(self) -> bool:
+        """Whether other nodes train in a round this node is not in: it would join a running job (scale-up, or a
+        replacement node), and they would wait for its workers in the next round's process group."""
+        try:
+            snap = self.view.read(deadline=timedelta(seconds=5))
+        except Exception as exc:  # noqa: BLE001 - unknown: start the usual way
+            log.debug("rendezvous: could not read the run's state (%s)", exc)
+            return False
+        state = snap.state
+        return (state is not None and state.status == "closed" and not state.shutdown
+                and self.config.node_id not in state.participants and bool(set(state.participants) & snap.live))
+
     def is_closed(self) -> bool:
         state = self.view.read().checked_state()
         return bool(state and state.shutdown)

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.progress import ENV_DIR as ENV_PROGRESS_DIR
+
 log = logging.getLogger(__name__)
 
 ENV_CUDA_DEVICE = "ELASTIC_SPARE_CUDA_DEVICE"
@@ -105,6 +107,11 @@ class Spare:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def warm(self) -> bool:
+        """Whether it has finished warming up (it says so with a file in the agent's progress directory)."""
+        directory = os.environ.get(ENV_PROGRESS_DIR)
+        return bool(directory) and os.path.exists(os.path.join(str(directory), f"spare_ready_{self.pid}"))
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -260,6 +267,9 @@ def main(argv: Sequence[str]) -> int:
     from core.events import emit
 
     emit("spare_ready", warm_s=round(time.monotonic() - started, 3))  # for people and benchmarks: it is warm now
+    if directory := os.environ.get(ENV_PROGRESS_DIR):
+        with open(os.path.join(directory, f"spare_ready_{os.getpid()}"), "w"):
+            pass  # for the agent (Spare.warm)
     line = sys.stdin.readline()
     if not line:
         return 0  # dismissed, or the agent is gone

@@ -31,7 +31,8 @@ from tests.integration.tiny_job import TinyJob
 
 pytestmark = pytest.mark.integration
 
-ARGS = ("--ckpt-every", "10", "--snapshot-every", "1", "--step-sleep", "0.05")
+# 512 steps an epoch: the jobs stay within one, so each sample is consumed by one step only.
+ARGS = ("--ckpt-every", "10", "--snapshot-every", "1", "--step-sleep", "0.05", "--dataset-size", "16384")
 
 
 def node(procs: Procs, tmp: Path, etcd: EtcdServer, run_id: str, name: str, nnodes: str, steps: int,
@@ -73,13 +74,18 @@ def global_batches(samples: Path) -> dict[int, set[int]]:
 def test_a_spare_replaces_a_lost_node_then_the_group_shrinks_and_survivors_keep_their_processes(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
     """3 nodes and a spare (max 3). Node loss: the spare takes the place, catching up from a survivor's memory
-    over the process group. Then the spare's node is lost too: the two survivors go on at world size 2."""
-    run_id, steps = f"reform-{uuid.uuid4().hex[:8]}", 70
-    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2:3", steps) for i in range(4)]
-    wait_until("3 nodes training together and a spare", lambda: sum(
-        any(e.get("world") == 3 and e["step"] >= 10 for e in j.events("step")) for j in jobs) == 3, jobs)
-    spare = next(j for j in jobs if not j.events("step"))
-    first = [j for j in jobs if j is not spare]
+    over the process group. Then the spare's node is lost too: the two survivors go on at world size 2.
+    The spare node starts once the job trains: it joins a running job, so its agent starts its worker's process
+    first and joins the rendezvous once that process is warm (elastic/spare.py)."""
+    run_id, steps = f"reform-{uuid.uuid4().hex[:8]}", 300
+    first = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2:3", steps) for i in range(3)]
+    wait_until("3 nodes training together", lambda: all(
+        any(e.get("world") == 3 and e["step"] >= 10 for e in j.events("step")) for j in first), first)
+    spare = node(procs, tmp_path, etcd, run_id, "n3", "2:3", steps, launcher=("--warm-spare",))
+    jobs = [*first, spare]
+    wait_until("the spare node's warm worker process and its join", lambda: bool(spare.events("join")), jobs)
+    [prestarted] = spare.events("joiner_prestarted")
+    assert prestarted["warm"] is True, prestarted
     victim = max(first, key=lambda j: j.events("step")[-1]["rank"])
     survivors = [j for j in first if j is not victim]
     pids = {j.events_dir.parent.name: step_pids(j) for j in survivors}
@@ -100,6 +106,7 @@ def test_a_spare_replaces_a_lost_node_then_the_group_shrinks_and_survivors_keep_
             assert e["step"] == max(done_before), f"{name} recomputed completed steps at {e}"
     restored = spare.events("restored")
     assert [e["tier"] for e in restored] == ["peer"], restored  # a survivor's memory, not a disk
+    assert {e["pid"] for e in restored} == set(prestarted["pids"]), "the spare node's worker is not the prestarted"
     caught_up = {e["digest"] for e in spare.events("state_digest", point="restore")}
     survivor_at = {e["digest"] for j in survivors for e in j.events("state_digest", point="save")
                    if e["step"] == restored[0]["step"]}
@@ -121,10 +128,16 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_others_re_form_in_p
     same two nodes uninterrupted (gloo's sums depend on the layout, so a one-node run is not bitwise alike)."""
     steps = 45
     ref_id, run_id = f"reform-ref-{uuid.uuid4().hex[:8]}", f"reform-{uuid.uuid4().hex[:8]}"
-    reference = [node(procs, tmp_path / "ref", etcd, ref_id, f"r{i}", "2", steps, nproc=2 - i) for i in range(2)]
     crash = (Fault(point="step", step=25, rank=1, action="sigkill"),)
-    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", steps, faults=crash, nproc=2 - i,
-                 launcher=("--warm-spare",)) for i in range(2)]
+    reference: list[TinyJob] = []
+    jobs: list[TinyJob] = []
+    for i in range(2):  # the 2-worker node joins first in both jobs, so it holds ranks 0 and 1 in both
+        reference.append(node(procs, tmp_path / "ref", etcd, ref_id, f"r{i}", "2", steps, nproc=2 - i))
+        jobs.append(node(procs, tmp_path, etcd, run_id, f"n{i}", "2", steps, faults=crash, nproc=2 - i,
+                         launcher=("--warm-spare",)))
+        if i == 0:
+            wait_until("the 2-worker nodes to join", lambda: bool(reference[0].events("join") and
+                                                                   jobs[0].events("join")), [*reference, *jobs])
     for j in [*jobs, *reference]:
         j.finish(timeout=200)
 
