@@ -33,16 +33,17 @@ RNG_DEPENDENT = ("--dropout", "0.2", "--augment", "0.05")
 
 
 def tiny(procs: Procs, work: Path, *extra: str, steps: int = STEPS, nproc: int = 2,
-         faults: tuple[Fault, ...] = (), env: dict[str, str] | None = None) -> TinyJob:
+         faults: tuple[Fault, ...] = (), env: dict[str, str] | None = None, launcher: tuple[str, ...] = ()) -> TinyJob:
     return TinyJob(procs, work, "--steps", str(steps), "--ckpt-dir", str(work / "ckpt"), "--ckpt-every", str(EVERY),
-                   *RNG_DEPENDENT, *extra, nproc=nproc, faults=faults, launcher=("--max-restarts", "2"), env=env)
+                   *RNG_DEPENDENT, *extra, nproc=nproc, faults=faults, launcher=("--max-restarts", "2", *launcher),
+                   env=env)
 
 
 RANDOM_KILLS = [(1, 2, True)]
 """(seed of the kill's random step and rank, DataLoader workers, a tier-0 snapshot every step) of each run
 killed at a random step. Without snapshots between the saves, a kill costs up to a checkpoint interval: that
-case is the external SIGKILL's (no DataLoader workers, no snapshots between the saves), at whatever step the
-worker is when the signal comes."""
+case is the stopped worker's (no DataLoader workers, no snapshots between the saves), ended by its agent at
+whatever point it was stopped."""
 
 NO_TIER0 = {"ELASTIC_TIER0_DIR": ""}
 """Tier 0 off: every checkpoint comes from disk (tests of tier 1's own protocol)."""
@@ -131,28 +132,32 @@ def test_kill_inside_a_checkpoint_write_at_three_ranks_resumes_bitwise(jobs: dic
 
 
 @pytest.mark.timeout(180)
-def test_external_sigkill_of_a_worker_resumes_to_identical_digest(
+def test_sigstopped_worker_is_detected_and_the_job_resumes_to_identical_digest(
     procs: Procs, tmp_path: Path, reference: str
 ) -> None:
-    job = tiny(procs, tmp_path, "--step-sleep", "0.05")
+    # A signal from outside, at whatever point the worker is (mid-step or mid-save as likely as between
+    # steps, where the injector's faults act): SIGSTOP, so the agent must notice the hang (--hang-timeout)
+    # and end the stopped worker itself; the group restarts and resumes from a committed interval save.
+    job = tiny(procs, tmp_path, "--step-sleep", "0.05", launcher=("--hang-timeout", "3"))
     assert job.proc.stdout is not None
-    lines, killed_after = [], None
-    deadline = time.monotonic() + 120
+    lines, stopped = [], None
+    deadline = time.monotonic() + 150
     for line in job.proc.stdout:  # read as it comes (the pipe must not fill); the events say where it is
         lines.append(line)
-        if killed_after is None:
+        if stopped is None:
             victim = job.events("worker_started", rank=0, restart=0)
             done = [e["step"] for e in job.events("step", rank=0)]
             # Saves are asynchronous: on a loaded machine step 5's commit can trail step 7, so wait for
-            # a committed step before killing (else the run rightly restarts from step 0).
+            # a committed step before stopping it (else the run rightly restarts from step 0).
             if victim and done and max(done) >= 7 and any((tmp_path / "ckpt").glob("step_*/COMMIT")):
-                os.kill(victim[0]["pid"], signal.SIGKILL)
-                killed_after = max(done)
+                stopped = int(victim[0]["pid"])
+                os.kill(stopped, signal.SIGSTOP)
         assert time.monotonic() < deadline, "".join(lines[-30:])
     job.proc.wait(timeout=30)
     job.out = "".join(lines)
     assert job.proc.returncode == 0, job.out[-3000:]
-    assert killed_after is not None
+    assert stopped is not None
+    assert stopped in [e["pid"] for e in job.events("hang_detected")], job.out[-3000:]
     assert job.events("worker_started", rank=0, restart=1), job.out[-3000:]  # elastic-run restarted it
     assert job.resumed_from() in {5, 10, 15}, job.out[-3000:]  # a committed interval save
     assert job.digest() == reference
