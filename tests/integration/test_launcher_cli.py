@@ -102,45 +102,6 @@ def run_cli(args: list[str], timeout: float, env: dict[str, str] | None = None) 
     return proc.returncode, out, err, time.monotonic() - started
 
 
-
-
-def _start(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
-def _end_group(proc: subprocess.Popen[str]) -> None:
-    """End a job started here: its agent, workers and etcd guard live in its process group."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-@pytest.fixture(scope="module")
-def embedded_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen[str]]]:
-    """The job on an embedded etcd (elastic-run with no rendezvous flags)."""
-    script = tmp_path_factory.mktemp("embedded") / "train.py"
-    script.write_text(TRAIN)
-    launch = [sys.executable, "-m", "elastic.launcher", "--monitor-interval", "0.1"]
-    # --standalone's own etcd is checked by test_torchrun_compat.py's standalone case (same flag, 2 workers).
-    runs = {"plain": _start([*launch, "--nproc-per-node", "2", str(script)])}
-    try:
-        yield runs
-    finally:
-        for proc in runs.values():
-            _end_group(proc)
-
-
 FAILING = textwrap.dedent("""
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -192,18 +153,6 @@ def short_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, S
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         yield {name: ShortRun(pool.submit(run_cli, args, timeout, env), env, endpoint)
                for name, (args, timeout, env) in jobs.items()}
-
-
-def test_embedded_etcd_two_workers_get_torchrun_env(embedded_runs: dict[str, subprocess.Popen[str]]) -> None:
-    rc, out = finish(embedded_runs["plain"], timeout=50)
-    assert rc == 0, out
-    reports = env_reports(out)
-    assert_one_world(reports, 2, out)
-    assert sorted(r["LOCAL_RANK"] for r in reports) == ["0", "1"]
-    # The embedded etcd went away with the launcher, data dir included.
-    ready = re.search(r"embedded etcd ready at http://[\d.]+:\d+ \(pid \d+, data (\S+)\)", out)
-    assert ready, out
-    assert not os.path.exists(ready.group(1)), f"embedded etcd data dir {ready.group(1)} left behind"
 
 
 @pytest.mark.parametrize(

@@ -12,13 +12,14 @@ flags that do not interact share a case: the entrypoint flags (--run-path, -m, -
 rendezvous variants, and --log-dir/--redirects/--tee and --local-addr along two of them. A plain script
 path is the entrypoint of the static case. The static case is also elastic-run's own test of torchrun's
 static multi-node command with env:// workers (tests/integration/test_static_multinode.py has the tcp:// ones),
-and the standalone case its test of --standalone on a private embedded etcd.
+and the standalone case its test of the embedded etcd (--standalone, or no rendezvous flags: the same etcd).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -219,10 +220,16 @@ def test_static_nodes_use_the_given_master_address_and_node_ranks(results: dict[
     assert "embedded etcd" not in ours.output  # a static job starts no etcd
 
 
-def test_standalone_runs_on_its_own_etcd(results: dict[str, tuple[Job, Job]]) -> None:
+def test_standalone_runs_on_its_own_etcd_and_removes_it(results: dict[str, tuple[Job, Job]]) -> None:
+    # --standalone: a private etcd, not torchrun's c10d store (the same embedded etcd as elastic-run with no
+    # rendezvous flags, which every TinyJob of the suite is).
     ours, _ = results["standalone+run-path"]
     assert ours.returncodes == [0], ours.output
-    assert "embedded etcd at" in ours.output  # --standalone: a private etcd, not torchrun's c10d store
+    assert "embedded etcd at" in ours.output
+    # The embedded etcd went away with the launcher, data dir included.
+    ready = re.search(r"embedded etcd ready at http://[\d.]+:\d+ \(pid \d+, data (\S+)\)", ours.output)
+    assert ready, ours.output
+    assert not os.path.exists(ready.group(1)), f"embedded etcd data dir {ready.group(1)} left behind"
 
 
 def test_local_addr_is_the_store_address(results: dict[str, tuple[Job, Job]]) -> None:
