@@ -55,6 +55,7 @@ from core import events, procfs, tier0_dir
 from core.deadline import Deadline
 from core.events import emit
 from elastic import peer_loss, progress, reform
+from elastic.errors import BelowMinimumError
 from elastic.job_metrics import JobMetrics
 from elastic.metrics import AgentMetrics
 from elastic.spare import ENV_CUDA_DEVICE, Spare, can_run
@@ -207,6 +208,9 @@ class ElasticAgent(LocalElasticAgent):
         self.job.poll()  # after a failure: the first step after it
         if result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None:
             self._kill_hung_workers(worker_group, self.agent_config.hang_timeout.total_seconds())
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.HEALTHY) and (
+                result.state != WorkerState.HEALTHY or self._peer_change_known()):
+            self._stop_if_below_minimum(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             if self._failure_seen_at is None:
                 self._failure_seen_at = time.monotonic()
@@ -303,6 +307,31 @@ class ElasticAgent(LocalElasticAgent):
         worker_group.state = WorkerState.HEALTHY
         self.metrics.update(members=worker_group.group_world_size or 0, generation=info.generation)
         return info.generation
+
+    # -- below the minimum of nodes ----------------------------------------------------------------
+
+    def _stop_if_below_minimum(self, worker_group: WorkerGroup) -> None:
+        """Fewer live nodes than --nnodes MIN: no round can form. Instead of waiting out the join timeout, the
+        workers that can persist the state they hold and exit; then the agent stops with EXIT_BELOW_MIN."""
+        below = getattr(self._round_info, "below_minimum", None)
+        found = below() if below is not None and (self._round_info and self._round_info.generation) else None
+        if found is None:
+            return
+        live, minimum = found
+        why = (f"the job needs {minimum} node{'s' if minimum != 1 else ''} (--nnodes {minimum}:...) and has {live}: "
+               f"it stops now; a requeue with the same --rdzv-id resumes from the state persisted")
+        log.error("elastic-run: %s", why)
+        emit("below_min", live=live, min_nodes=minimum)
+        handlers: dict[int, Any] = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        ready = self._rounds.ready_pids()
+        persisting = [h for lr, h in handlers.items() if h.proc.poll() is None and ready.get(lr) == h.proc.pid]
+        if persisting:
+            self._rounds.publish_stop((self._round_info.generation if self._round_info else 0) + 1, why)
+            deadline = Deadline.after(_PERSIST_TIMEOUT)
+            while any(h.proc.poll() is None for h in persisting) and not deadline.expired():
+                time.sleep(0.05)
+        self.dismiss_spare()
+        raise BelowMinimumError(why)
 
     # -- only the failed process restarts (elastic/spare.py) -------------------------------------------
 
@@ -464,6 +493,9 @@ class ElasticAgent(LocalElasticAgent):
             except (ProcessLookupError, TypeError):
                 pass
 
+
+_PERSIST_TIMEOUT = timedelta(minutes=5)
+"""How long workers may take to persist their state and exit when the job stops below its minimum of nodes."""
 
 _JOINER_WARM_TIMEOUT = timedelta(minutes=2)
 """How long a joining node waits for its workers' processes to warm up before it joins the round anyway."""

@@ -70,3 +70,12 @@ __all__ = [
     "NodeIdConflictError",
     "RunIdConflictError",
 ]
+
+
+EXIT_BELOW_MIN = 75
+"""elastic-run's exit status when the live nodes fell below --nnodes MIN (sysexits' EX_TEMPFAIL: try again later).
+The survivors persisted their newest state first, so a requeued job with the same --rdzv-id resumes from it."""
+
+
+class BelowMinimumError(ElasticError):
+    """Fewer live nodes than --nnodes MIN: no round can form, so the job stops instead of waiting."""

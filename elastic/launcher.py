@@ -43,7 +43,7 @@ from core import events
 from elastic import fast_exit, rendezvous
 from elastic.agent import AgentConfig, launch
 from elastic.credentials import mask_conf
-from elastic.errors import ElasticError
+from elastic.errors import EXIT_BELOW_MIN, BelowMinimumError, ElasticError
 from elastic.etcd_server import EtcdServer
 
 log = logging.getLogger("elastic.launcher")
@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict[int, Any]:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """The `elastic-run` console script: exit 2 for bad flags, 1 for a failed job, 128+N for signal N."""
+    """The `elastic-run` console script: exit 2 for bad flags, 1 for a failed job, 128+N for signal N, 75
+    (EXIT_BELOW_MIN) when fewer nodes than --nnodes MIN are left (the survivors persisted their state)."""
     fast_exit.install()
     try:
         main(argv)
@@ -348,6 +349,9 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"elastic-run: stopped by {name}: workers stopped; the run is left open, so a requeued job with "
               "the same --rdzv-id can continue it", file=sys.stderr)
         return 128 + int(exc.sigval)
+    except BelowMinimumError as exc:
+        print(f"elastic-run: {exc}", file=sys.stderr)
+        return EXIT_BELOW_MIN
     except (ElasticError, RendezvousError) as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return 1

@@ -9,7 +9,8 @@ scripts that do not use trainer keep the restart behaviour.
 Files in the agent's progress directory (tmpfs, elastic/progress.py), all replaced atomically:
 
     reform_ready_<local_rank>   the worker's pid: it can re-form in place
-    round.json                  the newest round: generation, store address, each local rank's rank
+    round.json                  the newest round: generation, store address, each local rank's rank; or
+                                "stop": the job stops below its minimum of nodes (persist, then exit)
     reforming_<local_rank>      "<generation>": the worker left its old process group for that round
     reformed_<local_rank>       "<generation>": the worker joined that round's process group (its ack)
 
@@ -51,6 +52,9 @@ class Round:
     world_size: int
     master_addr: str
     master_port: int
+    stop: str | None = None
+    """Not a round to join: the job stops (fewer live nodes than its minimum). Persist, then exit with
+    `EXIT_BELOW_MIN`; the text says why."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,10 @@ class RoundChannel:
         doc = _LocalRanks(generation, master_addr, master_port,
                           {str(local): (rank, world) for local, rank, world in ranks})
         _write(self.directory / _ROUND, json.dumps(asdict(doc)))
+
+    def publish_stop(self, generation: int, why: str) -> None:
+        """Tell the workers the job stops (no round `generation` will form): persist the newest state, exit."""
+        _write(self.directory / _ROUND, json.dumps({"generation": generation, "stop": why}))
 
     def acked(self, local_rank: int) -> int:
         """The newest generation the worker joined in place (-1: none)."""
@@ -220,6 +228,8 @@ class RoundWatcher:
     def _read(self, path: Path) -> Round | None:
         try:
             doc = json.loads(path.read_text())
+            if doc.get("stop"):
+                return Round(int(doc["generation"]), -1, 0, "", 0, stop=str(doc["stop"]))
             rank, world = doc["ranks"][str(self.local_rank)]
             return Round(int(doc["generation"]), int(rank), int(world), str(doc["master_addr"]),
                          int(doc["master_port"]))

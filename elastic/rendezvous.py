@@ -155,6 +155,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         )
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
 
+    def below_minimum(self) -> tuple[int, int] | None:
+        """(live nodes, --nnodes MIN) when fewer nodes of the run are alive than a round needs, else None."""
+        try:
+            live = len(self.view.snapshot().live)
+        except Exception as exc:  # noqa: BLE001 - etcd unreachable: the degraded mode decides, not this
+            log.debug("rendezvous: membership unknown (%s)", exc)
+            return None
+        return (live, self.config.min_nodes) if live < self.config.min_nodes else None
+
     def joins_a_running_round(self) -> bool:
         """Whether other nodes train in a round this node is not in: it would join a running job (scale-up, or a
         replacement node), and they would wait for its workers in the next round's process group."""

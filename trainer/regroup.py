@@ -63,8 +63,8 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round
     round_ = watcher.newest()
     if round_ is None and error is not None and may_be_peer_loss(error):
         round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
-    if round_ is None:
-        return None
+    if round_ is None or round_.stop:
+        return round_
     backend = str(dist.get_backend())
     while True:
         watcher.leaving(round_)

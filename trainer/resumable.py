@@ -42,12 +42,13 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
 from core import faults
 from core.events import emit
 from elastic import reform, worker
+from elastic.errors import EXIT_BELOW_MIN
 from trainer import regroup, rng, setup, sharding
 from trainer.accumulate import accumulate
 from trainer.agree import agree_on_checkpoint
@@ -332,6 +334,8 @@ class Resumable:
             if error is not None:
                 raise error
             return self.step
+        if round_.stop:
+            self._stop_below_minimum(round_.stop)
         self._regroup(round_.rank, round_.world_size)
         caught = self._join_group()
         step = caught if caught is not None else self._restore_from_checkpoints()
@@ -341,6 +345,24 @@ class Resumable:
              reform_s=seconds)
         log.info("reformed world=%d pid=%d step=%d in %.3fs", round_.world_size, os.getpid(), step, seconds)
         return step
+
+    def _stop_below_minimum(self, why: str) -> NoReturn:
+        """The job stops: too few nodes are left (the agent's round says why). Persist the step held in memory
+        (tier 1 now, tier 2's uploads flushed) and exit with EXIT_BELOW_MIN, so a requeue resumes from it."""
+        step = self._live_step
+        saved = step > self._saved_step and step > 0 and not self._stepped  # else the state is past the step
+        if saved:
+            if self._boundary_rng is not None:
+                rng.restore(self._boundary_rng)  # the interrupted step's draws are void
+            self.step = step
+            self.save(step)
+        self.close()
+        emit("below_min_exit", step=step if saved else self._saved_step, persisted=saved, why=why)
+        log.error("rank %d: %s; persisted step %d, exiting with %d", self.topology.rank, why,
+                  step if saved else self._saved_step, EXIT_BELOW_MIN)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_BELOW_MIN)  # the old process group may be wedged: no interpreter teardown through it
 
     def check_round(self) -> None:
         """Raise RoundChanged when the agent has published a new round (a step boundary is the place to

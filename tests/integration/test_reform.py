@@ -25,6 +25,7 @@ import pytest
 
 from core.faults import Fault
 from core.procfs import alive as pid_alive
+from elastic.errors import EXIT_BELOW_MIN
 from elastic.etcd_server import EtcdServer
 from tests.conftest import Procs
 from tests.integration.tiny_job import TinyJob
@@ -167,3 +168,23 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_others_re_form_in_p
     assert len(uninterrupted) == 1 and final == uninterrupted, "the re-formed run is not bitwise the uninterrupted one"
     every_spare = {e["pid"] for j in jobs for e in j.events("spare_started")}
     assert not [pid for pid in every_spare if pid_alive(pid)], "a spare outlived its agent"
+
+
+@pytest.mark.timeout(180)
+def test_below_the_minimum_the_survivor_persists_its_newest_step_and_exits_75(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """--nnodes 2 and one node lost: no round can form, so the survivor does not wait out the join timeout (600 s):
+    its worker persists the step it holds in memory to tier 1 and the agent exits with EXIT_BELOW_MIN."""
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", 400) for i in range(2)]
+    wait_until("2 nodes training", lambda: all(last_step(j) >= 15 for j in jobs), jobs)
+    survivor, victim = jobs
+    procs.kill_node(victim.proc)
+    out = survivor.finish(timeout=120, ok=False)
+    assert survivor.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
+    assert "the job needs 2 nodes (--nnodes 2:...) and has 1" in out, out[-3000:]
+    [stopped] = survivor.events("below_min_exit")
+    done = last_step(survivor)
+    assert stopped["persisted"] is True and stopped["step"] == done, (stopped, done)  # nothing it had is lost
+    committed = sorted(int(p.parent.name.rsplit("_", 1)[1]) for p in (tmp_path / "n0" / "ckpt").glob("step_*/COMMIT"))
+    assert committed and committed[-1] == done, (committed, done)  # on disk, committed, where a requeue looks
