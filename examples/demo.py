@@ -2,10 +2,12 @@
 
 1. An uninterrupted reference run of examples/train_tiny.py under elastic-run (2 workers).
 2. The same job again; when rank 1 has passed step KILL_AT, this script SIGKILLs it by pid.
-   The elastic agent restarts the worker group, the job resumes from its newest snapshot (tier 0:
-   every step, in the node's memory; the disk gets every EVERY-th step), and finishes.
-3. A summary: the kill, the restart, the step it resumed from, and whether the final digest
-   equals the reference's (it must: same state, bit for bit).
+   The elastic agent replaces only that process (by its warm spare, a process with Python and torch
+   already loaded); rank 0 keeps its process and re-forms the process group in place; the new rank 1
+   resumes from its newest snapshot (tier 0: every step, in the node's memory; the disk gets every
+   EVERY-th step), and the job finishes.
+3. A summary: the kill, the replacement, the step it resumed from, rank 0's pid before and after,
+   and whether the final digest equals the reference's (it must: same state, bit for bit).
 
 What happened is read from the workers' structured events (core/events.py), not from their output.
 The full logs go to demo-out/.
@@ -68,15 +70,20 @@ def launch(name: str, ckpt_dir: Path, kill_at: int | None) -> dict[str, object]:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     events = read_events(str(events_dir))
-    resumed = [e["step"] for e in events if e["event"] == "resumed" and e.get("rank") == 0 and e.get("restart")]
-    tiers = [e["tier"] for e in events if e["event"] == "restored" and e.get("rank") == 0 and e.get("restart")]
+    # The replaced rank 1 (restart >= 1): where it resumed from and which tier it read.
+    resumed = [e["step"] for e in events if e["event"] == "resumed" and e.get("rank") == 1 and e.get("restart")]
+    tiers = [e["tier"] for e in events if e["event"] == "restored" and e.get("rank") == 1 and e.get("restart")]
     digests = [e["digest"] for e in events if e["event"] == "final_digest" and e.get("rank") == 0]
+    rank0 = sorted({e["pid"] for e in events if e["event"] == "step" and e.get("rank") == 0})
     return {
         "killed": killed,
         "resumed_from": resumed[0] if resumed else None,
-        "tier": {"memory": "tier 0, host memory", "local": "tier 1, disk"}.get(tiers[0], tiers[0]) if tiers else None,
+        "tier": {"memory": "tier 0, host memory", "local": "tier 1, disk", "own": "its own tier-0 snapshot",
+                 "peer": "a peer's memory"}.get(tiers[0], tiers[0]) if tiers else None,
         "digest": digests[-1] if digests else None,
-        "restarts": max((e.get("restart", 0) for e in events if e["event"] == "worker_started"), default=0),
+        "warm_spare": any(e.get("warm_spare") for e in events if e["event"] == "restart"),
+        "rank0_pids": rank0,
+        "reformed": [e["step"] for e in events if e["event"] == "reformed" and e.get("rank") == 0],
         "exit_code": proc.returncode,
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -93,8 +100,10 @@ def main() -> int:
           f"final_digest={reference['digest']}")
     print(f"  killed run    : exit {faulty['exit_code']}, {faulty['seconds']}s, final_digest={faulty['digest']}")
     print(f"  fault         : SIGKILL of worker rank 1 after step {faulty['killed']}")
-    print(f"  recovery      : worker group restarted {faulty['restarts']} time(s), "
-          f"resumed from step {faulty['resumed_from']} ({faulty['tier']})")
+    by = "its node's warm spare" if faulty["warm_spare"] else "a new process"
+    print(f"  recovery      : rank 1 replaced by {by}, "
+          f"resumed from step {faulty['resumed_from']} ({faulty['tier']}); rank 0 kept pid "
+          f"{faulty['rank0_pids']} and re-formed in place at step {faulty['reformed']}")
     print(f"  digests equal : {same}")
     print(f"  logs          : {OUT}/")
     ok = same and faulty["killed"] is not None and faulty["resumed_from"] is not None and faulty["exit_code"] == 0
