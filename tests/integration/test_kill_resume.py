@@ -158,6 +158,7 @@ def test_sigstopped_worker_is_detected_and_the_job_resumes_to_identical_digest(
     assert job.proc.returncode == 0, job.out[-3000:]
     assert stopped is not None
     assert stopped in [e["pid"] for e in job.events("hang_detected")], job.out[-3000:]
-    assert job.events("worker_started", rank=0, restart=1), job.out[-3000:]  # elastic-run restarted it
+    # elastic-run restarted it (under load a restarted group can hang or fail again: a later restart counts)
+    assert [e for e in job.events("worker_started", rank=0) if e.get("restart", 0) >= 1], job.out[-3000:]
     assert job.resumed_from() in {5, 10, 15}, job.out[-3000:]  # a committed interval save
     assert job.digest() == reference
