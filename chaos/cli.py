@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--snapshot-every", type=int,
                      help="tier-0 (host memory) snapshot interval of the default script (default 1; 0: off)")
     run.add_argument("--hang-timeout", type=float, metavar="SECONDS", help="the agents' --hang-timeout (default 5)")
+    run.add_argument("--reform", choices=("in-process", "restart"),
+                     help="the agents' --reform: survivors re-form in place (default) or every worker restarts")
+    run.add_argument("--warm-spare", action=argparse.BooleanOptionalAction, default=None,
+                     help="the agents' --warm-spare / --no-warm-spare (default: elastic-run's)")
     run.add_argument("--train-seed", type=int, help="the training script's --seed (default 0)")
     run.add_argument("--global-batch", type=int, help="samples per step (default: fits every reachable world size)")
     run.add_argument("--runs", type=int, help="repeat with seeds seed, seed+1, ... (soak; default 1, soak 50)")
@@ -89,7 +93,7 @@ def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 "etcd_members": args.etcd_members, "ckpt_every": args.ckpt_every,
                 "snapshot_every": args.snapshot_every, "hang_timeout_s": args.hang_timeout,
                 "train_seed": args.train_seed, "global_batch": args.global_batch, "timeout_s": args.timeout,
-                "work_dir": args.work_dir}
+                "work_dir": args.work_dir, "reform": args.reform, "warm_spare": args.warm_spare}
     settings.update({k: v for k, v in explicit.items() if v is not None})
     if args.runs is not None:
         if args.runs < 1:

@@ -177,6 +177,8 @@ class Cluster:
             "--rdzv-endpoint", self.etcd.endpoints, "--rdzv-id", self.run_id, "--node-id", name,
             "--rdzv-conf", "join_timeout=120",
             *(["--hang-timeout", str(cfg.hang_timeout_s)] if cfg.detects_hangs else []),
+            "--reform", cfg.reform,
+            *([] if cfg.warm_spare is None else ["--warm-spare" if cfg.warm_spare else "--no-warm-spare"]),
             *(["--local-addr", net.address] if net else []),
             str(cfg.script), *script_argv,
         ]

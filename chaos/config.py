@@ -46,6 +46,10 @@ class ChaosConfig:
     worker's replacement resumes from the node's memory, so a resume may be at any multiple of it."""
     hang_timeout_s: float = 5.0
     """The agents' --hang-timeout, set when hang-worker is planned: a worker without progress this long is killed."""
+    reform: str = "in-process"
+    """The agents' --reform: survivors re-form in place (in-process, elastic-run's default) or restart (restart)."""
+    warm_spare: bool | None = None
+    """The agents' --warm-spare / --no-warm-spare; None: elastic-run's default (on, unless ELASTIC_WARM_SPARE=0)."""
     train_seed: int = 0
     """The training script's --seed (model init, data order); the same for the reference run."""
     global_batch: int | None = None
@@ -82,6 +86,8 @@ class ChaosConfig:
             raise ValueError(f"--snapshot-every must be at least 0, got {self.snapshot_every}")
         if self.etcd_members not in (1, 3):
             raise ValueError(f"--etcd-members must be 1 or 3, got {self.etcd_members}")
+        if self.reform not in ("in-process", "restart"):
+            raise ValueError(f"--reform must be in-process or restart, got {self.reform!r}")
         if self.hang_timeout_s <= 0:
             raise ValueError(f"--hang-timeout must be positive, got {self.hang_timeout_s}")
         if self.timeout_s <= 0 or self.recovery_timeout_s <= 0:

@@ -95,6 +95,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._succeeded = False
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
+        self._joined_at = 0.0
 
     # -- RendezvousHandler -------------------------------------------------------------------
 
@@ -173,8 +174,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             log.debug("rendezvous: could not read the run's state (%s)", exc)
             return False
         state = snap.state
-        return (state is not None and state.status == "closed" and not state.shutdown
-                and self.config.node_id not in state.participants and bool(set(state.participants) & snap.live))
+        if (state is None or state.status != "closed" or state.shutdown or self.config.node_id in state.participants
+                or not set(state.participants) & snap.live):
+            return False
+        # Not the job's start, where nodes arrive seconds apart and a late one joins before training begins.
+        since = [snap.nodes[p].doc.get("since") for p in state.participants if p in snap.nodes]
+        started = [float(t) for t in since if isinstance(t, (int, float))]
+        return bool(started) and time.time() - min(started) > _RUNNING_AFTER.total_seconds()
 
     def is_closed(self) -> bool:
         state = self.view.read().checked_state()
@@ -234,11 +240,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._beacon = Beacon(self.config.bind_addr, advertise=self.config.local_addr)
             self._monitor = Monitor(self._peer_lost)
             self.view.on_change = self._track_peers
-            self.membership.join({"addr": self.config.local_addr, "pid": os.getpid(), "beacon": self._beacon.address})
+            self._joined_at = time.time()
+            self.membership.join(self._record())
             emit("join", run_id=self.config.run_id, node=self.config.node_id)
             self.view.start()
         else:
-            self.membership.join({"addr": self.config.local_addr, "pid": os.getpid(), "beacon": self._beacon.address})
+            self.membership.join(self._record())
+
+    def _record(self) -> dict[str, object]:
+        # `since`: when this agent first registered (wall clock), so a newcomer can tell a running job from one
+        # whose nodes are still arriving (joins_a_running_round).
+        return {"addr": self.config.local_addr, "pid": os.getpid(), "beacon": self._beacon.address if self._beacon
+                else None, "since": round(self._joined_at, 3)}
 
     def _stop_membership(self) -> None:
         self.view.stop()
@@ -394,6 +407,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 log.info("rendezvous: run %s closed", self.config.run_id)
                 return
         log.warning("rendezvous: could not close run %s: its state kept changing", self.config.run_id)
+
+
+_RUNNING_AFTER = timedelta(seconds=5)
+"""A closed round whose first member registered longer ago than this is a running job, not one starting up."""
 
 
 def _earlier(a: Deadline, b: Deadline) -> Deadline:

@@ -188,9 +188,15 @@ class Resumable:
     def _join_group(self) -> int | None:
         """The first collectives of a restore or a re-formation, the same on every rank of the group:
         take a live state from memory or a peer (trainer/regroup.py), then the incarnation token."""
+        loaded: list[Restored] = []  # the own part catch_up loaded, to report its tier
+
+        def load_own(step: int) -> Restored | None:
+            found = self.checkpointer.restore(step=step, replicated=False)
+            loaded[:] = [found] if found is not None else []
+            return found
+
         caught = regroup.catch_up(
-            self.topology, -1 if self._stepped else self._live_step,
-            load_own=lambda step: self.checkpointer.restore(step=step, replicated=False),
+            self.topology, -1 if self._stepped else self._live_step, load_own=load_own,
             apply_own=lambda r: self._apply(r.state, own_rank=True), state=self.state,
             apply_peer=lambda state: self._apply(state, own_rank=False), has_own=self._has_own_checkpoint)
         # One token per incarnation: commits never count a rank directory a crashed earlier
@@ -198,15 +204,20 @@ class Resumable:
         self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
         if caught is None:
             return None
-        return self._continue_from(*caught)
+        step, source = caught
+        return self._continue_from(step, source, own=next((r for r in loaded if r.step == step), None))
 
     def _has_own_checkpoint(self) -> bool:
         found = self.checkpointer.restore(replicated=False)
         return found is not None and found.own
 
-    def _continue_from(self, step: int, source: str) -> int:
-        """The bookkeeping of a state taken from memory, an own checkpoint part or a peer (trainer/regroup.py)."""
-        if source != "memory":
+    def _continue_from(self, step: int, source: str, own: Restored | None = None) -> int:
+        """The bookkeeping of a state taken from memory, an own checkpoint part (`own`: the one loaded, whose
+        tier the `restored` event names) or a peer (trainer/regroup.py)."""
+        if source == "own" and own is not None:
+            self.restored = own
+            emit("restored", step=step, tier=own.tier, source_rank=own.rank, path=own.path)
+        elif source != "memory":
             emit("restored", step=step, tier="peer" if source == "peer" else "own", source_rank=None, path=None)
         elif self._boundary_rng is not None:
             rng.restore(self._boundary_rng)  # draws of the interrupted step are void

@@ -7,6 +7,8 @@ the sample log is turned on with ELASTIC_SAMPLE_LOG_DIR, as the chaos harness do
 
 from __future__ import annotations
 
+import subprocess
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,11 +32,32 @@ class TinyJob:
             env[SAMPLE_LOG_ENV] = str(samples)
         self.nproc = nproc
         self.proc = procs.elastic_run("--nproc-per-node", str(nproc), *launcher, str(script), *args, env=env)
-        self.out = ""
+        # Read the output as it comes: a test that runs several jobs and waits for one after another must not
+        # leave the others blocked on a full pipe (their agents and workers then stop in a log write).
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.append(line)
+
+    @property
+    def out(self) -> str:
+        """Everything the job printed so far (for failure messages only)."""
+        return "".join(self._lines)
 
     def finish(self, timeout: float = 120, *, ok: bool = True) -> str:
         """Wait for the job; it must exit 0 (`ok`) or fail. Returns its output (for failure messages only)."""
-        self.out, _ = self.proc.communicate(timeout=timeout)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            events = [f"{e['event']}@{e.get('pid')}" for e in self.events()
+                      if e["event"] not in ("step", "state_digest")]
+            raise AssertionError(f"job still running after {timeout:.0f}s; its last events {events[-25:]}; "
+                                 f"its output's end:\n{self.out[-4000:]}") from None
+        self._reader.join(timeout=30)
         assert (self.proc.returncode == 0) == ok, self.out[-3000:]
         return self.out
 
