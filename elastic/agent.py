@@ -146,6 +146,7 @@ class ElasticAgent(LocalElasticAgent):
         # An in-place round: its generation, the local ranks kept in place, and the deadlines to leave the old
         # group and to join the new one.
         self._awaiting: tuple[int, frozenset[int], Deadline, Deadline] | None = None
+        self._fell_back = False  # a kept worker was killed as stuck: the next failure restarts the node's workers
         self._spare: Spare | None = None
         self._spare_failures = 0
         self._joiners: dict[int, Spare] = {}  # local rank -> a spare started before this node joins a running job
@@ -177,7 +178,7 @@ class ElasticAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress.clear(self.progress_dir)
         self._rounds.clear()
-        self._awaiting = None
+        self._awaiting, self._fell_back = None, False
         info = self._round_info
         os.environ[reform.ENV_GENERATION] = str(info.generation if info is not None else 0)
         if self._joiners:
@@ -340,8 +341,8 @@ class ElasticAgent(LocalElasticAgent):
         others kept and a spare (warm if one is ready) in the crashed worker's place."""
         pcontext: Any = self._pcontext
         handlers: dict[int, Any] | None = getattr(pcontext, "subprocess_handlers", None)
-        if (not handlers or self._awaiting is not None or not self._can_reform() or self._remaining_restarts <= 0
-                or not can_run(worker_group.spec.entrypoint, pcontext.args[0])):
+        if (not handlers or self._awaiting is not None or self._fell_back or not self._can_reform()
+                or self._remaining_restarts <= 0 or not can_run(worker_group.spec.entrypoint, pcontext.args[0])):
             return
         codes = {lr: h.proc.poll() for lr, h in handlers.items()}
         failed = sorted(lr for lr, code in codes.items() if code not in (None, 0))
@@ -481,6 +482,7 @@ class ElasticAgent(LocalElasticAgent):
         if not stuck:
             return
         self._awaiting = None
+        self._fell_back = True  # the stuck ones die now: the node's workers restart the old way (torch's path)
         for w, what, timeout in stuck:
             log.warning("worker local rank %d (pid %s) did not %s for round %d within %gs; restarting it",
                         w.local_rank, w.id, what, generation, timeout.total_seconds())

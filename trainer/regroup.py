@@ -31,6 +31,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -67,9 +68,10 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round
         return round_
     backend = str(dist.get_backend())
     while True:
-        watcher.leaving(round_)
         try:
-            join_round(round_, backend=backend, timeout=reform.join_timeout())
+            # "Left" is said once the old group is gone: a worker stuck destroying it (a gloo op that waits on a
+            # peer) misses the agent's leave deadline and is restarted, instead of holding the new group up.
+            join_round(round_, backend=backend, timeout=reform.join_timeout(), left=partial(watcher.leaving, round_))
             break
         except Exception:  # noqa: BLE001 - a newer round is the way out; else the error stands
             newer = watcher.newest()
@@ -95,14 +97,15 @@ def may_be_peer_loss(error: BaseException) -> bool:
     return peer_loss.looks_like_peer_loss(error) or any(w in text for w in ("gloo", "nccl", "store", "abort"))
 
 
-def join_round(round_: Round, *, backend: str, timeout: timedelta) -> None:
-    """Leave the current (aborted) process group and join `round_`'s, as rank `round_.rank`."""
+def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callable[[], None] = lambda: None) -> None:
+    """Leave the current (aborted) process group, call `left`, and join `round_`'s, as rank `round_.rank`."""
     if dist.is_initialized():
         try:
             dist.distributed_c10d._get_default_group().abort()
         except RuntimeError as exc:  # already aborted by the round watcher
             log.debug("abort of the old process group: %s", exc)
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # a gloo op waiting on a peer that is leaving too can hold this up: see `left`
+    left()
     # The round's TCPStore is new (elastic/rendezvous.py). A worker started for the round joins through
     # env://, which puts the group's keys under "default_pg": so do we, to land in the same group.
     store = dist.PrefixStore("default_pg", dist.TCPStore(round_.master_addr, round_.master_port, is_master=False,
