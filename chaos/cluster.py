@@ -11,6 +11,7 @@ output goes to a log file for people.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork, NodeNet
 from chaos.samples import SAMPLE_LOG_ENV
 from chaos.timeline import AgentEvent, Timeline
-from core.events import EVENTS_DIR_ENV
+from core.events import EVENTS_DIR_ENV, events_path
 from core.procfs import descendants, environ, kill_tree, stat
 
 NODE_ID_ENV = "ELASTIC_NODE_ID"
@@ -42,6 +43,25 @@ class Worker:
     rank: int
     local_rank: int
     group_rank: int
+
+
+def _spare_worker(pid: int, env: dict[str, str]) -> Worker | None:
+    """A warm spare (elastic/spare.py) that became a worker: /proc keeps the environment it started in, without
+    the rank, so its rank comes from its newest event record that names one; None for a spare not in use."""
+    directory = env.get(EVENTS_DIR_ENV)
+    if not directory:
+        return None
+    try:
+        lines = Path(events_path(directory, pid)).read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+            return Worker(pid, int(record["rank"]), int(record["local_rank"]), int(record.get("group_rank", -1)))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
 
 
 class SimNode:
@@ -88,6 +108,8 @@ class SimNode:
             env = environ(pid)
             if "RANK" in env and "LOCAL_RANK" in env:
                 out.append(Worker(pid, int(env["RANK"]), int(env["LOCAL_RANK"]), int(env.get("GROUP_RANK", -1))))
+            elif (worker := _spare_worker(pid, env)) is not None:
+                out.append(worker)
         return sorted(out, key=lambda w: w.rank)
 
     def kill(self) -> list[int]:

@@ -208,34 +208,37 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
         return Injection(node.name, f"group rank {fault.target}",
                          skipped=f"{node.local_dir} holds no committed checkpoint yet")
     # Nobody reads a checkpoint until the group restores: make it restore, from this node's side. The
-    # worker dies first, so that no newer save commits on this node between choosing the step and the
-    # restore (on a loaded machine the next checkpoint step can be a few steps, and so tenths of a
-    # second, away); its replacement starts seconds later, long after the bytes are flipped.
+    # workers are stopped first, so that no newer save commits between choosing the step and the restore.
     workers = node.workers()
     killed = None
     # The node's tier 0 (host memory, ckpt/tier0.py) holds newer snapshots than its disk: damage them too,
     # so that the restore has to reject them and the disk's newest step, and go back past both.
     tier0 = next((d for w in workers if (d := environ(w.pid).get(TIER0_ENV))), None)
-    if workers:
-        killed = workers[0].pid
-        # Every node's workers: a survivor that re-forms in place (elastic/reform.py) would hand its live
-        # state to the replacement, and no restore would read a checkpoint at all.
-        for n in to.cluster.live_nodes:
-            for w in n.workers():
-                to.ledger.record(w.pid, f"worker rank {w.rank} of {n.name}")
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, signal.SIGKILL)
-        for n in to.cluster.live_nodes:
-            for w in n.workers():
-                _wait_gone(w.pid)
-    step, step_dir = newest_committed(node.local_dir)
-    if step_dir is None:  # the killed worker's retention took it: a restart with nothing to corrupt
+    # Every node's workers die, after the damage: a survivor that re-forms in place (elastic/reform.py) would
+    # hand its live state to the replacement, so no restore would read a checkpoint; and a warm spare restores
+    # within a fraction of a second, before bytes flipped after the kill. Stopped first, they save nothing more.
+    everyone = [(n, w) for n in to.cluster.live_nodes for w in n.workers()]
+    for _, w in everyone:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, signal.SIGSTOP)
+    try:
+        step, step_dir = newest_committed(node.local_dir)
+        flipped = {} if step_dir is None else {str(f): flip_bytes(f)
+                                                for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
+        if tier0 and step_dir is not None:
+            flipped.update({str(f): flip_bytes(f) for f in sorted(Path(tier0).glob("rank_*/slot_*/*.safetensors"))
+                            if (f.parent / "manifest.json").is_file()})
+    finally:
+        for n, w in everyone:
+            to.ledger.record(w.pid, f"worker rank {w.rank} of {n.name}")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.pid, signal.SIGKILL)
+        for _, w in everyone:
+            _wait_gone(w.pid)
+    killed = workers[0].pid if workers else None
+    if step_dir is None:  # retention took it since the check above: a restart with nothing to corrupt
         return Injection(node.name, f"group rank {fault.target}", details={"killed_worker_pid": killed},
                          skipped=f"{node.local_dir} holds no committed checkpoint any more")
-    flipped = {str(f): flip_bytes(f) for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
-    if tier0:
-        flipped.update({str(f): flip_bytes(f) for f in sorted(Path(tier0).glob("rank_*/slot_*/*.safetensors"))
-                        if (f.parent / "manifest.json").is_file()})
     if not flipped:
         return Injection(node.name, f"group rank {fault.target}", skipped=f"{step_dir} holds no safetensors file",
                          details={"killed_worker_pid": killed})

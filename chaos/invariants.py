@@ -18,8 +18,9 @@
     only_hit_processes_restart       in-process re-formation (elastic-run's default): after a fault, new worker
                                      processes start only where the fault hit (a killed or hung worker: one
                                      process on its node; a lost or cut-off node: none elsewhere; an added node:
-                                     its own); every other worker keeps its pid. A stuck worker the agent
-                                     restarts (`reform_fallback`) is allowed and named
+                                     its own); every other worker keeps its pid. A worker its agent restarts as
+                                     stuck (`reform_fallback`) or hung (`hang_detected`: a peer waiting on a hung
+                                     worker makes no progress either) is allowed and named
 
 A check that cannot be made (e.g. the script emits no `final_digest` event) is `None` with the reason: it never
 counts as passed.
@@ -351,7 +352,7 @@ def only_hit_processes_restart(ev: Evidence) -> Check:
         return Check(None, "no worker re-formed in place (--reform restart, or a script without trainer): every "
                            "worker restarts on a fault by design")
     starts = [e for e in ev.events if isinstance(e, WorkerStart)]
-    fallbacks = [e for e in ev.events if isinstance(e, AgentEvent) and e.name == "reform_fallback"]
+    fallbacks = [e for e in ev.events if isinstance(e, AgentEvent) and e.name in ("reform_fallback", "hang_detected")]
     problems: list[str] = []
     for i, fault in enumerate(fired):
         begin = fault.injected_t or 0.0
@@ -364,6 +365,8 @@ def only_hit_processes_restart(ev: Evidence) -> Check:
         for e in starts:
             if begin <= e.t < end and (e.node, e.pid) not in seen:
                 new.setdefault(e.node, set()).add(e.pid)
+        # A stuck worker its agent restarted, or one judged hung: a worker waiting in a collective on a hung peer
+        # makes no progress either, so its own agent's --hang-timeout may end it too.
         excused = {e.node for e in fallbacks if begin <= e.t < end}
         for node, pids in sorted(new.items()):
             limit = allowed[0] if node == fault.node else allowed[1]
@@ -373,8 +376,8 @@ def only_hit_processes_restart(ev: Evidence) -> Check:
                                 f"({where}; at most {limit}): pids {sorted(pids)}")
     if problems:
         return Check(False, "; ".join(problems))
-    note = f" (a stuck worker restarted by its agent on {', '.join(sorted({e.node for e in fallbacks}))})" \
-        if fallbacks else ""
+    note = (f" (a worker its agent judged stuck or hung restarted on {', '.join(sorted({e.node for e in fallbacks}))})"
+            if fallbacks else "")
     return Check(True, f"after each of {len(fired)} fault(s), new processes only where it hit{note}")
 
 

@@ -63,7 +63,7 @@ def route_to_torch(destination: str) -> None:
 EVENTS_DIR_ENV = "ELASTIC_EVENTS_DIR"
 
 # Worker identity from the torchrun environment, added to every record where it is set.
-_IDENTITY_ENV = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world": "WORLD_SIZE",
+_IDENTITY_ENV = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world": "WORLD_SIZE", "group_rank": "GROUP_RANK",
                  "restart": "TORCHELASTIC_RESTART_COUNT", "node": "ELASTIC_NODE_ID"}
 
 _file_lock = threading.Lock()

@@ -207,7 +207,9 @@ class ElasticAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             self._keep_spare_warm(worker_group)
         self.job.poll()  # after a failure: the first step after it
-        if result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None:
+        # Not while a re-formation is under way: it has deadlines of its own, and kept workers make no steps then.
+        if (result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None
+                and self._awaiting is None):
             self._kill_hung_workers(worker_group, self.agent_config.hang_timeout.total_seconds())
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.HEALTHY) and (
                 result.state != WorkerState.HEALTHY or self._peer_change_known()):
@@ -355,6 +357,7 @@ class ElasticAgent(LocalElasticAgent):
             self._failure_seen_at = time.monotonic()
         self.job.failed(self._failure_seen_at)
         dead = {lr: handlers[lr].proc.pid for lr in failed}
+        progress.clear(self.progress_dir, dead)  # a replacement is not judged by its predecessor's last beat
         kept = {w.local_rank: w.id for w in worker_group.workers if w.local_rank not in dead}
         generation = self._next_round_in_place(worker_group, kept)
         restart_count = worker_group.spec.max_restarts - self._remaining_restarts
@@ -469,6 +472,7 @@ class ElasticAgent(LocalElasticAgent):
         if not late:
             seconds = round(time.monotonic() - (self._failure_seen_at or time.monotonic()), 3)
             self._awaiting, self._failure_seen_at = None, None
+            progress.clear(self.progress_dir, kept)  # hang detection starts again at their next step
             self.metrics.update(last_recovery_seconds=seconds)
             emit("reform_done", generation=generation, world_size=worker_group.group_world_size,
                  group_rank=worker_group.group_rank, recovery_s=seconds)

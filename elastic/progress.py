@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from core import procfs
@@ -82,7 +83,10 @@ def make_dir(root: Path | None = None) -> str:
     return tempfile.mkdtemp(prefix=f"elastic-progress-{os.getpid()}-", dir=tmp)
 
 
-def clear(directory: str | Path) -> None:
-    """Forget all beats (before a new set of workers starts)."""
-    for f in Path(directory).glob("local_rank_*"):
+def clear(directory: str | Path, local_ranks: Iterable[int] | None = None) -> None:
+    """Forget the beats of `local_ranks` (all: before a new set of workers starts; some: their processes were
+    replaced, and a new process is not judged by its predecessor's last beat)."""
+    paths = (Path(directory).glob("local_rank_*") if local_ranks is None
+             else (Path(directory) / f"local_rank_{lr}" for lr in local_ranks))
+    for f in paths:
         f.unlink(missing_ok=True)
