@@ -88,7 +88,9 @@ def reference(jobs: dict[str, TinyJob]) -> str:
 def assert_killed(job: TinyJob, *, point: str, step: int, rank: int) -> None:
     fault = job.events("fault", point=point, step=step)
     assert [(e["rank"], e["action"], e["restart"]) for e in fault] == [(rank, "sigkill", 0)], job.out[-3000:]
-    assert job.events("worker_started", rank=rank, restart=1), job.out[-3000:]
+    # Restarted: by the first restart, or a later one (a replacement whose survivors got stuck leaving their old
+    # group is restarted again with them, elastic/agent.py's leave deadline).
+    assert [e for e in job.events("worker_started", rank=rank) if e.get("restart", 0) >= 1], job.out[-3000:]
 
 
 @pytest.mark.timeout(300)  # the first test waits for the shared jobs
