@@ -211,8 +211,8 @@ class ElasticAgent(LocalElasticAgent):
         if (result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None
                 and self._awaiting is None):
             self._kill_hung_workers(worker_group, self.agent_config.hang_timeout.total_seconds())
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY, WorkerState.HEALTHY) and (
-                result.state != WorkerState.HEALTHY or self._peer_change_known()):
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) or (
+                result.state == WorkerState.HEALTHY and self._peer_change_known()):
             self._stop_if_below_minimum(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             if self._failure_seen_at is None:
@@ -317,7 +317,9 @@ class ElasticAgent(LocalElasticAgent):
         """Fewer live nodes than --nnodes MIN: no round can form. Instead of waiting out the join timeout, the
         workers that can persist the state they hold and exit; then the agent stops with EXIT_BELOW_MIN."""
         below = getattr(self._round_info, "below_minimum", None)
-        found = below() if below is not None and (self._round_info and self._round_info.generation) else None
+        if below is None or self._round_info is None or not self._round_info.generation:
+            return  # another handler, or no round has run yet (nodes still arriving)
+        found = below()
         if found is None:
             return
         live, minimum = found
@@ -329,7 +331,7 @@ class ElasticAgent(LocalElasticAgent):
         ready = self._rounds.ready_pids()
         persisting = [h for lr, h in handlers.items() if h.proc.poll() is None and ready.get(lr) == h.proc.pid]
         if persisting:
-            self._rounds.publish_stop((self._round_info.generation if self._round_info else 0) + 1, why)
+            self._rounds.publish_stop(self._round_info.generation + 1, why)
             deadline = Deadline.after(_PERSIST_TIMEOUT)
             while any(h.proc.poll() is None for h in persisting) and not deadline.expired():
                 time.sleep(0.05)
@@ -344,14 +346,16 @@ class ElasticAgent(LocalElasticAgent):
         pcontext: Any = self._pcontext
         handlers: dict[int, Any] | None = getattr(pcontext, "subprocess_handlers", None)
         if (not handlers or self._awaiting is not None or self._fell_back or not self._can_reform()
-                or self._remaining_restarts <= 0 or not can_run(worker_group.spec.entrypoint, pcontext.args[0])):
+                or self._remaining_restarts <= 0):
             return
-        codes = {lr: h.proc.poll() for lr, h in handlers.items()}
+        codes = {lr: h.proc.poll() for lr, h in handlers.items()}  # every monitor interval: only polls until here
         failed = sorted(lr for lr, code in codes.items() if code not in (None, 0))
+        if not failed or any(code is not None for lr, code in codes.items() if lr not in failed):
+            return  # nothing failed, or some worker finished: torch's path
         ready = self._rounds.ready_pids()
-        if not failed or any(ready.get(lr) != h.proc.pid for lr, h in handlers.items()) or any(
-                codes[w.local_rank] is not None for w in worker_group.workers if w.local_rank not in failed):
-            return  # nothing failed, or some worker cannot re-form (or finished): torch's restart
+        if (any(ready.get(lr) != h.proc.pid for lr, h in handlers.items())
+                or not can_run(worker_group.spec.entrypoint, pcontext.args[0])):
+            return  # some worker cannot re-form (not trainer), or no spare can run the script: torch's restart
         self._remaining_restarts -= 1  # this node's own failure
         if self._failure_seen_at is None:
             self._failure_seen_at = time.monotonic()
@@ -393,10 +397,7 @@ class ElasticAgent(LocalElasticAgent):
         if (not self.agent_config.warm_spare or not self._can_reform() or not can_run(spec.entrypoint, spec.args)
                 or joins is None or not joins()):
             return
-        env = {k: v for k, v in os.environ.items() if k not in _ROUND_KEYS}
-        if spec.local_world_size == 1:
-            env[ENV_CUDA_DEVICE] = "0"
-        args = [str(a) for a in spec.args]
+        env, args = self._spare_env(), [str(a) for a in spec.args]
         self._joiners = {lr: Spare.start(str(spec.entrypoint), args, env) for lr in range(spec.local_world_size)}
         deadline = Deadline.after(_JOINER_WARM_TIMEOUT)
         while not all(s.warm() or not s.alive() for s in self._joiners.values()) and not deadline.expired():
@@ -450,9 +451,10 @@ class ElasticAgent(LocalElasticAgent):
         emit("spare_started", pid=self._spare.pid)
 
     def _spare_env(self) -> dict[str, str]:
-        """The environment a spare warms up in: the workers', less what names one rank of one round."""
+        """The environment a spare warms up in: the workers' (the agent's before any worker ran), less what names
+        one rank of one round."""
         pcontext: Any = self._pcontext
-        env = {**os.environ, **pcontext.envs[0]}
+        env = {**os.environ, **(pcontext.envs[0] if pcontext is not None else {})}
         for key in (*_ROUND_KEYS, "LOCAL_RANK", "TORCHELASTIC_ERROR_FILE"):
             env.pop(key, None)
         if self._worker_group.spec.local_world_size == 1:

@@ -91,9 +91,8 @@ def can_run(entrypoint: object, interpreter_args: Sequence[str]) -> bool:
 class Spare:
     """One spare process, started by the agent; `take` turns it into a worker."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], started_at: float) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
-        self.started_at = started_at
 
     @staticmethod
     def start(entrypoint: str, interpreter_args: Sequence[str], env: dict[str, str]) -> Spare:
@@ -102,7 +101,7 @@ class Spare:
         proc = subprocess.Popen(
             [entrypoint, "-u", "-m", "elastic.spare", "--", *interpreter_args],
             env=env, stdin=subprocess.PIPE, start_new_session=True)  # a session like torch's workers
-        return Spare(proc, time.monotonic())
+        return Spare(proc)
 
     @property
     def pid(self) -> int:
