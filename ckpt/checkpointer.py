@@ -49,6 +49,7 @@ from ckpt.errors import (
     CheckpointTimeoutError,
     SharedStorageError,
 )
+from ckpt.helper import HelperClient
 from ckpt.identity import DirectoryLock, claim_directory, job_id
 from ckpt.local import LocalTier
 from ckpt.metrics import MetricsLog, SaveMetrics
@@ -171,6 +172,8 @@ class Checkpointer:
             self._host = HostTier(Path(tier0_root), read_timeout=read_timeout, local_world_size=local_world_size)
             self._host.identity = self.identity
             self._writer.tier0 = HostSlots(Path(tier0_root), rank, self.identity)
+            if config.tier0_helper:
+                self._writer.helper = HelperClient(tier0_root)
         self._restorer = Restorer(
             self._local, self._shared, rank=rank, identity=self.identity, config=config, pool=self._hash_pool,
             host=self._host,
@@ -449,6 +452,8 @@ class Checkpointer:
             self._staging.release()
             if self._writer.tier0 is not None:
                 self._writer.tier0.close()  # unmapped; the snapshots stay in the node's memory
+            if self._writer.helper is not None:
+                self._writer.helper.close()
         self._lock.release()
         return finished
 

@@ -201,6 +201,11 @@ class CheckpointConfig:
     Costs 2 x this rank's state bytes of host memory (two slots, so a crash mid-copy always
     leaves the previous snapshot whole)."""
 
+    tier0_helper: bool = True
+    """Let the node's checkpoint helper process (ckpt/helper.py; elastic-run's agent starts one with the
+    tier-0 directory) checksum and publish this rank's tier-0 snapshots, off the training process. Without
+    a helper, or when it does not answer, the writer thread does it."""
+
     def __post_init__(self) -> None:
         local_dir = self.local_dir
         if not isinstance(local_dir, (str, os.PathLike)):
@@ -244,6 +249,8 @@ class CheckpointConfig:
             object.__setattr__(self, "init_from", os.fspath(self.init_from))
         _check_int("max_failed_saves", self.max_failed_saves, minimum=1, optional=True)
         _check_duration("read_timeout", self.read_timeout)
+        if not isinstance(self.tier0_helper, bool):
+            raise ValueError(f"tier0_helper must be True or False, got {self.tier0_helper!r}")
         if self.tier0_dir is not None:
             if not isinstance(self.tier0_dir, (str, os.PathLike)):
                 raise ValueError(f"tier0_dir must be a path, \"\" or None, got {self.tier0_dir!r}")

@@ -30,12 +30,14 @@ save so that a full tmpfs is a clear error then (HostMemoryError), never a SIGBU
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import mmap
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Executor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,15 +45,17 @@ from typing import Any
 
 import torch
 
+from ckpt.checksum import digest_parts
 from ckpt.commit import CommitMarker
 from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError, CheckpointWriteError
 from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, list_dir, parse_rank_dir_name, rank_dir_name
-from ckpt.manifest import Manifest, parse_manifest, resolve_file
+from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest, resolve_file
 from ckpt.ranges import LocalRange
 from ckpt.reader import read_manifest
 from ckpt.safe_io import read_regular
+from ckpt.sharding import ShardInfo
 from ckpt.snapshot import host_register, host_unregister
 from ckpt.tiers import TierName
 
@@ -126,9 +130,11 @@ class HostSlot:
         assert self._map is not None
         return memoryview(self._map)[: self._size]
 
-    def publish(self, step: int, manifest: bytes) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.manifest_path, manifest)
+    def publish(self, step: int, manifest: bytes | None) -> None:
+        """`manifest` None: the node's helper wrote it (ckpt/helper.py)."""
+        if manifest is not None:
+            self.path.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.manifest_path, manifest)
         self.step = step
 
     def close(self) -> None:
@@ -140,6 +146,60 @@ class HostSlot:
             except BufferError:  # a view is still alive (a tensor of a finished save): the GC unmaps it
                 logger.debug("tier-0 slot %s still viewed at close", self.path)
         self._map, self._size, self._pinned = None, 0, False
+
+
+def snapshot_manifest(
+    image: memoryview,
+    *,
+    step: int,
+    rank: int,
+    world_size: int,
+    generation: str,
+    run: str,
+    run_uid: str,
+    chunk_bytes: int,
+    tensors: dict[str, TensorEntry],
+    shards: dict[str, ShardInfo],
+    skeleton: Any,
+    pool: Executor | None,
+) -> bytes:
+    """The manifest of a slot whose file image is `image`: its sum64 checksum, the tensors, the skeleton.
+    Made by the worker's writer, or by the node's helper process (ckpt/helper.py)."""
+    checksum = digest_parts([image], algorithm="sum64", chunk_bytes=chunk_bytes, pool=pool)
+    return Manifest(
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        generation=generation,
+        run=run,
+        run_uid=run_uid,
+        files={STATE_FILE: FileEntry.of(checksum, len(image), checksum.chunks if shards else b"")},
+        tensors=tensors,
+        shards=shards,
+        state=skeleton,
+    ).to_bytes()
+
+
+@contextmanager
+def slot_lock(data_path: Path, *, wait: bool) -> Iterator[bool]:
+    """The slot's lock (flock of its data file), held by the node's helper while it publishes the slot
+    (ckpt/helper_process.py). Yields whether it was taken (`wait`=False: without waiting). A worker that
+    gave up on the helper takes it before it publishes or reuses the slot itself: a helper that still
+    holds it could write a manifest over bytes the worker already replaced."""
+    try:
+        fd = os.open(data_path, os.O_RDONLY)
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _address(mapping: mmap.mmap) -> int:
@@ -170,6 +230,8 @@ class HostSlots:
         self.identity = identity
         self.slots = [HostSlot(slot_dir(root, rank, i)) for i in range(SLOTS)]
         self._busy: set[int] = set()
+        self._held: set[int] = set()
+        """Busy slots the node's helper may still publish (a request given up on): free once their lock is."""
         self._newest: int | None = None
         self._lock = threading.Lock()
         for index, slot in enumerate(self.slots):  # a restarted worker finds its predecessor's slots
@@ -182,6 +244,11 @@ class HostSlots:
     def claim(self, step: int) -> HostSlot | None:
         """A slot to write `step` into, its manifest removed; None when none is free (skip the snapshot)."""
         with self._lock:
+            for index in list(self._held):
+                with slot_lock(self.slots[index].data_path, wait=False) as unlocked:
+                    if unlocked:
+                        self._held.discard(index)
+                        self._busy.discard(index)
             for index, slot in enumerate(self.slots):
                 if slot.step is not None and slot.step >= step and index not in self._busy:
                     slot.invalidate()  # a future we went back from
@@ -196,16 +263,23 @@ class HostSlots:
         slot.invalidate()
         return slot
 
-    def published(self, slot: HostSlot, step: int, manifest: bytes) -> None:
-        """`slot` now holds `step`, whole: it becomes the newest."""
+    def published(self, slot: HostSlot, step: int, manifest: bytes | None) -> None:
+        """`slot` now holds `step`, whole: it becomes the newest (`manifest` None: written by the helper)."""
         slot.publish(step, manifest)
         with self._lock:
             self._newest = self.slots.index(slot)
 
     def release(self, slot: HostSlot) -> None:
-        """No job reads or writes `slot` any more: a later save may take it."""
+        """No job reads or writes `slot` any more: a later save may take it (a held one: once its lock is free)."""
         with self._lock:
-            self._busy.discard(self.slots.index(slot))
+            index = self.slots.index(slot)
+            if index not in self._held:
+                self._busy.discard(index)
+
+    def hold(self, slot: HostSlot) -> None:
+        """The node's helper may still write `slot`'s manifest: keep it until its lock is free (claim)."""
+        with self._lock:
+            self._held.add(self.slots.index(slot))
 
     def room_needed(self, file_bytes: int) -> int:
         """Bytes the slots of this rank not mapped yet will still take."""

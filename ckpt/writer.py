@@ -6,7 +6,8 @@
       BackgroundWriter.submit(_persist)                  returns a PendingSave
     LocalWriter._persist                          writer thread (tier-0 thread for a snapshot only)
       HostSnapshot.run_deferred_copies / require_consistent   ("overlapped" mode)
-      tier 0: sum64 checksum, the slot's manifest    -> the slot is the rank's newest snapshot
+      tier 0: sum64 checksum, the slot's manifest    -> the slot is the rank's newest snapshot (done by the
+                                                         node's helper process when there is one: ckpt/helper.py)
       persist_rank()            rank directory written (from the slot), fsynced, renamed (ckpt/persist.py)
       commit_if_complete()      the last rank of this directory writes COMMIT  -> event ckpt_saved
       Replicator.enqueue()      with a shared tier (ckpt/replicator.py); else local retention
@@ -27,7 +28,7 @@ from concurrent.futures import Executor
 from datetime import timedelta
 from typing import Any
 
-from ckpt.checksum import CHUNK_BYTES, RANGE_CHUNK_BYTES, digest_parts
+from ckpt.checksum import CHUNK_BYTES, RANGE_CHUNK_BYTES, Checksum
 from ckpt.config import CheckpointConfig
 from ckpt.errors import (
     CheckpointError,
@@ -35,6 +36,8 @@ from ckpt.errors import (
     CheckpointWriteError,
     SharedStorageError,
 )
+from ckpt.format import dumps
+from ckpt.helper import HelperClient, HelperError
 from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import FileEntry, Manifest, TensorEntry
@@ -45,7 +48,7 @@ from ckpt.safetensors_io import dtype_name
 from ckpt.save_policy import SaveFailures
 from ckpt.sharding import ShardInfo, split_sharded
 from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
-from ckpt.tier0 import HostMemoryError, HostSlot, HostSlots
+from ckpt.tier0 import HostMemoryError, HostSlot, HostSlots, slot_lock, snapshot_manifest
 from ckpt.tree import flatten
 from core.deadline import Clock, Deadline
 from core.events import emit
@@ -143,6 +146,7 @@ class LocalWriter:
         after_commit: Callable[[], None],
         on_written: Callable[[int], None] | None,
         tier0: HostSlots | None = None,
+        helper: HelperClient | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -156,6 +160,8 @@ class LocalWriter:
         self.staging = StagingArea()
         self.thread = BackgroundWriter(f"ckpt-writer-r{rank}")
         self.tier0 = tier0
+        self.helper = helper
+        self._helper_template: tuple[dict[str, TensorEntry], dict[str, ShardInfo], bytes, int] | None = None
         self.tier0_thread = BackgroundWriter(f"ckpt-tier0-r{rank}")
         """Finishes snapshots that go to tier 0 only (a persist in flight does not hold them up)."""
         self.saved: set[int] = set()
@@ -372,30 +378,54 @@ class LocalWriter:
             pending._persisted.set()
 
     def _publish_snapshot(self, pending: PendingSave, slot: HostSlot, entries: dict[str, TensorEntry],
-                          skeleton: Any, shards: dict[str, ShardInfo], *, final: bool) -> None:
-        """Checksum the slot and write its manifest: it becomes this rank's newest tier-0 snapshot."""
+                          skeleton: Any, shards: dict[str, ShardInfo], *, final: bool) -> bool:
+        """Checksum the slot and write its manifest: it becomes this rank's newest tier-0 snapshot. The
+        node's helper process does it when there is one (ckpt/helper.py), else this thread. False: the
+        snapshot is not in tier 0 (a helper that did not answer still holds the slot)."""
         assert self.tier0 is not None
         started = time.monotonic()
-        image = slot.view()
-        checksum = digest_parts([image], algorithm="sum64", chunk_bytes=RANGE_CHUNK_BYTES if shards else CHUNK_BYTES,
-                                pool=self._pool())
-        manifest = Manifest(
-            step=pending.step,
-            rank=self.rank,
-            world_size=self.world_size,
-            generation=self.generation,
-            run=self.identity.name if self.identity else "",
-            run_uid=self.identity.uid if self.identity else "",
-            files={STATE_FILE: FileEntry.of(checksum, len(image), checksum.chunks if shards else b"")},
-            tensors=entries,
-            shards=shards,
-            state=skeleton,
-        ).to_bytes()
-        self.tier0.published(slot, pending.step, manifest)
+        run, run_uid = (self.identity.name, self.identity.uid) if self.identity else ("", "")
+        chunk_bytes = RANGE_CHUNK_BYTES if shards else CHUNK_BYTES
+        helper = self.helper
+        try:
+            if helper is None or not helper.available():
+                raise HelperError("no helper")
+            key, template = self._template(entries, shards, chunk_bytes)
+            helper.publish(template_key=key, template=template, path=slot.path, size=len(slot.view()),
+                           step=pending.step, rank=self.rank, world_size=self.world_size,
+                           generation=self.generation, run=run, run_uid=run_uid, chunk_bytes=chunk_bytes,
+                           state_json=dumps(skeleton))
+        except HelperError:
+            with slot_lock(slot.data_path, wait=False) as free:
+                if not free:  # the helper is still at it: leave the slot to it (ckpt/tier0.py, slot_lock)
+                    self.tier0.hold(slot)
+                    why = f"the node's checkpoint helper still holds tier-0 slot {slot.path}"
+                    if final:
+                        self._metrics.update(pending.metrics, status="skipped", error=why)
+                    return False
+                manifest = snapshot_manifest(slot.view(), step=pending.step, rank=self.rank,
+                                             world_size=self.world_size, generation=self.generation, run=run,
+                                             run_uid=run_uid, chunk_bytes=chunk_bytes, tensors=entries,
+                                             shards=shards, skeleton=skeleton, pool=self._pool())
+                self.tier0.published(slot, pending.step, manifest)
+        else:
+            self.tier0.published(slot, pending.step, None)  # the helper wrote the manifest
         if final:
             self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started, status="snapshot")
         else:
             self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started)
+        return True
+
+    def _template(self, entries: dict[str, TensorEntry], shards: dict[str, ShardInfo],
+                  chunk_bytes: int) -> tuple[int, bytes]:
+        """The helper's template of this layout (its tensors and shards), made once per layout."""
+        cached = self._helper_template
+        if cached is None or cached[0] is not entries or cached[1] != shards:
+            placeholder = FileEntry.of(Checksum("sum64", chunk_bytes, "0" * 64), 0)
+            template = Manifest(step=0, rank=0, world_size=1, files={STATE_FILE: placeholder}, tensors=entries,
+                                shards=shards, state=None).to_bytes()
+            cached = self._helper_template = (entries, dict(shards), template, id(template))
+        return cached[3], cached[2]
 
     def _release(self, slot: HostSlot) -> None:
         assert self.tier0 is not None

@@ -58,6 +58,7 @@ from elastic import peer_loss, progress, reform
 from elastic.errors import BelowMinimumError
 from elastic.job_metrics import JobMetrics
 from elastic.metrics import AgentMetrics
+from elastic.node_helper import NodeHelper
 from elastic.spare import ENV_CUDA_DEVICE, Spare, can_run
 from elastic.worker import STACKS_SIGNAL
 
@@ -138,6 +139,8 @@ class ElasticAgent(LocalElasticAgent):
         if tier0_dir.ENV not in os.environ:
             self.tier0_dir = tier0_dir.make_node_dir()
             os.environ[tier0_dir.ENV] = self.tier0_dir
+        # Checksums and publishes the workers' tier-0 snapshots off their training processes.
+        self.ckpt_helper = NodeHelper.start(self.tier0_dir) if self.tier0_dir is not None else None
         # Like the beacon and the round's store: only on --local-addr when one is given.
         self.metrics = AgentMetrics.start(agent_config.metrics_port, getattr(spec, "local_addr", None) or "0.0.0.0")
         self.job = JobMetrics(self.progress_dir, self.metrics)  # workers' series, restarts by cause, summary
@@ -207,6 +210,8 @@ class ElasticAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             self._keep_spare_warm(worker_group)
         self.job.poll()  # after a failure: the first step after it
+        if self.ckpt_helper is not None:
+            self.ckpt_helper.ensure_running()
         # Not while a re-formation is under way: it has deadlines of its own, and kept workers make no steps then.
         if (result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None
                 and self._awaiting is None):
@@ -588,6 +593,8 @@ def launch(
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         agent.dismiss_spare()
+        if agent.ckpt_helper is not None:
+            agent.ckpt_helper.stop()
         agent.job.finish()  # the one-line summary, from the workers' metrics files
         shutil.rmtree(agent.progress_dir, ignore_errors=True)
         if agent.tier0_dir is not None:

@@ -25,6 +25,8 @@ TINY = REPO / "examples" / "train_tiny.py"
 # A warm spare (elastic/spare.py) costs each job one more torch process start (~6 s of CPU here) that few tests
 # use: off by default in the suite; the tests of spares pass --warm-spare.
 os.environ.setdefault("ELASTIC_WARM_SPARE", "0")
+# Likewise the node's checkpoint helper (ckpt/helper.py; ~2 s of CPU to start): the tests of the helper turn it on.
+os.environ.setdefault("ELASTIC_CKPT_HELPER", "0")
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from core import procfs
 from core.faults import Fault
 from tests.conftest import Procs
 from tests.integration.tiny_job import TinyJob
@@ -160,4 +161,33 @@ def test_sigstopped_worker_is_detected_and_the_job_resumes_to_identical_digest(
     # elastic-run restarted it (under load a restarted group can hang or fail again: a later restart counts)
     assert [e for e in job.events("worker_started", rank=0) if e.get("restart", 0) >= 1], job.out[-3000:]
     assert job.resumed_from() in {5, 10, 15}, job.out[-3000:]  # a committed interval save
+    assert job.digest() == reference
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_checkpoint_helper_is_restarted_and_a_killed_worker_still_resumes_from_memory(
+    procs: Procs, tmp_path: Path, reference: str
+) -> None:
+    # Snapshots every step, checksummed and published by the node's helper process (ckpt/helper.py). SIGKILL
+    # it mid-run: the workers publish their snapshots themselves while the agent starts a new one. Then rank 1
+    # is killed after step 15: its replacement restores step 15 (or 14) from tier 0, bitwise.
+    job = tiny(procs, tmp_path, "--snapshot-every", "1", "--step-sleep", "0.05", env={"ELASTIC_CKPT_HELPER": "1"},
+               faults=(Fault(point="step", step=15, rank=1),))
+    helper_pid = None
+    deadline = time.monotonic() + 180
+    while job.proc.poll() is None and helper_pid is None:
+        if any(e["step"] >= 4 for e in job.events("step", rank=0)):
+            found = [p for p in procfs.descendants(job.proc.pid) if "ckpt.helper_process" in procfs.cmdline(p)]
+            assert len(found) == 1, found
+            helper_pid = found[0]
+            os.kill(helper_pid, signal.SIGKILL)
+        assert time.monotonic() < deadline, job.out[-3000:]
+        time.sleep(0.05)
+    job.finish(timeout=180)
+    assert helper_pid is not None
+    assert [e["dead_pid"] for e in job.events("ckpt_helper_restarted")] == [helper_pid], job.out[-3000:]
+    assert_killed(job, point="step", step=15, rank=1)
+    replacement = [e for e in job.events("restored", rank=1) if e.get("restart", 0) >= 1]
+    assert replacement and replacement[0]["tier"] == "memory", job.out[-3000:]
+    assert replacement[0]["step"] in {14, 15}, job.out[-3000:]
     assert job.digest() == reference

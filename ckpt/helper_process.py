@@ -1,0 +1,167 @@
+"""The node's checkpoint helper process (the protocol and the worker's side: ckpt/helper.py).
+
+    python -m ckpt.helper_process --socket <tier0 dir>/helper.sock --parent <agent pid>
+
+elastic-run's agent starts it beside the node's tier-0 directory (elastic/node_helper.py) and starts it
+again when it dies. One thread per worker connection; the checksums run on a small pool (sum64 on
+torch's intra-op threads, without the GIL). It exits when its agent is gone (parent death signal, and a
+check of the parent pid once a second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import mmap
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ckpt.durable import write_atomic
+from ckpt.helper import recv_frame, send_frame
+from ckpt.layout import MANIFEST_FILE, STATE_FILE
+from ckpt.manifest import Manifest, parse_manifest
+from ckpt.tier0 import slot_lock, snapshot_manifest
+
+logger = logging.getLogger("ckpt.helper_process")
+
+
+class _Images:
+    """Read-only mappings of slot files, kept while their file (inode) and size stay the same."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def view(self, path: Path, size: int) -> memoryview:
+        st = os.stat(path)
+        if st.st_size < size:
+            raise ValueError(f"{path} holds {st.st_size} bytes, fewer than the snapshot's {size}")
+        key = (st.st_ino, size)
+        with self._lock:
+            found = self._maps.get(str(path))
+            if found is None or found[0] != key:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                self._maps[str(path)] = (key, mapping)  # the old mapping goes with its last view
+                found = self._maps[str(path)]
+            return memoryview(found[1])[:size]
+
+
+class Helper:
+    """Serves the node's workers (one thread per connection)."""
+
+    def __init__(self, path: Path, *, threads: int = 4) -> None:
+        self.path = path
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-sum")
+        self.images = _Images()
+
+    def serve(self, listener: socket.socket, parent: int | None) -> None:
+        listener.settimeout(1.0)
+        while parent is None or os.getppid() == parent:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._connection, args=(conn,), daemon=True, name="helper-conn").start()
+        logger.info("the agent (pid %s) is gone: the checkpoint helper stops", parent)
+
+    def _connection(self, conn: socket.socket) -> None:
+        templates: dict[int, Manifest] = {}
+        with conn:
+            while True:
+                try:
+                    header, body = recv_frame(conn)
+                except (ConnectionError, OSError, ValueError):
+                    return  # the worker closed (or died): its requests end with it
+                try:
+                    if header.get("op") == "template":
+                        templates[int(header["id"])] = parse_manifest(body, path=Path("<template>"))
+                    elif header.get("op") == "publish":
+                        self.publish(header, templates[int(header["template"])], body, conn)
+                    else:
+                        raise ValueError(f"unknown request {header.get('op')!r}")
+                    reply: dict[str, Any] = {"ok": True}
+                except ConnectionError as exc:
+                    logger.info("%s", exc)
+                    return
+                except Exception as exc:  # a process boundary: the worker publishes itself and logs it
+                    logger.exception("request %s failed", header.get("op"))
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    send_frame(conn, reply)
+                except OSError:
+                    return
+
+    def publish(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> None:
+        slot = Path(header["path"])
+        with slot_lock(slot / STATE_FILE, wait=True):
+            image = self.images.view(slot / STATE_FILE, int(header["size"]))
+            manifest = snapshot_manifest(
+                image, step=int(header["step"]), rank=int(header["rank"]), world_size=int(header["world_size"]),
+                generation=str(header["generation"]), run=str(header["run"]), run_uid=str(header["run_uid"]),
+                chunk_bytes=int(header["chunk_bytes"]), tensors=template.tensors, shards=template.shards,
+                skeleton=json.loads(body), pool=self.pool)
+            # A worker that gave up on this request closed the connection before it took the lock (to
+            # publish or reuse the slot itself): its slot's bytes may be another step's by now.
+            if _closed(conn):
+                raise ConnectionError("the worker gave up on this request")
+            write_atomic(slot / MANIFEST_FILE, manifest)
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the peer closed `conn` (nothing it sends while it waits for a reply can be pending)."""
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent (the agent) exits (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent pid check of the accept loop ends it
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ckpt.helper_process", description=__doc__.split("\n")[0])
+    parser.add_argument("--socket", type=Path, required=True, help="the socket to listen on")
+    parser.add_argument("--parent", type=int, default=None, help="exit when this process is no longer our parent")
+    parser.add_argument("--threads", type=int, default=4, help="checksum threads")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[ckpt-helper] %(asctime)s %(levelname)s %(message)s")
+    _die_with_parent()
+    if args.parent is not None and os.getppid() != args.parent:
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    tmp = args.socket.with_name(f".{args.socket.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(tmp))
+        listener.listen(64)
+        os.replace(tmp, args.socket)  # a worker that sees the path can connect
+        Helper(args.socket, threads=args.threads).serve(listener, args.parent)
+    finally:
+        listener.close()
+        tmp.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

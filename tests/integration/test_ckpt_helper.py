@@ -1,0 +1,186 @@
+"""The node's checkpoint helper (ckpt/helper.py, ckpt/helper_process.py) as a real process on a real
+Unix socket, with a real tier 0 in tmpfs: it publishes the worker's snapshots; when it dies, hangs or
+comes back, snapshots go on and a restore gets the newest whole step, never a manifest over another
+step's bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt import CheckpointConfig, Checkpointer
+from ckpt.helper import HelperClient, socket_path
+from ckpt.tier0 import slot_lock
+from core.tier0_dir import shm_root
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+class HelperProcess:
+    def __init__(self, tier0: Path, log: Path) -> None:
+        self.log = log
+        self.socket = socket_path(tier0)
+        self.socket.unlink(missing_ok=True)
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckpt.helper_process", "--socket", str(self.socket),
+                 "--parent", str(os.getpid())], cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not self.socket.exists():
+            assert self.proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the helper did not listen within 60 s"
+            time.sleep(0.05)
+
+    def wait_for_log(self, text: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log.read_text():
+            assert time.monotonic() < deadline, f"{text!r} not in the helper's log: {self.log.read_text()}"
+            time.sleep(0.05)
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="test-helper-", dir=shm_root()))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def helpers(shm: Path, tmp_path: Path) -> Iterator[list[HelperProcess]]:
+    started: list[HelperProcess] = []
+    try:
+        yield started
+    finally:
+        for h in started:
+            h.end()
+
+
+def state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 70, generator=g), "b": torch.arange(step, step + 9), "step": step}
+
+
+def make(tmp_path: Path, shm: Path, *, helper_timeout: float = 30.0) -> Checkpointer:
+    ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=0, world_size=1)
+    assert ck._writer.helper is not None
+    ck._writer.helper.timeout = helper_timeout  # before its first connection
+    return ck
+
+
+def snapshot(ck: Checkpointer, step: int) -> None:
+    pending = ck.snapshot(step, state(step))
+    pending.wait_persisted()
+    assert not pending.skipped, pending.metrics.error
+
+
+def restored(tmp_path: Path, shm: Path) -> tuple[int, str]:
+    """The step and tier a fresh checkpointer restores; its tensors must be that step's."""
+    ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, tier0_helper=False),
+                      rank=0, world_size=1)
+    try:
+        found = ck.restore()
+        assert found is not None
+        expected = state(found.step)
+        assert torch.equal(found.state["w"], expected["w"]) and torch.equal(found.state["b"], expected["b"])
+        return found.step, found.tier
+    finally:
+        ck.close()
+
+
+def manifest_steps(shm: Path) -> list[int]:
+    return sorted(json.loads(p.read_text())["step"] for p in shm.glob("rank_00000/slot_*/manifest.json"))
+
+
+def test_the_helper_publishes_snapshots_and_a_restore_reads_them_bitwise(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess]
+) -> None:
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    ck = make(tmp_path, shm)
+    for step in range(1, 5):
+        snapshot(ck, step)
+    assert ck._writer.helper is not None and ck._writer.helper.published == 4
+    ck.close()
+    assert manifest_steps(shm) == [3, 4]
+    assert restored(tmp_path, shm) == (4, "memory")
+
+
+def test_a_dead_helper_leaves_the_work_to_the_worker_and_a_new_one_takes_it_back(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(HelperClient, "RETRY_S", 0.0)
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    ck = make(tmp_path, shm)
+    client = ck._writer.helper
+    assert client is not None
+    snapshot(ck, 1)
+    helpers[0].proc.kill()
+    helpers[0].proc.wait(30)
+    snapshot(ck, 2)  # published by the worker itself
+    assert client.published == 1
+    assert restored(tmp_path, shm) == (2, "memory")
+    helpers.append(HelperProcess(shm, tmp_path / "helper2.log"))
+    snapshot(ck, 3)
+    assert client.published == 2
+    ck.close()
+    assert restored(tmp_path, shm) == (3, "memory")
+
+
+def test_a_helper_that_answers_too_late_never_writes_over_a_reused_slot(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess]
+) -> None:
+    helper = HelperProcess(shm, tmp_path / "helper.log")
+    helpers.append(helper)
+    ck = make(tmp_path, shm, helper_timeout=1.0)
+    snapshot(ck, 1)
+    os.kill(helper.proc.pid, signal.SIGSTOP)  # it gets the request of step 2 and does not answer
+    snapshot(ck, 2)  # the worker gives up after 1 s and publishes step 2 itself
+    snapshot(ck, 3)  # (the helper is not asked again for RETRY_S) into the other slot
+    snapshot(ck, 4)  # into step 2's slot: its bytes are step 4's now
+    os.kill(helper.proc.pid, signal.SIGCONT)
+    helper.wait_for_log("the worker gave up on this request")  # it dropped step 2's manifest
+    ck.close()
+    assert manifest_steps(shm) == [3, 4]
+    assert restored(tmp_path, shm) == (4, "memory")
+
+
+def test_a_slot_the_helper_may_still_publish_is_not_reused_until_it_lets_go(tmp_path: Path, shm: Path) -> None:
+    # No helper answers (none runs) while something holds step 1's slot lock, as a helper stopped inside a
+    # publish would: the worker leaves that slot alone, the next snapshot is skipped (the other slot holds
+    # the newest), and once the lock is free snapshots go on.
+    ck = make(tmp_path, shm)
+    snapshot(ck, 1)
+    snapshot(ck, 2)
+    slot_1 = next(p.parent for p in shm.glob("rank_00000/slot_*/manifest.json")
+                     if json.loads(p.read_text())["step"] == 1)
+    with slot_lock(slot_1 / "state.safetensors", wait=True):
+        pending = ck.snapshot(3, state(3))  # goes into step 1's slot, finds it locked
+        pending.wait_persisted()
+        assert pending.skipped and "helper still holds" in str(pending.metrics.error)
+        pending = ck.snapshot(4, state(4))  # the newest (2) and the held slot: none free
+        pending.wait_persisted()
+        assert pending.skipped
+        assert restored(tmp_path, shm) == (2, "memory")
+    snapshot(ck, 5)
+    ck.close()
+    assert restored(tmp_path, shm) == (5, "memory")
