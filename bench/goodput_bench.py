@@ -9,6 +9,8 @@ Variants (bench/goodput_worker.py runs each; same model, seed, data and steps):
   none                    no checkpoint
   ours_tier1_10           `trainer` (Resumable + train_loop, default settings), tier 1 every 10 steps
                           (ResumeConfig.at(dir, save_every=10); tier 0 off: today's behaviour)
+  ours_tier0_10_tier1_10  tier 1 every 10 steps through tier 0 (the save is staged in the node's host memory and
+                          written to disk by the node's helper process, ckpt/helper.py), no snapshot between
   ours_tier0_1_tier1_10   tier 0 (host shared memory) every step + tier 1 every 10 steps
   ours_tier0_1_tier1_50   tier 0 every step + tier 1 every 50 steps
   dcp_async_thread_10     torch.distributed.checkpoint.async_save every 10 steps, thread mode
@@ -88,6 +90,7 @@ class Variant:
 VARIANTS = {
     "none": Variant("none"),
     "ours_tier1_10": Variant("ours", 10),
+    "ours_tier0_10_tier1_10": Variant("ours", 10, 10),
     "ours_tier0_1_tier1_10": Variant("ours", 1, 10),
     "ours_tier0_1_tier1_50": Variant("ours", 1, 50),
     "dcp_async_thread_10": Variant("dcp_thread", 10),

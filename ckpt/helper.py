@@ -1,31 +1,40 @@
-"""The node's checkpoint helper: a process that finishes tier-0 snapshots for the node's workers.
+"""The node's checkpoint helper: a process that finishes the node's workers' checkpoints off their
+training processes (the protocol and the worker's side; the process: ckpt/helper_process.py).
 
     elastic-run's agent:  python -m ckpt.helper_process --socket <tier0 dir>/helper.sock --parent <agent pid>
-    a worker (writer):    HelperClient(<tier0 dir>).publish(slot, ...)   -> the slot's manifest is written
+    a worker (writer):    HelperClient(<tier0 dir>).publish(...)   -> the tier-0 slot's manifest is written
+                          HelperClient(<tier0 dir>).persist(...)   -> the slot is written and committed in tier 1
 
 Why a process: a snapshot every step leaves work after its copy (a sum64 checksum of the whole slot,
-the manifest, its atomic write). Done on a thread of the training process, it took ~6% of a GPT's
-throughput on one H200 (bench/results/goodput_cuda_h200_tier0_probe_*): that thread and the training
-thread share the GIL and the CPU that launches the kernels. The helper reads the slot through its own
-mapping of the tmpfs file (the slot lives in the node's shared memory, ckpt/tier0.py), so the worker
-only sends a few hundred bytes and waits on a socket, without the GIL.
+the manifest, its atomic write), and a checkpoint every N steps writes and hashes the whole state.
+Done on threads of the training process, the first took ~6% of a GPT's throughput on one H200, the
+second ~4% at every 10 steps (bench/results/goodput_cuda_h200_tier0_probe_*): those threads and the
+training thread share the GIL and the CPUs that launch the kernels. The helper reads the slot through
+its own mapping of the tmpfs file (the slot lives in the node's shared memory, ckpt/tier0.py), so the
+worker only sends a few hundred bytes and waits on a socket, without the GIL.
 
 Protocol: a Unix stream socket in the node's tier-0 directory (private to the node, mode 0700); one
 connection per worker; request, then reply, framed as [u32 header length][header JSON][u32 body
 length][body]. Requests:
-  template  header {"op", "id"}; body: a manifest of the layout (its tensors and shards; any files
-            and state) — sent once per layout, as the tensors' entries are hundreds of lines
+  template  header {"op", "id"}; body: a manifest of the layout (its tensors and shards) — sent once
+            per layout and connection, as the tensors' entries are hundreds of lines
   publish   header {"op", "template", "path" (the slot directory), "size" (bytes of its file image),
             "step", "rank", "world_size", "generation", "run", "run_uid", "chunk_bytes"}; body: the
             state skeleton's JSON. The helper checksums the slot's file image, writes its manifest
             (atomically) and replies; the slot is then the rank's newest snapshot.
-Replies: {"ok": true} or {"ok": false, "error": "..."}.
+  persist   the same, plus "root" (the tier-1 directory), "local_world_size", "checksum": the helper
+            writes the slot as the rank's directory of the step (ckpt/persist.py: fsynced, renamed) and
+            writes COMMIT when the node's ranks are all there; the reply says where and whether.
+Replies: {"ok": true, ...} or {"ok": false, "error": "..."}.
 
-Failure: the worker gives the helper `timeout` seconds; on no answer, a broken connection or an
-error it publishes the slot itself, as without a helper, and tries the helper again later (a restarted
-helper, which the agent starts when the old one died: elastic/node_helper.py). A helper that writes a
-manifest late, after the worker reused the slot, leaves a manifest whose checksum does not match the
-slot's bytes: readers reject it (ckpt/tier0.py) and use the other slot.
+Failure: the worker gives the helper `timeout` seconds (a tier-1 write `persist_timeout`); on no
+answer, a broken connection or an error it does the work itself, as without a helper, and tries the
+helper again `RETRY_S` later (a restarted helper: the agent starts a new one when the old one died,
+elastic/node_helper.py). The helper holds the slot's lock (ckpt/tier0.py, slot_lock) while it works
+on it and checks, before it writes the manifest or renames the rank directory, that the worker still
+waits: a worker that gave up closed the connection first and takes the lock before it touches the
+slot, so a late helper never writes a manifest over bytes the worker replaced, nor a second copy of
+a rank directory; while the helper still holds the lock the worker leaves the slot alone.
 
 The process itself: ckpt/helper_process.py.
 """
@@ -99,9 +108,12 @@ class HelperClient:
     RETRY_S = 5.0
     """After a failure, the helper is tried again this much later (meanwhile the worker publishes)."""
 
-    def __init__(self, tier0_dir: str | Path, *, timeout: float = 30.0) -> None:
+    def __init__(self, tier0_dir: str | Path, *, timeout: float = 30.0, persist_timeout: float = 600.0) -> None:
         self.path = socket_path(tier0_dir)
         self.timeout = timeout
+        """Seconds a publish (a checksum of the slot in memory) may take before the worker does it itself."""
+        self.persist_timeout = persist_timeout
+        """Seconds a tier-1 write (the disk) may take before the worker gives up on it."""
         self._sock: socket.socket | None = None
         self._templates: dict[int, int] = {}  # id(template bytes' owner) -> template id sent on this connection
         self._next_id = 0
@@ -109,6 +121,8 @@ class HelperClient:
         self._warned = False
         self.published = 0
         """Snapshots the helper published (for metrics and tests)."""
+        self.persisted = 0
+        """Steps the helper wrote to tier 1 for this worker."""
 
     def available(self) -> bool:
         """Whether to try the helper now: its socket exists and no failure is recent."""
@@ -119,6 +133,29 @@ class HelperClient:
                 state_json: bytes) -> None:
         """Have the helper checksum the slot at `path` and write its manifest. Raises HelperError (the
         caller then publishes the slot itself)."""
+        request = {"op": "publish", "path": str(path), "size": size, "step": step, "rank": rank,
+                   "world_size": world_size, "generation": generation, "run": run, "run_uid": run_uid,
+                   "chunk_bytes": chunk_bytes}
+        self._request(request, template_key, template, state_json)
+        self.published += 1
+
+    def persist(self, *, template_key: int, template: bytes, path: Path, size: int, step: int, rank: int,
+                world_size: int, local_world_size: int, generation: str, run: str, run_uid: str,
+                root: Path, checksum: str, chunk_bytes: int, state_json: bytes) -> dict[str, Any]:
+        """Have the helper write the slot at `path` as rank `rank` of `step` into the tier-1 directory
+        `root` and commit the step there if it is complete (ckpt/persist.py, as the writer would).
+        Returns {"path", "nbytes", "manifest_sha256", "committed"}. Raises HelperError."""
+        request = {"op": "persist", "path": str(path), "size": size, "step": step, "rank": rank,
+                   "world_size": world_size, "local_world_size": local_world_size, "generation": generation,
+                   "run": run, "run_uid": run_uid, "root": str(root), "checksum": checksum,
+                   "chunk_bytes": chunk_bytes}
+        reply = self._request(request, template_key, template, state_json, timeout=self.persist_timeout)
+        self.persisted += 1
+        return reply
+
+    def _request(self, request: dict[str, Any], template_key: int, template: bytes, body: bytes, *,
+                 timeout: float | None = None) -> dict[str, Any]:
+        step = request["step"]
         try:
             sock = self._connect()
             tid = self._templates.get(template_key)
@@ -126,18 +163,19 @@ class HelperClient:
                 tid = self._next_id = self._next_id + 1
                 self._call(sock, {"op": "template", "id": tid}, template)
                 self._templates = {template_key: tid}  # one layout at a time: the old one is not reused
-            self._call(sock, {"op": "publish", "template": tid, "path": str(path), "size": size, "step": step,
-                              "rank": rank, "world_size": world_size, "generation": generation, "run": run,
-                              "run_uid": run_uid, "chunk_bytes": chunk_bytes}, state_json)
-            self.published += 1
+            sock.settimeout(timeout or self.timeout)
+            try:
+                return self._call(sock, {**request, "template": tid}, body)
+            finally:
+                sock.settimeout(self.timeout)
         except (OSError, ValueError, HelperError) as exc:
             self.close()
             self._retry_at = time.monotonic() + self.RETRY_S
             if not self._warned:
                 self._warned = True
                 emit("ckpt_helper", state="lost", step=step, error=str(exc))
-                logger.warning("the node's checkpoint helper (%s) did not publish step %d: %s; this worker "
-                               "publishes its snapshots itself until the helper answers again", self.path, step, exc)
+                logger.warning("the node's checkpoint helper (%s) did not %s step %d: %s; this worker does that "
+                               "work itself until the helper answers again", self.path, request["op"], step, exc)
             raise HelperError(str(exc)) from exc
 
     def _connect(self) -> socket.socket:
@@ -157,11 +195,12 @@ class HelperClient:
         return self._sock
 
     @staticmethod
-    def _call(sock: socket.socket, header: dict[str, Any], body: bytes) -> None:
+    def _call(sock: socket.socket, header: dict[str, Any], body: bytes) -> dict[str, Any]:
         send_frame(sock, header, body)
         reply, _ = recv_frame(sock)
         if not reply.get("ok"):
             raise HelperError(str(reply.get("error", "no reason given")))
+        return reply
 
     def close(self) -> None:
         if self._sock is not None:

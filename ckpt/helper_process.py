@@ -26,15 +26,17 @@ from typing import Any
 
 from ckpt.durable import write_atomic
 from ckpt.helper import recv_frame, send_frame
-from ckpt.layout import MANIFEST_FILE, STATE_FILE
+from ckpt.identity import RunIdentity
+from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import Manifest, parse_manifest
+from ckpt.persist import commit_if_complete, persist_rank
 from ckpt.tier0 import slot_lock, snapshot_manifest
 
 logger = logging.getLogger("ckpt.helper_process")
 
 
 class _Images:
-    """Read-only mappings of slot files, kept while their file (inode) and size stay the same."""
+    """Mappings of slot files, kept while their file (inode) and size stay the same."""
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[tuple[int, int], mmap.mmap]] = {}
@@ -50,7 +52,10 @@ class _Images:
             if found is None or found[0] != key:
                 fd = os.open(path, os.O_RDONLY)
                 try:
-                    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                    # Private and writable, though never written: the checksum's readers (numpy, torch)
+                    # copy read-only buffers first (50x slower). Unwritten private pages are the file's
+                    # own, so they show what the worker writes later.
+                    mapping = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
                     os.close(fd)
                 self._maps[str(path)] = (key, mapping)  # the old mapping goes with its last view
@@ -85,23 +90,30 @@ class Helper:
                 except (ConnectionError, OSError, ValueError):
                     return  # the worker closed (or died): its requests end with it
                 try:
-                    if header.get("op") == "template":
-                        templates[int(header["id"])] = parse_manifest(body, path=Path("<template>"))
-                    elif header.get("op") == "publish":
-                        self.publish(header, templates[int(header["template"])], body, conn)
-                    else:
-                        raise ValueError(f"unknown request {header.get('op')!r}")
-                    reply: dict[str, Any] = {"ok": True}
-                except ConnectionError as exc:
+                    reply = self._handle(header, body, templates, conn)
+                except _GaveUp as exc:
                     logger.info("%s", exc)
                     return
-                except Exception as exc:  # a process boundary: the worker publishes itself and logs it
+                except Exception as exc:  # a process boundary: the worker does the work itself and logs it
                     logger.exception("request %s failed", header.get("op"))
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 try:
                     send_frame(conn, reply)
                 except OSError:
                     return
+
+    def _handle(self, header: dict[str, Any], body: bytes, templates: dict[int, Manifest],
+                conn: socket.socket) -> dict[str, Any]:
+        op = header.get("op")
+        if op == "template":
+            templates[int(header["id"])] = parse_manifest(body, path=Path("<template>"))
+            return {"ok": True}
+        if op == "publish":
+            self.publish(header, templates[int(header["template"])], body, conn)
+            return {"ok": True}
+        if op == "persist":
+            return self.persist(header, templates[int(header["template"])], body, conn)
+        raise ValueError(f"unknown request {op!r}")
 
     def publish(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> None:
         slot = Path(header["path"])
@@ -114,9 +126,37 @@ class Helper:
                 skeleton=json.loads(body), pool=self.pool)
             # A worker that gave up on this request closed the connection before it took the lock (to
             # publish or reuse the slot itself): its slot's bytes may be another step's by now.
-            if _closed(conn):
-                raise ConnectionError("the worker gave up on this request")
+            _require_open(conn)
             write_atomic(slot / MANIFEST_FILE, manifest)
+
+
+    def persist(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> dict[str, Any]:
+        slot = Path(header["path"])
+        layout = Layout(Path(header["root"]))
+        step, world_size, generation = int(header["step"]), int(header["world_size"]), str(header["generation"])
+        identity = RunIdentity(str(header["run"]), str(header["run_uid"])) if header["run"] else None
+        with slot_lock(slot / STATE_FILE, wait=True):
+            _require_open(conn)  # persist_rank starts by uncommitting the step: not for a worker that gave up
+            image = self.images.view(slot / STATE_FILE, int(header["size"]))
+            written = persist_rank(
+                layout, step=step, rank=int(header["rank"]), world_size=world_size, generation=generation,
+                parts=[image], tensors=template.tensors, skeleton=json.loads(body), checksum=str(header["checksum"]),
+                chunk_bytes=int(header["chunk_bytes"]), shards=template.shards, pool=self.pool, identity=identity,
+                before_publish=lambda: _require_open(conn))
+        committed = commit_if_complete(layout, step=step, world_size=world_size,
+                                       local_world_size=int(header["local_world_size"]), generation=generation,
+                                       identity=identity)
+        return {"ok": True, "path": str(written.path), "nbytes": written.nbytes,
+                "manifest_sha256": written.manifest_sha256, "committed": committed is not None}
+
+
+class _GaveUp(Exception):
+    """The worker closed the connection while its request ran: nothing of it may become visible."""
+
+
+def _require_open(conn: socket.socket) -> None:
+    if _closed(conn):
+        raise _GaveUp("the worker gave up on this request")
 
 
 def _closed(conn: socket.socket) -> bool:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from ckpt.checksum import CHUNK_BYTES, RANGE_CHUNK_BYTES, Checksum
@@ -319,40 +320,45 @@ class LocalWriter:
             snapshot.run_deferred_copies()
             snapshot.require_consistent(self.config.stage_timeout.total_seconds(), f"step {pending.step}")
             pending._staged.set()
+            in_tier0 = False
             if slot is not None:
-                self._publish_snapshot(pending, slot, entries, skeleton, shards, final=not persist)
+                in_tier0 = self._publish_snapshot(pending, slot, entries, skeleton, shards, final=not persist)
                 if not persist:
                     return
             started = time.monotonic()
-            hook = self.on_written
-            written = persist_rank(
-                self.layout,
-                step=pending.step,
-                rank=self.rank,
-                world_size=self.world_size,
-                generation=self.generation,
-                parts=snapshot.parts(),
-                tensors=entries,
-                skeleton=skeleton,
-                checksum=self.config.checksum,
-                chunk_bytes=RANGE_CHUNK_BYTES if shards else CHUNK_BYTES,
-                shards=shards,
-                pool=self._pool(),
-                before_publish=None if hook is None else lambda: hook(pending.step),
-                identity=self.identity,
-                release=None if slot is None else lambda: self._release(slot),
-            )
-            committed = commit_if_complete(
-                self.layout,
-                step=pending.step,
-                world_size=self.world_size,
-                local_world_size=self.local_world_size,
-                generation=self.generation,
-                identity=self.identity,
-            )
+            done = self._persist_by_helper(pending.step, slot, entries, skeleton, shards) if in_tier0 else None
+            if done is not None:
+                written, committed = done
+            else:
+                hook = self.on_written
+                written = persist_rank(
+                    self.layout,
+                    step=pending.step,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    generation=self.generation,
+                    parts=snapshot.parts(),
+                    tensors=entries,
+                    skeleton=skeleton,
+                    checksum=self.config.checksum,
+                    chunk_bytes=RANGE_CHUNK_BYTES if shards else CHUNK_BYTES,
+                    shards=shards,
+                    pool=self._pool(),
+                    before_publish=None if hook is None else lambda: hook(pending.step),
+                    identity=self.identity,
+                    release=None if slot is None else lambda: self._release(slot),
+                )
+                committed = commit_if_complete(
+                    self.layout,
+                    step=pending.step,
+                    world_size=self.world_size,
+                    local_world_size=self.local_world_size,
+                    generation=self.generation,
+                    identity=self.identity,
+                ) is not None
             self._failures.succeeded()
             tier1_s = time.monotonic() - started
-            if committed is not None:
+            if committed:
                 logger.info("committed step %d in %s", pending.step, self.layout.step_dir(pending.step))
                 emit("ckpt_saved", step=pending.step, tier="local", seconds=round(tier1_s, 3))
             if self._replicator is not None:
@@ -360,7 +366,7 @@ class LocalWriter:
                 pending.upload = self._enqueue_upload(pending.step, written, metrics)
             else:
                 self._metrics.update(metrics, log=True, tier1_s=tier1_s, status="persisted")
-                if committed is not None:
+                if committed:
                     self._after_commit()
         except CheckpointError as exc:
             self._failed(pending, exc)
@@ -415,6 +421,36 @@ class LocalWriter:
         else:
             self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started)
         return True
+
+    def _persist_by_helper(self, step: int, slot: HostSlot | None, entries: dict[str, TensorEntry], skeleton: Any,
+                           shards: dict[str, ShardInfo]) -> tuple[WrittenRank, bool] | None:
+        """Have the node's helper write tier 1 from the tier-0 slot: (the rank directory, committed), or
+        None when this thread should write it (no helper, it failed, or a fault-injection hook wants to run
+        between the files and their publication, which only this process can do).
+        Raises CheckpointWriteError when the helper that gave no answer may still be writing."""
+        helper = self.helper
+        if helper is None or slot is None or self.on_written is not None or not helper.available():
+            return None
+        run, run_uid = (self.identity.name, self.identity.uid) if self.identity else ("", "")
+        chunk_bytes = RANGE_CHUNK_BYTES if shards else CHUNK_BYTES
+        key, template = self._template(entries, shards, chunk_bytes)
+        try:
+            reply = helper.persist(template_key=key, template=template, path=slot.path, size=len(slot.view()),
+                                   step=step, rank=self.rank, world_size=self.world_size,
+                                   local_world_size=self.local_world_size, generation=self.generation, run=run,
+                                   run_uid=run_uid, root=self.layout.root, checksum=self.config.checksum,
+                                   chunk_bytes=chunk_bytes, state_json=dumps(skeleton))
+        except HelperError as exc:
+            with slot_lock(slot.data_path, wait=False) as free:
+                if not free:
+                    assert self.tier0 is not None
+                    self.tier0.hold(slot)
+                    raise CheckpointWriteError(
+                        f"the node's checkpoint helper did not finish step {step} in time and still writes it "
+                        f"({exc}); this save is counted as failed, the next one goes on") from exc
+            return None
+        return WrittenRank(Path(reply["path"]), int(reply["nbytes"]), str(reply["manifest_sha256"])), \
+            bool(reply["committed"])
 
     def _template(self, entries: dict[str, TensorEntry], shards: dict[str, ShardInfo],
                   chunk_bytes: int) -> tuple[int, bytes]:

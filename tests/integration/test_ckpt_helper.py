@@ -184,3 +184,62 @@ def test_a_slot_the_helper_may_still_publish_is_not_reused_until_it_lets_go(tmp_
     snapshot(ck, 5)
     ck.close()
     assert restored(tmp_path, shm) == (5, "memory")
+
+
+def step_dir(tmp_path: Path, step: int) -> Path:
+    return tmp_path / "ckpt" / f"step_{step:012d}"
+
+
+def test_the_helper_writes_and_commits_tier1_for_the_nodes_ranks(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess]
+) -> None:
+    # Two ranks of one node: each rank's tier-1 directory is written from its slot by the helper, and the
+    # step is committed once both are there. Restored from tier 1 alone (tier 0 gone), bitwise.
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    cks = [Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=r, world_size=2,
+                        local_world_size=2) for r in range(2)]
+    for step in (1, 2):
+        for ck in cks:
+            pending = ck.save_async(step, state(step)) if step == 2 else ck.snapshot(step, state(step))
+            pending.wait_persisted()
+            assert not pending.skipped, pending.metrics.error
+    for ck in cks:
+        assert ck._writer.helper is not None and ck._writer.helper.persisted == 1
+        ck.close()
+    assert (step_dir(tmp_path, 2) / "COMMIT").exists()
+    assert sorted(p.name for p in step_dir(tmp_path, 2).iterdir()) == ["COMMIT", "rank_00000", "rank_00001"]
+    for rank_dir in shm.glob("rank_*"):
+        shutil.rmtree(rank_dir)
+    ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, tier0_helper=False),
+                      rank=1, world_size=2, local_world_size=2)
+    found = ck.restore()
+    ck.close()
+    assert found is not None and (found.step, found.tier) == (2, "local")
+    assert torch.equal(found.state["w"], state(2)["w"])
+
+
+def test_a_tier1_write_the_helper_does_not_finish_in_time_is_written_by_the_worker_and_the_helpers_dropped(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    helper = HelperProcess(shm, tmp_path / "helper.log")
+    helpers.append(helper)
+    ck = make(tmp_path, shm)
+    assert ck._writer.helper is not None
+    ck._writer.helper.persist_timeout = 1.0
+    publish = HelperClient.publish
+
+    def publish_then_stop(self: HelperClient, **kwargs: object) -> None:
+        publish(self, **kwargs)  # type: ignore[arg-type]
+        os.kill(helper.proc.pid, signal.SIGSTOP)  # between the publish and the tier-1 write
+
+    monkeypatch.setattr(HelperClient, "publish", publish_then_stop)
+    pending = ck.save_async(1, state(1))
+    pending.wait_persisted()  # by the worker, after 1 s without an answer
+    assert ck._writer.helper.persisted == 0
+    os.kill(helper.proc.pid, signal.SIGCONT)
+    helper.wait_for_log("the worker gave up on this request")  # its copy of rank 0 was never renamed
+    ck.close()
+    assert sorted(p.name for p in step_dir(tmp_path, 1).iterdir()) == ["COMMIT", "rank_00000"]
+    for rank_dir in shm.glob("rank_*"):
+        shutil.rmtree(rank_dir)
+    assert restored(tmp_path, shm) == (1, "local")
