@@ -60,6 +60,7 @@ from ckpt.retention import apply_local_retention
 from ckpt.save_policy import SaveFailures
 from ckpt.shared import SharedTier
 from ckpt.tier0 import HostSlots, HostTier
+from ckpt.tree import Flat
 from ckpt.writer import LocalWriter, PendingSave
 from core.deadline import Deadline
 
@@ -216,7 +217,7 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------
 
-    def save_async(self, step: int, state: Mapping[str, Any]) -> PendingSave:
+    def save_async(self, step: int, state: Mapping[str, Any] | Flat) -> PendingSave:
         """Snapshot `state` for `step` and persist it in the background (ckpt/writer.py).
 
         Returns once the copy is consistent ("staged" mode) or at once ("overlapped" mode: call
@@ -234,7 +235,7 @@ class Checkpointer:
         """Whether snapshots have a tier 0 to go to (CheckpointConfig.tier0_dir or $ELASTIC_TIER0_DIR)."""
         return self._writer.tier0 is not None
 
-    def snapshot(self, step: int, state: Mapping[str, Any]) -> PendingSave:
+    def snapshot(self, step: int, state: Mapping[str, Any] | Flat) -> PendingSave:
         """Snapshot `state` for `step` into tier 0 only (host memory of the node; ckpt/tier0.py).
 
         Costs the loop what save_async() costs it (the copy, or nothing in "overlapped" mode) and

@@ -157,9 +157,11 @@ def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
 
     Plain tensors pass through; a DTensor contributes its local box when this rank writes it and
     it is not empty. Raises TypeError (naming the tensor) for a Partial placement."""
+    dtensor = dtensor_type()
+    if dtensor is None:
+        return dict(tensors), {}
     written: dict[str, torch.Tensor] = {}
     shards: dict[str, ShardInfo] = {}
-    dtensor = dtensor_type()
     for name, tensor in tensors.items():
         if dtensor is None or not isinstance(tensor, dtensor):
             written[name] = tensor

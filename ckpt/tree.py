@@ -25,6 +25,7 @@ import binascii
 import math
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,16 @@ _FLOAT = "__float__"
 _RESERVED_NAMES = frozenset({"__metadata__"})  # safetensors keeps its metadata under this key
 
 _SUPPORTED = "torch.Tensor, int, float, str, bool, None, bytes, dict, list, tuple"
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A state already flattened by its owner: what `flatten` returns for it. Checkpointer.save_async and
+    snapshot take one in place of the state (trainer/state_view.py builds it every step without walking
+    the model's and the optimizer's hundreds of tensors)."""
+
+    tensors: dict[str, torch.Tensor]
+    skeleton: Any
 
 
 def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:

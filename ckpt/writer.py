@@ -50,7 +50,7 @@ from ckpt.save_policy import SaveFailures
 from ckpt.sharding import ShardInfo, split_sharded
 from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
 from ckpt.tier0 import HostMemoryError, HostSlot, HostSlots, slot_lock, snapshot_manifest
-from ckpt.tree import flatten
+from ckpt.tree import Flat, flatten
 from core.deadline import Clock, Deadline
 from core.events import emit
 
@@ -179,13 +179,13 @@ class LocalWriter:
         self._check = check
         self._after_commit = after_commit
 
-    def save_async(self, step: int, state: Mapping[str, Any], *, persist: bool = True) -> PendingSave:
+    def save_async(self, step: int, state: Mapping[str, Any] | Flat, *, persist: bool = True) -> PendingSave:
         """See Checkpointer.save_async (persist=False: Checkpointer.snapshot)."""
         started = time.monotonic()
-        if not isinstance(state, Mapping):
+        if not isinstance(state, (Mapping, Flat)):
             raise TypeError(f"state must be a Mapping, got {type(state).__name__}")
         self._check()
-        flat, skeleton = flatten(state)
+        flat, skeleton = (state.tensors, state.skeleton) if isinstance(state, Flat) else flatten(state)
         tensors, shards = split_sharded(flat)  # a DTensor leaf: this rank's piece, if it writes one
         layout = self.staging.layout_for(tensors)
         replicated = self._replicator.last_replicated if self._replicator else None

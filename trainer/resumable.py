@@ -56,6 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
+from ckpt.tree import Flat
 from core import faults
 from core.events import emit
 from elastic import reform, worker
@@ -69,6 +70,7 @@ from trainer.ddp import release_process_group
 from trainer.digest import state_digests_on, training_digest
 from trainer.errors import RoundChanged
 from trainer.sharding import Layout
+from trainer.state_view import StateView
 from trainer.telemetry import Telemetry
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
@@ -139,6 +141,7 @@ class Resumable:
         self.step = 0
         self.resumed_from: int | None = None
         self._names_cache: tuple[tuple[int, ...], list[list[str | None]]] | None = None
+        self._view = StateView(self.state, self.model, self.optimizer)
         self.restored: Restored | None = None
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._saved_step = -1
@@ -460,6 +463,9 @@ class Resumable:
             model_sd = self.model.state_dict()
             optim_sd = self.optimizer.state_dict() if self.optimizer is not None else None
             names = self._param_names() if self.optimizer is not None else None
+        return self._tree(model_sd, optim_sd, names)
+
+    def _tree(self, model_sd: Any, optim_sd: Any, names: list[list[str | None]] | None) -> dict[str, Any]:
         layout = {"layout": self.layout.record()} if self.sharded else {}
         return {
             "step": self.step,
@@ -474,6 +480,15 @@ class Resumable:
             "rng": rng.capture(),
             "extras": self.extras,
         }
+
+    def _checkpoint_state(self) -> dict[str, Any] | Flat:
+        """What a save or snapshot hands the checkpointer: `state()`, flattened without walking the model and
+        the optimizer state again while they are the same tensors (trainer/state_view.py)."""
+        if self.sharded:
+            return self.state()
+        setup.check_json_able(self.extras)
+        names = self._param_names() if self.optimizer is not None else None
+        return self._view.flat(self._tree(None, None, names))
 
     def _param_names(self) -> list[list[str | None]]:
         """param_names(model, optimizer), walked again only when the optimizer's parameters change: a
@@ -503,9 +518,9 @@ class Resumable:
         self._emit_digest(step, "save")
         try:
             if persist:
-                self.checkpointer.save_async(step, self.state())
+                self.checkpointer.save_async(step, self._checkpoint_state())
             else:
-                self.checkpointer.snapshot(step, self.state())
+                self.checkpointer.snapshot(step, self._checkpoint_state())
             return True
         except CheckpointSaveError:
             raise

@@ -1,0 +1,100 @@
+"""trainer/state_view.py: the cheap per-step flattening of a Resumable's state gives exactly what
+`flatten(state())` gives (names, values, skeleton), while the model and optimizer keep their tensors, and
+after every kind of change to them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt.format import dumps
+from ckpt.tree import Flat, flatten
+from trainer import rng
+from trainer.state_view import StateView
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Job:
+    def __init__(self, model: nn.Module) -> None:
+        torch.manual_seed(0)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1 / (1 + s))
+        self.step = 0
+        self.view = StateView(self.state, self.model, self.optimizer)
+
+    def tree(self, model_sd: Any, optim_sd: Any) -> dict[str, Any]:
+        return {"step": self.step, "model": model_sd, "optimizer": optim_sd,
+                "scheduler": self.scheduler.state_dict(), "rng": rng.capture(), "extras": {"note": "x"}}
+
+    def state(self) -> dict[str, Any]:
+        return self.tree(self.model.state_dict(), self.optimizer.state_dict())
+
+    def train(self) -> None:
+        self.model(torch.randn(4, 8)).square().mean().backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        self.step += 1
+
+    def check(self) -> Flat:
+        """The view's Flat equals flatten(state()) (taken right after it, with the same RNG state)."""
+        before = torch.get_rng_state()
+        got = self.view.flat(self.tree(None, None))
+        torch.set_rng_state(before)
+        tensors, skeleton = flatten(self.state())
+        assert sorted(got.tensors) == sorted(tensors)
+        for name, tensor in tensors.items():
+            assert torch.equal(got.tensors[name], tensor), name
+        assert json.loads(dumps(got.skeleton)) == json.loads(dumps(skeleton))
+        assert list(got.skeleton) == list(skeleton)  # the same key order: the same manifest bytes
+        return got
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def test_while_the_tensors_stay_the_same_the_view_walks_the_model_once() -> None:
+    job = Job(model())
+    for _ in range(5):
+        job.train()
+        job.check()
+    assert job.view.rebuilds == 1
+    # The skeleton follows what changes every step (the lr in param_groups, the step, the RNG).
+    flat = job.check()
+    assert flat.skeleton["optimizer"]["param_groups"][0]["lr"] == job.optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("change", ["new buffer", "new parameter object", "new module", "optimizer state reset"])
+def test_a_change_to_the_model_or_the_optimizer_takes_the_full_walk_again(change: str) -> None:
+    job = Job(model())
+    job.train()
+    job.check()
+    changes: dict[str, Callable[[], None]] = {
+        "new buffer": lambda: job.model[0].register_buffer("scale", torch.ones(3)),
+        "new parameter object": lambda: setattr(job.model[3], "bias", nn.Parameter(torch.zeros(4))),
+        "new module": lambda: job.model.append(nn.LayerNorm(4)),
+        "optimizer state reset": lambda: job.optimizer.state.clear(),
+    }
+    changes[change]()
+    job.check()
+    assert job.view.rebuilds == 2
+    job.check()
+    assert job.view.rebuilds == 2  # cached again
+
+
+def test_a_model_with_a_state_dict_hook_is_walked_every_time() -> None:
+    m = model()
+    m[0]._register_state_dict_hook(lambda module, sd, prefix, local: sd)
+    job = Job(m)
+    for _ in range(3):
+        job.train()
+        job.check()
+    assert job.view.rebuilds == 3
