@@ -175,6 +175,7 @@ class Checkpointer:
             self._writer.tier0 = HostSlots(Path(tier0_root), rank, self.identity)
             if config.tier0_helper:
                 self._writer.helper = HelperClient(tier0_root)
+                self._writer.snapshot_helper = HelperClient(tier0_root)
         self._restorer = Restorer(
             self._local, self._shared, rank=rank, identity=self.identity, config=config, pool=self._hash_pool,
             host=self._host,
@@ -453,8 +454,8 @@ class Checkpointer:
             self._staging.release()
             if self._writer.tier0 is not None:
                 self._writer.tier0.close()  # unmapped; the snapshots stay in the node's memory
-            if self._writer.helper is not None:
-                self._writer.helper.close()
+            for helper in self._writer.helpers:
+                helper.close()
         self._lock.release()
         return finished
 

@@ -24,13 +24,15 @@ length][body]. Requests:
             (atomically) and replies; the slot is then the rank's newest snapshot.
   persist   the same, plus "root" (the tier-1 directory), "local_world_size", "checksum": the helper
             writes the slot as the rank's directory of the step (ckpt/persist.py: fsynced, renamed) and
-            writes COMMIT when the node's ranks are all there; the reply says where and whether.
+            writes COMMIT when the node's ranks are all there; the reply says where and whether. Before
+            it, once the slot's bytes are written (before the fsync), a frame {"released": true}: the
+            worker may reuse the slot from then on (and can no longer write that step itself).
 Replies: {"ok": true, ...} or {"ok": false, "error": "..."}.
 
 Failure: the worker gives the helper `timeout` seconds (a tier-1 write `persist_timeout`); on no
 answer, a broken connection or an error it does the work itself, as without a helper, and tries the
 helper again `RETRY_S` later (a restarted helper: the agent starts a new one when the old one died,
-elastic/node_helper.py). The helper holds the slot's lock (ckpt/tier0.py, slot_lock) while it works
+elastic/node_helper.py). The helper holds the slot's lock (ckpt/tier0.py, SlotLock) while it works
 on it and checks, before it writes the manifest or renames the rank directory, that the worker still
 waits: a worker that gave up closed the connection first and takes the lock before it touches the
 slot, so a late helper never writes a manifest over bytes the worker replaced, nor a second copy of
@@ -46,6 +48,7 @@ import logging
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,20 +144,23 @@ class HelperClient:
 
     def persist(self, *, template_key: int, template: bytes, path: Path, size: int, step: int, rank: int,
                 world_size: int, local_world_size: int, generation: str, run: str, run_uid: str,
-                root: Path, checksum: str, chunk_bytes: int, state_json: bytes) -> dict[str, Any]:
+                root: Path, checksum: str, chunk_bytes: int, state_json: bytes,
+                on_released: Callable[[], None]) -> dict[str, Any]:
         """Have the helper write the slot at `path` as rank `rank` of `step` into the tier-1 directory
         `root` and commit the step there if it is complete (ckpt/persist.py, as the writer would).
+        `on_released` runs once the helper no longer reads the slot (its bytes written, before the fsync).
         Returns {"path", "nbytes", "manifest_sha256", "committed"}. Raises HelperError."""
         request = {"op": "persist", "path": str(path), "size": size, "step": step, "rank": rank,
                    "world_size": world_size, "local_world_size": local_world_size, "generation": generation,
                    "run": run, "run_uid": run_uid, "root": str(root), "checksum": checksum,
                    "chunk_bytes": chunk_bytes}
-        reply = self._request(request, template_key, template, state_json, timeout=self.persist_timeout)
+        reply = self._request(request, template_key, template, state_json, timeout=self.persist_timeout,
+                              on_released=on_released)
         self.persisted += 1
         return reply
 
     def _request(self, request: dict[str, Any], template_key: int, template: bytes, body: bytes, *,
-                 timeout: float | None = None) -> dict[str, Any]:
+                 timeout: float | None = None, on_released: Callable[[], None] | None = None) -> dict[str, Any]:
         step = request["step"]
         try:
             sock = self._connect()
@@ -165,7 +171,7 @@ class HelperClient:
                 self._templates = {template_key: tid}  # one layout at a time: the old one is not reused
             sock.settimeout(timeout or self.timeout)
             try:
-                return self._call(sock, {**request, "template": tid}, body)
+                return self._call(sock, {**request, "template": tid}, body, on_released)
             finally:
                 sock.settimeout(self.timeout)
         except (OSError, ValueError, HelperError) as exc:
@@ -195,9 +201,14 @@ class HelperClient:
         return self._sock
 
     @staticmethod
-    def _call(sock: socket.socket, header: dict[str, Any], body: bytes) -> dict[str, Any]:
+    def _call(sock: socket.socket, header: dict[str, Any], body: bytes,
+              on_released: Callable[[], None] | None = None) -> dict[str, Any]:
         send_frame(sock, header, body)
         reply, _ = recv_frame(sock)
+        while reply.get("released"):  # a tier-1 write done reading the slot; its reply follows
+            if on_released is not None:
+                on_released()
+            reply, _ = recv_frame(sock)
         if not reply.get("ok"):
             raise HelperError(str(reply.get("error", "no reason given")))
         return reply

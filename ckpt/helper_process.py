@@ -30,7 +30,7 @@ from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import Manifest, parse_manifest
 from ckpt.persist import commit_if_complete, persist_rank
-from ckpt.tier0 import slot_lock, snapshot_manifest
+from ckpt.tier0 import SlotLock, snapshot_manifest
 
 logger = logging.getLogger("ckpt.helper_process")
 
@@ -117,7 +117,7 @@ class Helper:
 
     def publish(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> None:
         slot = Path(header["path"])
-        with slot_lock(slot / STATE_FILE, wait=True):
+        with SlotLock(slot / STATE_FILE, wait=True):
             image = self.images.view(slot / STATE_FILE, int(header["size"]))
             manifest = snapshot_manifest(
                 image, step=int(header["step"]), rank=int(header["rank"]), world_size=int(header["world_size"]),
@@ -135,14 +135,25 @@ class Helper:
         layout = Layout(Path(header["root"]))
         step, world_size, generation = int(header["step"]), int(header["world_size"]), str(header["generation"])
         identity = RunIdentity(str(header["run"]), str(header["run_uid"])) if header["run"] else None
-        with slot_lock(slot / STATE_FILE, wait=True):
+        lock = SlotLock(slot / STATE_FILE, wait=True)
+        try:
             _require_open(conn)  # persist_rank starts by uncommitting the step: not for a worker that gave up
             image = self.images.view(slot / STATE_FILE, int(header["size"]))
+
+            def release() -> None:  # the slot's bytes are all written (before the fsync): the worker may reuse it
+                lock.release()
+                try:
+                    send_frame(conn, {"released": True})
+                except OSError:
+                    pass  # the worker is gone: the check before the rename ends this request
+
             written = persist_rank(
                 layout, step=step, rank=int(header["rank"]), world_size=world_size, generation=generation,
                 parts=[image], tensors=template.tensors, skeleton=json.loads(body), checksum=str(header["checksum"]),
                 chunk_bytes=int(header["chunk_bytes"]), shards=template.shards, pool=self.pool, identity=identity,
-                before_publish=lambda: _require_open(conn))
+                before_publish=lambda: _require_open(conn), release=release)
+        finally:
+            lock.release()
         committed = commit_if_complete(layout, step=step, world_size=world_size,
                                        local_world_size=int(header["local_world_size"]), generation=generation,
                                        identity=identity)

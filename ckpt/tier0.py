@@ -180,26 +180,36 @@ def snapshot_manifest(
     ).to_bytes()
 
 
-@contextmanager
-def slot_lock(data_path: Path, *, wait: bool) -> Iterator[bool]:
-    """The slot's lock (flock of its data file), held by the node's helper while it publishes the slot
-    (ckpt/helper_process.py). Yields whether it was taken (`wait`=False: without waiting). A worker that
-    gave up on the helper takes it before it publishes or reuses the slot itself: a helper that still
-    holds it could write a manifest over bytes the worker already replaced."""
-    try:
-        fd = os.open(data_path, os.O_RDONLY)
-    except FileNotFoundError:
-        yield True
-        return
-    try:
+class SlotLock:
+    """The slot's lock (flock of its data file), held by the node's helper while it publishes the slot or
+    writes it to tier 1 (ckpt/helper_process.py). A worker that gave up on the helper takes it before it
+    publishes or reuses the slot itself: a helper that still holds it could write a manifest over bytes
+    the worker already replaced. `with SlotLock(path, wait=False) as taken:` (taken: whether it was got;
+    `wait`=False: without waiting); `release()` lets it go early (a tier-1 write done reading the slot)."""
+
+    def __init__(self, data_path: Path, *, wait: bool) -> None:
+        self._fd: int | None = None
+        self.taken = True
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            self._fd = os.open(data_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # no slot file: nothing to protect
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # releases the lock
+            self.taken = False
+            self.release()
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+    def __enter__(self) -> bool:
+        return self.taken
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
 
 
 def _address(mapping: mmap.mmap) -> int:
@@ -245,7 +255,7 @@ class HostSlots:
         """A slot to write `step` into, its manifest removed; None when none is free (skip the snapshot)."""
         with self._lock:
             for index in list(self._held):
-                with slot_lock(self.slots[index].data_path, wait=False) as unlocked:
+                with SlotLock(self.slots[index].data_path, wait=False) as unlocked:
                     if unlocked:
                         self._held.discard(index)
                         self._busy.discard(index)

@@ -49,7 +49,7 @@ from ckpt.safetensors_io import dtype_name
 from ckpt.save_policy import SaveFailures
 from ckpt.sharding import ShardInfo, split_sharded
 from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
-from ckpt.tier0 import HostMemoryError, HostSlot, HostSlots, slot_lock, snapshot_manifest
+from ckpt.tier0 import HostMemoryError, HostSlot, HostSlots, SlotLock, snapshot_manifest
 from ckpt.tree import Flat, flatten
 from core.deadline import Clock, Deadline
 from core.events import emit
@@ -162,6 +162,9 @@ class LocalWriter:
         self.thread = BackgroundWriter(f"ckpt-writer-r{rank}")
         self.tier0 = tier0
         self.helper = helper
+        """The node's checkpoint helper, as the writer thread's connection (ckpt/helper.py)."""
+        self.snapshot_helper: HelperClient | None = None
+        """The tier-0 thread's own connection: a snapshot is not held up by a tier-1 write in flight."""
         self._helper_template: tuple[dict[str, TensorEntry], dict[str, ShardInfo], bytes, int] | None = None
         self.tier0_thread = BackgroundWriter(f"ckpt-tier0-r{rank}")
         """Finishes snapshots that go to tier 0 only (a persist in flight does not hold them up)."""
@@ -392,7 +395,7 @@ class LocalWriter:
         started = time.monotonic()
         run, run_uid = (self.identity.name, self.identity.uid) if self.identity else ("", "")
         chunk_bytes = RANGE_CHUNK_BYTES if shards else CHUNK_BYTES
-        helper = self.helper
+        helper = self.snapshot_helper if final else self.helper
         try:
             if helper is None or not helper.available():
                 raise HelperError("no helper")
@@ -402,8 +405,8 @@ class LocalWriter:
                            generation=self.generation, run=run, run_uid=run_uid, chunk_bytes=chunk_bytes,
                            state_json=dumps(skeleton))
         except HelperError:
-            with slot_lock(slot.data_path, wait=False) as free:
-                if not free:  # the helper is still at it: leave the slot to it (ckpt/tier0.py, slot_lock)
+            with SlotLock(slot.data_path, wait=False) as free:
+                if not free:  # the helper is still at it: leave the slot to it (ckpt/tier0.py, SlotLock)
                     self.tier0.hold(slot)
                     why = f"the node's checkpoint helper still holds tier-0 slot {slot.path}"
                     if final:
@@ -422,6 +425,10 @@ class LocalWriter:
             self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started)
         return True
 
+    @property
+    def helpers(self) -> list[HelperClient]:
+        return [h for h in (self.helper, self.snapshot_helper) if h is not None]
+
     def _persist_by_helper(self, step: int, slot: HostSlot | None, entries: dict[str, TensorEntry], skeleton: Any,
                            shards: dict[str, ShardInfo]) -> tuple[WrittenRank, bool] | None:
         """Have the node's helper write tier 1 from the tier-0 slot: (the rank directory, committed), or
@@ -434,14 +441,24 @@ class LocalWriter:
         run, run_uid = (self.identity.name, self.identity.uid) if self.identity else ("", "")
         chunk_bytes = RANGE_CHUNK_BYTES if shards else CHUNK_BYTES
         key, template = self._template(entries, shards, chunk_bytes)
+        released = threading.Event()
+
+        def on_released() -> None:
+            released.set()
+            self._release(slot)
+
         try:
             reply = helper.persist(template_key=key, template=template, path=slot.path, size=len(slot.view()),
                                    step=step, rank=self.rank, world_size=self.world_size,
                                    local_world_size=self.local_world_size, generation=self.generation, run=run,
                                    run_uid=run_uid, root=self.layout.root, checksum=self.config.checksum,
-                                   chunk_bytes=chunk_bytes, state_json=dumps(skeleton))
+                                   chunk_bytes=chunk_bytes, state_json=dumps(skeleton), on_released=on_released)
         except HelperError as exc:
-            with slot_lock(slot.data_path, wait=False) as free:
+            if released.is_set():  # the slot may hold a newer snapshot by now: the step cannot be written again
+                raise CheckpointWriteError(
+                    f"the node's checkpoint helper did not finish writing step {step} ({exc}); this save is "
+                    f"counted as failed, the next one goes on") from exc
+            with SlotLock(slot.data_path, wait=False) as free:
                 if not free:
                     assert self.tier0 is not None
                     self.tier0.hold(slot)

@@ -21,7 +21,7 @@ import torch
 
 from ckpt import CheckpointConfig, Checkpointer
 from ckpt.helper import HelperClient, socket_path
-from ckpt.tier0 import slot_lock
+from ckpt.tier0 import SlotLock
 from core.tier0_dir import shm_root
 from tests.conftest import REPO
 
@@ -83,9 +83,14 @@ def state(step: int) -> dict[str, object]:
 
 def make(tmp_path: Path, shm: Path, *, helper_timeout: float = 30.0) -> Checkpointer:
     ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=0, world_size=1)
-    assert ck._writer.helper is not None
-    ck._writer.helper.timeout = helper_timeout  # before its first connection
+    assert len(ck._writer.helpers) == 2  # the writer thread's and the tier-0 thread's connections
+    for helper in ck._writer.helpers:
+        helper.timeout = helper_timeout  # before its first connection
     return ck
+
+
+def published(ck: Checkpointer) -> int:
+    return sum(h.published for h in ck._writer.helpers)
 
 
 def snapshot(ck: Checkpointer, step: int) -> None:
@@ -119,7 +124,7 @@ def test_the_helper_publishes_snapshots_and_a_restore_reads_them_bitwise(
     ck = make(tmp_path, shm)
     for step in range(1, 5):
         snapshot(ck, step)
-    assert ck._writer.helper is not None and ck._writer.helper.published == 4
+    assert published(ck) == 4
     ck.close()
     assert manifest_steps(shm) == [3, 4]
     assert restored(tmp_path, shm) == (4, "memory")
@@ -131,17 +136,15 @@ def test_a_dead_helper_leaves_the_work_to_the_worker_and_a_new_one_takes_it_back
     monkeypatch.setattr(HelperClient, "RETRY_S", 0.0)
     helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
     ck = make(tmp_path, shm)
-    client = ck._writer.helper
-    assert client is not None
     snapshot(ck, 1)
     helpers[0].proc.kill()
     helpers[0].proc.wait(30)
     snapshot(ck, 2)  # published by the worker itself
-    assert client.published == 1
+    assert published(ck) == 1
     assert restored(tmp_path, shm) == (2, "memory")
     helpers.append(HelperProcess(shm, tmp_path / "helper2.log"))
     snapshot(ck, 3)
-    assert client.published == 2
+    assert published(ck) == 2
     ck.close()
     assert restored(tmp_path, shm) == (3, "memory")
 
@@ -173,7 +176,7 @@ def test_a_slot_the_helper_may_still_publish_is_not_reused_until_it_lets_go(tmp_
     snapshot(ck, 2)
     slot_1 = next(p.parent for p in shm.glob("rank_00000/slot_*/manifest.json")
                      if json.loads(p.read_text())["step"] == 1)
-    with slot_lock(slot_1 / "state.safetensors", wait=True):
+    with SlotLock(slot_1 / "state.safetensors", wait=True):
         pending = ck.snapshot(3, state(3))  # goes into step 1's slot, finds it locked
         pending.wait_persisted()
         assert pending.skipped and "helper still holds" in str(pending.metrics.error)
