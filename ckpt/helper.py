@@ -27,6 +27,7 @@ length][body]. Requests:
             writes COMMIT when the node's ranks are all there; the reply says where and whether. Before
             it, once the slot's bytes are written (before the fsync), a frame {"released": true}: the
             worker may reuse the slot from then on (and can no longer write that step itself).
+  map       header {"op", "path", "size"}: map the slot's file now and fault its pages in (at start).
 Replies: {"ok": true, ...} or {"ok": false, "error": "..."}.
 
 Failure: the worker gives the helper `timeout` seconds (a tier-1 write `persist_timeout`); on no
@@ -126,6 +127,8 @@ class HelperClient:
         """Snapshots the helper published (for metrics and tests)."""
         self.persisted = 0
         """Steps the helper wrote to tier 1 for this worker."""
+        self.mapped = 0
+        """Slots the helper mapped ahead of the loop (prepare)."""
 
     def available(self) -> bool:
         """Whether to try the helper now: its socket exists and no failure is recent."""
@@ -141,6 +144,17 @@ class HelperClient:
                    "chunk_bytes": chunk_bytes}
         self._request(request, template_key, template, state_json)
         self.published += 1
+
+    def map(self, path: Path, size: int) -> bool:
+        """Have the helper map the slot at `path` now (at start), not in its first request inside the loop
+        (1.2 GB: ~0.4 s, which held up a save on one H200). False when the helper did not answer."""
+        try:
+            self._call(self._connect(), {"op": "map", "path": str(path), "size": size}, b"")
+            self.mapped += 1
+            return True
+        except (OSError, ValueError, HelperError):
+            self.close()
+            return False
 
     def persist(self, *, template_key: int, template: bytes, path: Path, size: int, step: int, rank: int,
                 world_size: int, local_world_size: int, generation: str, run: str, run_uid: str,

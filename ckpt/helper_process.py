@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ckpt.checksum import CHUNK_BYTES, digest_parts
 from ckpt.durable import write_atomic
 from ckpt.helper import recv_frame, send_frame
 from ckpt.identity import RunIdentity
@@ -113,6 +114,12 @@ class Helper:
             return {"ok": True}
         if op == "persist":
             return self.persist(header, templates[int(header["template"])], body, conn)
+        if op == "map":
+            # Read every page once (read faults map the file's own pages; MAP_POPULATE on this writable
+            # private mapping would copy them instead, and the helper would then checksum stale bytes).
+            image = self.images.view(Path(header["path"]) / STATE_FILE, int(header["size"]))
+            digest_parts([image], algorithm="sum64", chunk_bytes=CHUNK_BYTES, pool=self.pool)
+            return {"ok": True}
         raise ValueError(f"unknown request {op!r}")
 
     def publish(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> None:

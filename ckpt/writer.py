@@ -283,8 +283,11 @@ class LocalWriter:
             )
         if self.tier0 is not None:
             layout = self.staging.layout_for(tensors)
-            # Map (and reserve) both slots now, not in the loop.
+            # Map (and reserve) both slots now, not in the loop; the helper maps them too.
             if all(self._slot_buffer(slot, layout, tensors) is not None for slot in list(self.tier0.slots)):
+                if self.helper is not None and self.helper.available() and self.tier0 is not None:
+                    for slot in self.tier0.slots:
+                        self.helper.map(slot.path, len(slot.view()))
                 return 2 * layout.data_bytes
         return self.staging.reserve(tensors).data_bytes
 

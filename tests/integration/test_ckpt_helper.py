@@ -122,6 +122,8 @@ def test_the_helper_publishes_snapshots_and_a_restore_reads_them_bitwise(
 ) -> None:
     helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
     ck = make(tmp_path, shm)
+    ck.prepare(state(1))  # both slots mapped by the helper too, before the loop: it must still see what is written
+    assert sum(h.mapped for h in ck._writer.helpers) == 2
     for step in range(1, 5):
         snapshot(ck, step)
     assert published(ck) == 4
