@@ -62,6 +62,10 @@ CATALOG: dict[str, FaultKind] = {
                   target="none", restarts=False, needs_shared_tier=True),
         FaultKind(name="disk-full", summary="fill one node's tier-1 filesystem for a while, then free it",
                   target="node", restarts=False, needs_shared_tier=True),
+        FaultKind(name="kill-ckpt-helper",
+                  summary="SIGKILL one node's checkpoint helper process (ckpt/helper.py): training goes on, its "
+                          "agent starts a new one",
+                  target="node", restarts=False),
         FaultKind(name="add-node", summary="start an extra node (new node id, empty local tier)",
                   target="none", restarts=True, adds_node=True),
         FaultKind(name="partition-node", summary="cut one node off the network (network namespaces, root only)",

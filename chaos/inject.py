@@ -29,7 +29,7 @@ from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
 from core.deadline import Deadline
-from core.procfs import alive, environ
+from core.procfs import alive, cmdline, descendants, environ
 from core.tier0_dir import ENV as TIER0_ENV
 
 SHARED_FLAGS = ("--shared-url", "--shared-dir", "--shared")
@@ -184,6 +184,21 @@ def _kill_node(fault: PlannedFault, to: Target) -> Injection:
         left = [p for p in left if alive(p)]
     return Injection(node.name, f"group rank {fault.target} ({len(tree)} processes)",
                      {"pids": tree, "left_alive": left})
+
+
+def _kill_ckpt_helper(fault: PlannedFault, to: Target) -> Injection:
+    assert fault.target is not None
+    node = to.cluster.node_by_group_rank(fault.target)
+    if node is None:
+        return _no_node(fault)
+    helpers = [p for p in descendants(node.pid) if "ckpt.helper_process" in cmdline(p)]
+    if not helpers:
+        return Injection(node.name, f"group rank {fault.target}",
+                         skipped="the node runs no checkpoint helper (ELASTIC_CKPT_HELPER=0, or no tier 0)")
+    to.ledger.record(helpers[0], f"checkpoint helper of {node.name}")
+    os.kill(helpers[0], signal.SIGKILL)
+    return Injection(node.name, f"group rank {fault.target}'s checkpoint helper (pid {helpers[0]})",
+                     {"pid": helpers[0]})
 
 
 def _kill_etcd_member(fault: PlannedFault, to: Target) -> Injection:
@@ -351,6 +366,7 @@ _INJECTORS = {
     "corrupt-checkpoint": _corrupt_checkpoint,
     "shared-storage-outage": _shared_storage_outage,
     "disk-full": _disk_full,
+    "kill-ckpt-helper": _kill_ckpt_helper,
     "add-node": _add_node,
     "partition-node": _partition_node,
 }

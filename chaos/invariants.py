@@ -14,7 +14,8 @@
                                      the fault hit (saves are asynchronous: an uncommitted checkpoint
                                      cannot be restored, but no committed one may be lost)
     no_orphan_processes              nothing the harness started, or any of its descendants, is alive
-    all_faults_injected              every fault not skipped fired, and each corruption was read by a restore
+    all_faults_injected              every fault not skipped fired, each corruption was read by a restore, and
+                                     each killed checkpoint helper was started again by its node's agent
     only_hit_processes_restart       in-process re-formation (elastic-run's default): after a fault, new worker
                                      processes start only where the fault hit (a killed or hung worker: one
                                      process on its node; a lost or cut-off node: none elsewhere; an added node:
@@ -328,6 +329,10 @@ def all_injected(ev: Evidence) -> Check:
             problems.append(f"{f.kind} was planned but never fired" + (f" ({f.not_fired})" if f.not_fired else ""))
         if f.corrupted_step is not None and f.exercised is False:
             problems.append(f"{f.kind}: no restore ever read the corrupted step {f.corrupted_step}")
+        if f.kind == "kill-ckpt-helper" and f.injected and not any(
+                isinstance(e, AgentEvent) and e.name == "ckpt_helper_restarted" and e.node == f.node
+                and (f.injected_t is None or e.t >= f.injected_t) for e in ev.events):
+            problems.append(f"{f.kind}: the agent of {f.node} never started a new checkpoint helper")
     if problems:
         return Check(False, "; ".join(problems))
     fired = sum(1 for f in ev.faults if f.injected)

@@ -99,7 +99,7 @@ _RANK0_ONLY = {"step", "resumed", "final_digest"}
 """Worker events the harness takes from rank 0 alone: every rank may emit them, rank 0 speaks for the group."""
 
 _AGENT = {"join", "leave", "round_closed", "restart", "recovered", "degraded", "hang_detected", "bad_record",
-          "job_summary", "reform", "reform_done", "reform_fallback"}
+          "job_summary", "reform", "reform_done", "reform_fallback", "ckpt_helper_restarted"}
 
 
 def from_record(record: Mapping[str, Any], node: str, offset: float = 0.0) -> list[Event]:

@@ -395,3 +395,15 @@ def test_only_the_hit_process_restarts_after_a_worker_kill() -> None:
     assert excused.ok is True and "judged stuck or hung" in excused.detail, excused
     restart_mode = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, in_place=False))
     assert restart_mode.ok is None, restart_mode
+
+
+def test_a_killed_checkpoint_helper_must_be_started_again_by_its_agent() -> None:
+    log = Log().start().steps(1, 12)
+    t = log.t
+    log.steps(13, 20)
+    fault = inv.FaultOutcome(kind="kill-ckpt-helper", injected=True, skipped=None, steps_lost=0, lost_bound=1,
+                             injected_t=t, node="node1")
+    check = inv.all_injected(evidence(log, faults=[fault]))
+    assert check.ok is False and "the agent of node1 never started a new checkpoint helper" in check.detail
+    log.events.append(tl.AgentEvent(t + 0.5, "node1", "ckpt_helper_restarted", {"dead_pid": 7}))
+    assert inv.all_injected(evidence(log, faults=[fault])).ok is True
