@@ -284,11 +284,18 @@ class LocalWriter:
             )
         if self.tier0 is not None:
             layout = self.staging.layout_for(tensors)
-            # Map (and reserve) both slots now, not in the loop; the helper maps them too.
+            # Map (and reserve) both slots now, not in the loop; the helper maps them too, on the writer thread
+            # (its connection's one user), not holding up a restore.
             if all(self._slot_buffer(slot, layout, tensors) is not None for slot in list(self.tier0.slots)):
-                if self.helper is not None and self.helper.available() and self.tier0 is not None:
-                    for slot in self.tier0.slots:
-                        self.helper.map(slot.path, len(slot.view()))
+                helper = self.helper
+                if helper is not None and helper.available() and self.tier0 is not None:
+                    slots = [(slot.path, len(slot.view())) for slot in self.tier0.slots]
+
+                    def map_slots() -> None:
+                        for path, size in slots:
+                            helper.map(path, size)
+
+                    self.thread.submit(map_slots)
                 return 2 * layout.data_bytes
         return self.staging.reserve(tensors).data_bytes
 

@@ -123,6 +123,7 @@ def test_the_helper_publishes_snapshots_and_a_restore_reads_them_bitwise(
     helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
     ck = make(tmp_path, shm)
     ck.prepare(state(1))  # both slots mapped by the helper too, before the loop: it must still see what is written
+    assert ck._writer.thread.wait_idle(60)  # (the writer thread asks for that, not holding up a restore)
     assert sum(h.mapped for h in ck._writer.helpers) == 2
     for step in range(1, 5):
         snapshot(ck, step)
