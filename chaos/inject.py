@@ -186,12 +186,17 @@ def _kill_node(fault: PlannedFault, to: Target) -> Injection:
                      {"pids": tree, "left_alive": left})
 
 
+def _helpers(agent_pid: int) -> list[int]:
+    """The checkpoint helper processes of a node's agent (elastic/node_helper.py)."""
+    return [p for p in descendants(agent_pid) if "ckpt.helper_process" in cmdline(p)]
+
+
 def _kill_ckpt_helper(fault: PlannedFault, to: Target) -> Injection:
     assert fault.target is not None
     node = to.cluster.node_by_group_rank(fault.target)
     if node is None:
         return _no_node(fault)
-    helpers = [p for p in descendants(node.pid) if "ckpt.helper_process" in cmdline(p)]
+    helpers = _helpers(node.pid)
     if not helpers:
         return Injection(node.name, f"group rank {fault.target}",
                          skipped="the node runs no checkpoint helper (ELASTIC_CKPT_HELPER=0, or no tier 0)")
@@ -232,10 +237,15 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
     # Every node's workers die, after the damage: a survivor that re-forms in place (elastic/reform.py) would
     # hand its live state to the replacement, so no restore would read a checkpoint; and a warm spare restores
     # within a fraction of a second, before bytes flipped after the kill. Stopped first, they save nothing more.
+    # The nodes' checkpoint helpers (ckpt/helper.py) finish snapshots and tier-1 writes for their workers: stopped
+    # and killed with them, so that none publishes or commits a step after the damage (let go, one stopped
+    # between a rank directory's rename and the COMMIT would commit a newer intact step); the agents start new
+    # ones.
     everyone = [(n, w) for n in to.cluster.live_nodes for w in n.workers()]
-    for _, w in everyone:
+    helpers = [p for n in to.cluster.live_nodes for p in _helpers(n.pid)]
+    for pid in [w.pid for _, w in everyone] + helpers:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(w.pid, signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP)
     try:
         step, step_dir = newest_committed(node.local_dir)
         flipped = {} if step_dir is None else {str(f): flip_bytes(f)
@@ -248,8 +258,12 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
             to.ledger.record(w.pid, f"worker rank {w.rank} of {n.name}")
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.pid, signal.SIGKILL)
-        for _, w in everyone:
-            _wait_gone(w.pid)
+        for pid in helpers:
+            to.ledger.record(pid, "a checkpoint helper")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in [w.pid for _, w in everyone] + helpers:
+            _wait_gone(pid)
     killed = workers[0].pid if workers else None
     if step_dir is None:  # retention took it since the check above: a restart with nothing to corrupt
         return Injection(node.name, f"group rank {fault.target}", details={"killed_worker_pid": killed},

@@ -206,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     if args.parent is not None and os.getppid() != args.parent:
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # At once: nothing here needs cleaning up (a half-written rank directory is a temp one, swept later), and
+    # sys.exit() from a handler while the interpreter joins the checksum threads only prints a traceback.
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     tmp = args.socket.with_name(f".{args.socket.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
