@@ -431,10 +431,13 @@ class Checkpointer:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def close(self, timeout: timedelta = timedelta(minutes=2)) -> bool:
+    def close(self, timeout: timedelta = timedelta(minutes=2), *, world_over: bool = False) -> bool:
         """Finish the save in flight and pending uploads (up to `timeout`), then stop and join
         every thread and free the staging buffer. Returns False if work was left unfinished
-        (logged; committed checkpoints are unaffected). Idempotent."""
+        (logged; committed checkpoints are unaffected). Idempotent.
+
+        `world_over`: this rank leaves the world it saved for (an in-place re-formation); tier 2 then
+        does not wait for other ranks' uploads (see `Replicator.close`)."""
         if self._closed:
             return True
         self._closed = True
@@ -442,7 +445,7 @@ class Checkpointer:
         finished = self._writer.tier0_thread.close(timeout.total_seconds())
         finished = self._writer.thread.close(timeout.total_seconds()) and finished
         if self._replicator is not None:
-            finished = self._replicator.close(deadline.remaining()) and finished
+            finished = self._replicator.close(deadline.remaining(), world_over=world_over) and finished
         self._stop.set()
         if self._owner is not None:
             self._owner.close()

@@ -86,6 +86,8 @@ class Replicator:
         self._working = False  # the thread is inside one round (upload, commit, retention)
         self._awaiting: dict[int, _Awaiting] = {}
         self._closing = False
+        self._world_over = False
+        """Set by `close(world_over=True)`: no rank of this world uploads anything more than it already has."""
         self._thread: threading.Thread | None = None
         self.last_replicated: int | None = None
         """The newest step whose upload (rank 0: commit) this rank finished."""
@@ -127,8 +129,18 @@ class Replicator:
                 self._cond.wait(deadline.capped(0.5))
             return True
 
-    def close(self, timeout: float | None) -> bool:
-        """Finish pending uploads for up to `timeout` s, then stop the thread and join it."""
+    def close(self, timeout: float | None, *, world_over: bool = False) -> bool:
+        """Finish pending uploads for up to `timeout` s, then stop the thread and join it.
+
+        `world_over`: the world this replicator saves for has ended (an in-place re-formation, trainer/regroup.py):
+        its other ranks are gone or are closing their own replicators, so rank 0 commits the steps every rank
+        has uploaded by the time its own uploads are done and gives up the others at once, instead of waiting
+        for a lost rank's marker that can never come (`commit_timeout`, or all of `timeout` on the re-formation's
+        critical path)."""
+        if world_over:
+            with self._cond:
+                self._world_over = True
+                self._cond.notify_all()
         idle = self.wait_idle(timeout)
         with self._cond:
             self._closing = True
@@ -322,6 +334,8 @@ class Replicator:
             awaiting = sorted(self._awaiting.items())
         if not awaiting:
             return None
+        with self._cond:
+            final = self._world_over and not self._queue  # this rank's own uploads are done: no marker comes later
         committed_now: set[int] | None = None
         for step, item in awaiting:
             newest = self.last_replicated
@@ -351,7 +365,14 @@ class Replicator:
             missing = [r for r in range(self.world_size) if r not in good]
             if missing:
                 item.missing = missing
-                if item.deadline.expired():
+                if final:
+                    self._drop_awaiting(step)
+                    self._give_up(
+                        item.job,
+                        f"ranks {missing} had not uploaded step {step} to {self.tier.url} when the world of "
+                        f"{self.world_size} ranks ended (a re-formation); the step stays uncommitted there",
+                    )
+                elif item.deadline.expired():
                     self._drop_awaiting(step)
                     self._give_up(
                         item.job,

@@ -396,7 +396,9 @@ class Resumable:
             self.sampler.repartition(rank, world_size)
         if (rank, world_size) != (old.rank, old.world_size):
             # Its commits count ranks of the old world: finish what it has in flight, start one for this world.
-            if not self.checkpointer.close(timedelta(minutes=2)):
+            # world_over: tier 2 does not wait for the old world's other ranks. One lost with the node that left
+            # never uploads the step it was saving, and waiting for it held the whole new group for the 2 minutes.
+            if not self.checkpointer.close(timedelta(minutes=2), world_over=True):
                 log.warning("rank %d: checkpoint work left unfinished at a re-formation: %s", old.rank,
                             self.checkpointer.last_error)
             self.checkpointer = Checkpointer(self.config.ckpt, rank=rank, world_size=world_size,

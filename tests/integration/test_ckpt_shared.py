@@ -146,6 +146,34 @@ def test_commit_marker_is_written_only_after_every_rank_uploaded(
     assert not list((tmp_path / "node-c").glob(".tmp-*"))  # download scratch removed
 
 
+def test_closing_at_the_end_of_a_world_does_not_wait_for_a_lost_rank(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers
+) -> None:
+    # An in-place re-formation closes each rank's checkpointer of the old world (trainer/resumable.py). A rank lost
+    # with its node never uploads the step it was saving: rank 0 must not wait commit_timeout for its marker.
+    shared = store.shared("run", commit_timeout=timedelta(minutes=10))
+    r0 = checkpointers.make(local(tmp_path, "node-0", shared), rank=0, world_size=2, local_world_size=1,
+                            generation="g1")
+    r0.save_async(10, state_of(0)).wait_persisted(WAIT)
+    assert r0.close(timedelta(seconds=30), world_over=True)  # its own upload done, the step given up
+    assert store.fs.exists(store.path("run", 10, "rank_00000.done"))
+    assert store.committed("run") == []
+    assert r0.metrics[-1].status == "abandoned"
+
+
+def test_closing_at_the_end_of_a_world_still_commits_what_every_rank_uploaded(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers
+) -> None:
+    shared = store.shared("run")
+    r0, r1 = (checkpointers.make(local(tmp_path, f"node-{r}", shared), rank=r, world_size=2, local_world_size=1,
+                                 generation="g1") for r in range(2))
+    for rank, c in ((0, r0), (1, r1)):
+        c.save_async(10, state_of(rank)).wait_persisted(WAIT)
+    assert r1.close(WAIT, world_over=True)
+    assert r0.close(WAIT, world_over=True)
+    assert store.committed("run") == [10]
+
+
 def test_retention_per_tier_and_every_nth_forever(
     tmp_path: Path, store: Store, checkpointers: Checkpointers
 ) -> None:
