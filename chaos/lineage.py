@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from chaos.timeline import AgentEvent, Event, FailureSeen, Resumed, Step, WorkerStart
+from chaos.timeline import AgentEvent, Event, FailureSeen, PeerStep, Resumed, Step, WorkerStart
 
 
 @dataclass
@@ -24,22 +24,42 @@ class Attempt:
 
 def attempts(events: list[Event]) -> list[Attempt]:
     """Split the job into attempts. A new attempt begins at a rank-0 `worker_started`, or, should
-    none be emitted, when the step count goes back."""
+    none be emitted, when the step count goes back.
+
+    Rank 0's steps are the attempt's, and one more at its end: a step its peers completed that rank 0 did not
+    report. A rank killed (or stopped) after its part of a step's collectives does not report the step its peers
+    complete with it, and those peers, re-formed in place, go on from it."""
     out: list[Attempt] = []
+    peers: list[PeerStep] = []  # the current attempt's steps reported by other ranks
+
+    def end_attempt() -> None:
+        if out:
+            last = out[-1].steps[-1].step if out[-1].steps else out[-1].resumed_from
+            done = next((p for p in peers if p.step == last + 1), None)
+            if done is not None:
+                out[-1].steps.append(Step(done.t, done.node, done.step, done.loss))
+        peers.clear()
+
     for e in events:
         if isinstance(e, WorkerStart) and e.rank == 0:
+            end_attempt()
             out.append(Attempt(e.t, e.world))
         elif isinstance(e, Resumed):
             if not out or out[-1].steps:
+                end_attempt()
                 out.append(Attempt(e.t, out[-1].world if out else None))
             out[-1].resumed_from = e.step
             out[-1].in_place = e.in_place
+        elif isinstance(e, PeerStep):
+            peers.append(e)
         elif isinstance(e, Step):
             if not out:
                 out.append(Attempt(e.t, None))
             elif out[-1].steps and e.step <= out[-1].steps[-1].step:
+                end_attempt()
                 out.append(Attempt(e.t, out[-1].world, resumed_from=e.step - 1))
             out[-1].steps.append(e)
+    end_attempt()
     return out
 
 

@@ -2,12 +2,14 @@
 
 The harness sets `ELASTIC_SAMPLE_LOG_DIR=<dir>` for every node; the trainer's sampler hook then
 appends one JSON line per step, `{"step", "epoch", "rank", "ids"}`, to
-`<dir>/samples-w{world}-r{rank}-c{restart}-p{pid}.jsonl`.
+`<dir>/samples-w{world}-r{rank}-c{restart}-p{pid}.jsonl`, and one per micro-batch as it is handed
+out, `{"step", "micro", "rank", "ids"}`, to `<dir>/drawn-w{world}-r{rank}-c{restart}-p{pid}.jsonl`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,8 @@ from chaos.timeline import Event, WorkerStart
 from trainer.samples import SAMPLE_LOG_ENV
 
 __all__ = ["SAMPLE_LOG_ENV", "SampleRecord", "consumed_by_step", "read_samples"]
+
+log = logging.getLogger("chaos")
 
 
 @dataclass(frozen=True)
@@ -30,14 +34,17 @@ class SampleRecord:
     world: int | None = None
     """The world size the worker was in (from the file name): a process re-formed in place writes a file
     per world it ran in."""
+    micro: int | None = None
+    """A drawn micro-batch (drawn-* files): its index in the step; None for a completed step's record."""
 
 
-_SAMPLES_FILE = re.compile(r"-p(\d+)\.jsonl$")
+_SAMPLES_FILE = re.compile(r"^(samples|drawn)-.*-p(\d+)\.jsonl$")
 _WORLD = re.compile(r"-w(\d+)-")
 
 
 def read_samples(directory: Path) -> list[SampleRecord]:
-    """Every `{"step", "rank", "ids"}` line of `directory/*-p<pid>.jsonl` (a torn last line is skipped)."""
+    """Every `{"step", "rank", "ids"}` line of `directory/samples-*-p<pid>.jsonl` and every `{"step", "micro",
+    "rank", "ids"}` line of `directory/drawn-*-p<pid>.jsonl` (a torn last line is skipped)."""
     out = []
     for path in sorted(directory.glob("*.jsonl")):
         m = _SAMPLES_FILE.search(path.name)
@@ -47,8 +54,9 @@ def read_samples(directory: Path) -> list[SampleRecord]:
         for line in path.read_text(errors="replace").splitlines():
             try:
                 doc = json.loads(line)
-                out.append(SampleRecord(int(m[1]), int(doc["step"]), int(doc["rank"]),
-                                        tuple(int(i) for i in doc["ids"]), int(w[1]) if w else None))
+                out.append(SampleRecord(int(m[2]), int(doc["step"]), int(doc["rank"]),
+                                        tuple(int(i) for i in doc["ids"]), int(w[1]) if w else None,
+                                        int(doc["micro"]) if m[1] == "drawn" else None))
             except (ValueError, KeyError, TypeError):
                 continue
     return out
@@ -67,10 +75,15 @@ def consumed_by_step(events: list[Event], runs: list[Attempt], lin: Lineage,
         if isinstance(e, WorkerStart) and starts:
             attempts_of.setdefault(e.pid, set()).add(min(range(len(starts)), key=lambda i: abs(starts[i] - e.t)))
     by_key: dict[tuple[int, int], dict[int, tuple[int, ...]]] = {}
+    drawn: dict[tuple[int, int, int], dict[int, tuple[int, ...]]] = {}  # (attempt, step, rank) -> micro -> ids
+    completed = {(r.pid, r.step) for r in records if r.micro is None}
     for r in records:
         for a in attempts_of.get(r.pid, ()):
             if r.world is None or runs[a].world in (None, r.world):
-                by_key.setdefault((a, r.step), {})[r.rank] = r.ids
+                if r.micro is None:
+                    by_key.setdefault((a, r.step), {})[r.rank] = r.ids
+                elif (r.pid, r.step) not in completed:
+                    drawn.setdefault((a, r.step, r.rank), {})[r.micro] = r.ids
     consumed: dict[int, list[int]] = {}
     problems: list[str] = []
     for step, c in sorted(lin.steps.items()):
@@ -78,6 +91,16 @@ def consumed_by_step(events: list[Event], runs: list[Attempt], lin: Lineage,
         if not ranks:
             problems.append(f"no sample record for committed step {step}")
             continue
+        if c.world is not None:
+            # A rank killed after its gradients entered the step's all-reduce, before it completed the step, has
+            # no record of it though its peers completed it with its samples: what it drew for the step is its
+            # record (every micro-batch of it; it drew them before any collective of the step used them).
+            for rank in set(range(c.world)) - set(ranks):
+                micro = drawn.get((c.attempt, step, rank), {})
+                if micro and sorted(micro) == list(range(len(micro))):
+                    ranks[rank] = tuple(i for m in sorted(micro) for i in micro[m])
+                    log.info("elastic-chaos: step %d: rank %d did not complete it (killed during it); its samples "
+                             "are those it drew for it", step, rank)
         if c.world is not None and sorted(ranks) != list(range(c.world)):
             problems.append(f"step {step}: sample records of ranks {sorted(ranks)}, expected 0..{c.world - 1}")
         consumed[step] = [i for rank in sorted(ranks) for i in ranks[rank]]

@@ -50,6 +50,16 @@ class Step(Event):
 
 
 @dataclass(frozen=True)
+class PeerStep(Event):
+    """A step reported by a rank other than 0. Rank 0 speaks for the group, except for a step rank 0 was killed in
+    after its part of the step's collectives: its peers completed that step with it (chaos/lineage.py)."""
+
+    step: int
+    loss: float | None
+    rank: int
+
+
+@dataclass(frozen=True)
 class WorkerStart(Event):
     rank: int
     world: int
@@ -109,6 +119,9 @@ def from_record(record: Mapping[str, Any], node: str, offset: float = 0.0) -> li
     try:
         name = str(record["event"])
         t = float(record["ts"]) - offset
+        if name == "step" and record.get("rank", 0) != 0:
+            loss = record.get("loss")
+            return [PeerStep(t, node, int(record["step"]), None if loss is None else float(loss), int(record["rank"]))]
         if name in _RANK0_ONLY and record.get("rank", 0) != 0:
             return []
         if name == "step":

@@ -184,9 +184,14 @@ class ElasticSampler:
         micro = [batch[a:b].tolist() for a, b in self._micro]
         if self.sample_log is not None:
             self.sample_log.restart()
-            for ids in micro:
-                self.sample_log.handed_out(ids)
+            step = self._step_of(self.epoch, self.position)
+            for i, ids in enumerate(micro):
+                self.sample_log.handed_out(ids, step=step, micro=i)
         return micro
+
+    def _step_of(self, epoch: int, position: int) -> int:
+        """The number of completed steps once the step at this data position completes (for the sample log)."""
+        return epoch * self.steps_per_epoch + position // self.config.global_batch + 1
 
     def advance(self, step: int | None = None) -> None:
         """Mark the current step's global batch consumed; `step` (the steps completed) goes to the sample log."""
@@ -274,9 +279,9 @@ class StepBatchSampler:
         s = self.sampler
         while True:
             batch = s._global_batch(epoch, position)
-            for a, b in s._micro:
+            for i, (a, b) in enumerate(s._micro):
                 ids = batch[a:b].tolist()
                 if s.sample_log is not None:
-                    s.sample_log.handed_out(ids)
+                    s.sample_log.handed_out(ids, step=s._step_of(epoch, position), micro=i)
                 yield ids
             epoch, position = s._next(epoch, position)

@@ -8,6 +8,12 @@ Turned on by the environment, not by the training script: with `ELASTIC_SAMPLE_L
 The ids are the ones the sampler handed out (ElasticSampler.micro_batches, or the loader's batch
 sampler, which may run ahead of the loop by a few prefetched batches: it keeps them in order and
 each completed step takes its `accum_steps` micro-batches off the front).
+
+Each micro-batch is also written as it is handed out, before the step uses it, to
+`<dir>/drawn-w{world}-r{rank}-c{restart}-p{pid}.jsonl`: `{"step": N, "micro": M, "rank": R, "ids": [...]}`.
+A rank killed after its gradients entered the step's all-reduce but before it completed the step
+never writes the step's line above, though its peers complete the step with its samples; its drawn
+lines are then the record of what it consumed (chaos/samples.py).
 """
 
 from __future__ import annotations
@@ -30,14 +36,20 @@ class SampleLog:
         self.pending: deque[list[int]] = deque()
         """Micro-batches handed out and not yet taken by a completed step, oldest first."""
         self._file: IO[str] | None = None
+        self._drawn: IO[str] | None = None
 
     @staticmethod
     def from_env(*, rank: int, world_size: int) -> SampleLog | None:
         directory = os.environ.get(SAMPLE_LOG_ENV)
         return SampleLog(directory, rank=rank, world_size=world_size) if directory else None
 
-    def handed_out(self, ids: list[int]) -> None:
+    def handed_out(self, ids: list[int], *, step: int, micro: int) -> None:
+        """Micro-batch `micro` of the step that completes as `step` was handed out: written at once (drawn-*)."""
         self.pending.append(ids)
+        if self._drawn is None:
+            self._drawn = self._open("drawn")
+        self._drawn.write(json.dumps({"step": step, "micro": micro, "rank": self.rank, "ids": ids}) + "\n")
+        self._drawn.flush()  # on disk before the step's collectives use it: a SIGKILL may come right after
 
     def restart(self) -> None:
         """A new iteration starts at the committed position: what was handed out before is void."""
@@ -53,14 +65,18 @@ class SampleLog:
         else:
             ids = fallback
         if self._file is None:
-            os.makedirs(self.directory, exist_ok=True)
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            name = f"samples-w{self.world_size}-r{self.rank}-c{restart}-p{os.getpid()}.jsonl"
-            self._file = open(os.path.join(self.directory, name), "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+            self._file = self._open("samples")
         self._file.write(json.dumps({"step": step, "epoch": epoch, "rank": self.rank, "ids": ids}) + "\n")
         self._file.flush()  # a SIGKILLed worker's committed steps must already be on disk
 
+    def _open(self, kind: str) -> IO[str]:
+        os.makedirs(self.directory, exist_ok=True)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = f"{kind}-w{self.world_size}-r{self.rank}-c{restart}-p{os.getpid()}.jsonl"
+        return open(os.path.join(self.directory, name), "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for f in (self._file, self._drawn):
+            if f is not None:
+                f.close()
+        self._file = self._drawn = None

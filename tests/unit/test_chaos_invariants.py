@@ -86,7 +86,8 @@ def test_records_become_timeline_events() -> None:
         return tl.from_record({"ts": 1.0, "pid": 77, **record}, "n")
 
     assert one(event="step", rank=0, step=12, loss=0.25) == [tl.Step(1.0, "n", 12, 0.25)]
-    assert one(event="step", rank=1, step=3, loss=1.5) == []  # rank 0 speaks for the group
+    # rank 0 speaks for the group; another rank's step only fills in one rank 0 did not report (lineage.attempts)
+    assert one(event="step", rank=1, step=3, loss=1.5) == [tl.PeerStep(1.0, "n", 3, 1.5, 1)]
     assert one(event="worker_started", rank=1, world=2, restart=3) == [tl.WorkerStart(1.0, "n", 1, 2, 77, 3)]
     assert one(event="resumed", rank=0, step=10) == [tl.Resumed(1.0, "n", 10)]
     assert one(event="final_digest", rank=0, step=20, digest="ABCdef01") == [tl.Digest(1.0, "n", "abcdef01")]
@@ -151,6 +152,25 @@ def test_restart_cuts_the_lineage_back_and_counts_lost_steps() -> None:
     assert [n for _, n in lin.lost] == [3]
     cost = ln.fault_cost(log.events, runs, lin, start=runs[0].steps[-1].t + 0.01, end=float("inf"))
     assert cost.steps_lost == 3 and cost.restarts == 1 and cost.resume_s is not None and cost.resume_s > 0
+
+
+def test_a_step_rank_0_was_killed_in_is_committed_by_the_peers_that_completed_it() -> None:
+    # World 3; rank 0 is killed after step 11's all-reduce, before it reports step 11; ranks 1 and 2 complete
+    # step 11 and re-form in place from it at world 2 (the new rank 0 reports `reformed` at step 11).
+    log = Log().start(world=3).steps(1, 10)
+    log.emit("step", "node1", rank=1, world=3, pid=101, step=11, loss=1.0)
+    log.emit("step", "node1", rank=2, world=3, pid=102, step=11, loss=1.0)
+    log.world = 2
+    log._ranks("reformed", step=11, generation=2)
+    log.steps(12, 20)
+    runs = ln.attempts(log.events)
+    assert [(a.world, a.resumed_from, a.steps[-1].step) for a in runs] == [(3, 0, 11), (2, 11, 20)]
+    lin = ln.lineage(runs, 5)
+    assert sorted(lin.steps) == list(range(1, 21)) and lin.problems == [] and lin.steps[11].world == 3
+    # Only the step right after rank 0's last one: a peer's later step is not rank 0's to have missed.
+    log = Log().start().steps(1, 10)
+    log.emit("step", "node1", rank=1, world=2, pid=101, step=12, loss=1.0)
+    assert ln.attempts(log.events)[0].steps[-1].step == 10
 
 
 def test_a_restart_without_a_resume_line_starts_from_zero() -> None:
@@ -337,6 +357,27 @@ def test_missing_sample_records_are_reported() -> None:
     records = [r for r in _records(log, DATA) if r.step != 7]
     consumed, problems = smp.consumed_by_step(log.events, runs, ln.lineage(runs, 5), records)
     assert problems == ["no sample record for committed step 7"] and 7 not in consumed
+
+
+def test_a_rank_killed_inside_a_step_its_peers_completed_counts_with_the_samples_it_drew() -> None:
+    # Rank 1 drew step 12's micro-batches (its gradients went into the all-reduce: its peer completed step 12)
+    # and was killed before it recorded the step; step 13 it drew only in part, and step 13 never completed.
+    log = Log().start().steps(1, 12)
+    runs = ln.attempts(log.events)
+    full = _records(log, DATA)
+    pid1 = next(r.pid for r in full if r.rank == 1)
+    step12 = next(r for r in full if r.rank == 1 and r.step == 12)
+    records = [r for r in full if (r.rank, r.step) != (1, 12)]
+    lin = ln.lineage(runs, 5)
+    _, problems = smp.consumed_by_step(log.events, runs, lin, records)
+    assert problems == ["step 12: sample records of ranks [0], expected 0..1"]
+    drawn = [smp.SampleRecord(pid1, 12, 1, step12.ids[:3], micro=0), smp.SampleRecord(pid1, 12, 1, step12.ids[3:],
+                                                                                         micro=1)]
+    consumed, problems = smp.consumed_by_step(log.events, runs, lin, records + drawn)
+    assert problems == [] and inv._check_consumed(consumed, DATA) == []
+    # Micro-batch 0 alone is not the rank's part of the step: still reported.
+    _, problems = smp.consumed_by_step(log.events, runs, lin, records + drawn[1:])
+    assert problems == ["step 12: sample records of ranks [0], expected 0..1"]
 
 
 def _job(log: Log):  # type: ignore[no-untyped-def]

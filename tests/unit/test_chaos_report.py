@@ -127,6 +127,9 @@ def test_read_samples_skips_a_torn_last_line(tmp_path: Path) -> None:
         '{"step": 1, "epoch": 0, "rank": 1, "ids": [3, 4]}\n{"step": 2, "epoch": 0, "ra')
     (tmp_path / "notes.txt").write_text("ignored")
     assert read_samples(tmp_path) == [SampleRecord(4242, 1, 1, (3, 4), world=2)]  # the world from the name
+    (tmp_path / "drawn-w2-r1-c0-p4242.jsonl").write_text('{"step": 2, "micro": 0, "rank": 1, "ids": [5, 6]}\n')
+    assert read_samples(tmp_path) == [SampleRecord(4242, 2, 1, (5, 6), world=2, micro=0),
+                                      SampleRecord(4242, 1, 1, (3, 4), world=2)]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

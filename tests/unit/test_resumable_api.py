@@ -106,6 +106,13 @@ def test_the_sample_log_records_each_steps_ids(tmp_path: Path, monkeypatch: pyte
         train(run, model, opt, 5)  # through the loader, which prefetches ahead of the steps
     (log,) = (tmp_path / "samples").glob("samples-w1-r0-c0-p*.jsonl")
     assert [json.loads(line) for line in log.read_text().splitlines()] == expected
+    # Each micro-batch as it was handed out, with the step it is for (the loader runs ahead: later steps too).
+    (drawn,) = (tmp_path / "samples").glob("drawn-w1-r0-c0-p*.jsonl")
+    by_step: dict[int, list[int]] = {}
+    for line in drawn.read_text().splitlines():
+        rec = json.loads(line)
+        by_step.setdefault(rec["step"], []).extend(rec["ids"])
+    assert [{**e, "ids": by_step[e["step"]]} for e in expected] == expected
 
 
 def test_overlapped_mode_waits_for_the_copy_before_the_optimizer_step(tmp_path: Path) -> None:
