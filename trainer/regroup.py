@@ -110,6 +110,11 @@ def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callabl
     # env://, which puts the group's keys under "default_pg": so do we, to land in the same group.
     store = dist.PrefixStore("default_pg", dist.TCPStore(round_.master_addr, round_.master_port, is_master=False,
                                                          timeout=timeout))
+    # ... and under the group's name, which torch takes from a process-wide counter: advanced before the group
+    # connects, reset only when a default group is destroyed. After a join that failed (its round abandoned for a
+    # newer one, see join_next_round) it would name this group "1", whose keys a fresh worker of the round (group
+    # "0") never meets: both would wait out the timeout. Name it as a fresh process does.
+    dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(backend, store=store, rank=round_.rank, world_size=round_.world_size, timeout=timeout)
     os.environ.update(RANK=str(round_.rank), WORLD_SIZE=str(round_.world_size), MASTER_ADDR=round_.master_addr,
                       MASTER_PORT=str(round_.master_port))

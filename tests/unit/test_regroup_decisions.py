@@ -88,3 +88,25 @@ def test_a_rank_with_an_older_checkpoint_of_its_own_makes_the_group_restore_exac
     caught = regroup.catch_up(Group(1, [7, -1], [[1], [1], [1]]), -1, load_own={}.get, apply_own=lambda r: None,
                               state=dict, apply_peer=lambda s: None, has_own=lambda: True)
     assert caught is None
+
+
+def test_a_join_after_a_failed_one_names_its_group_as_a_fresh_worker_does() -> None:
+    # A kept worker's join of round N fails (the round is abandoned for a newer one while it connects); it joins
+    # round N+1, whose fresh workers (env://) name their default group "0": so must it, or their gloo keys never meet.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from elastic.reform import Round
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert not dist.is_initialized()
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - whatever gloo raises when its peer never comes
+            regroup.join_round(Round(2, 0, 2, "127.0.0.1", server.port), backend="gloo", timeout=timedelta(seconds=1))
+        assert not dist.is_initialized()
+        regroup.join_round(Round(3, 0, 1, "127.0.0.1", server.port), backend="gloo", timeout=timedelta(seconds=5))
+        assert dist.distributed_c10d._get_default_group().group_name == "0"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
