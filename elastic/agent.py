@@ -370,7 +370,7 @@ class ElasticAgent(LocalElasticAgent):
         kept = {w.local_rank: w.id for w in worker_group.workers if w.local_rank not in dead}
         generation = self._next_round_in_place(worker_group, kept)
         restart_count = worker_group.spec.max_restarts - self._remaining_restarts
-        warm = []
+        warm, warmed_up = [], []
         for w in worker_group.workers:
             if w.local_rank not in dead:
                 continue
@@ -379,19 +379,21 @@ class ElasticAgent(LocalElasticAgent):
             spare = self._spare if self._spare is not None and self._spare.alive() else None
             self._spare = None
             warm.append(spare is not None)
+            warmed_up.append(spare is not None and spare.warm())  # a spare still warming up is used all the same
             if spare is None:
                 spare = Spare.start(str(worker_group.spec.entrypoint), pcontext.args[w.local_rank], self._spare_env())
             handlers[w.local_rank] = spare.take(local_rank=w.local_rank, interpreter_args=pcontext.args[w.local_rank],
                                                 env=env, stdout=pcontext.stdouts.get(w.local_rank),
                                                 stderr=pcontext.stderrs.get(w.local_rank))
             w.id = spare.pid
+        by = ("a warm spare" if all(warmed_up) else "a spare still warming up") if all(warm) else "a new process"
         log.warning("worker%s local rank %s (pid %s) failed; replaced by %s, the others re-form in place "
                     "(round %d)", "s" if len(dead) > 1 else "", ", ".join(map(str, dead)),
-                    ", ".join(map(str, dead.values())), "a warm spare" if all(warm) else "a new process", generation)
+                    ", ".join(map(str, dead.values())), by, generation)
         self.job.restarted("worker failure", reformed=False)
         emit("restart", reason="worker failure", lost=[], replaced=sorted(dead), dead_pids=sorted(dead.values()),
-             warm_spare=all(warm), generation=generation, remaining_restarts=self._remaining_restarts,
-             max_restarts=worker_group.spec.max_restarts)
+             warm_spare=all(warm), spare_ready=all(warmed_up), generation=generation,
+             remaining_restarts=self._remaining_restarts, max_restarts=worker_group.spec.max_restarts)
 
     def _prestart_joiners(self, worker_group: WorkerGroup) -> None:
         """A node joining a running job starts its workers' processes first (warm spares, one per local rank) and
