@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -404,7 +405,7 @@ class LocalWriter:
         snapshot is not in tier 0 (a helper that did not answer still holds the slot)."""
         assert self.tier0 is not None
         started = time.monotonic()
-        run, run_uid = (self.identity.name, self.identity.uid) if self.identity else ("", "")
+        run, run_uid = self._run_ids()
         chunk_bytes = RANGE_CHUNK_BYTES if shards else CHUNK_BYTES
         helper = self.snapshot_helper if final else self.helper
         try:
@@ -416,7 +417,8 @@ class LocalWriter:
                            generation=self.generation, run=run, run_uid=run_uid, chunk_bytes=chunk_bytes,
                            state_json=dumps(skeleton))
         except HelperError:
-            with SlotLock(slot.data_path, wait=False) as free:
+            # Only a helper can hold the slot's lock: without one, no open and flock on every snapshot.
+            with SlotLock(slot.data_path, wait=False) if helper is not None else nullcontext(True) as free:
                 if not free:  # the helper is still at it: leave the slot to it (ckpt/tier0.py, SlotLock)
                     self.tier0.hold(slot)
                     why = f"the node's checkpoint helper still holds tier-0 slot {slot.path}"
@@ -436,6 +438,10 @@ class LocalWriter:
             self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started)
         return True
 
+    def _run_ids(self) -> tuple[str, str]:
+        """(run name, run uid) as manifests record them ("" before the run identity is claimed)."""
+        return (self.identity.name, self.identity.uid) if self.identity else ("", "")
+
     @property
     def helpers(self) -> list[HelperClient]:
         return [h for h in (self.helper, self.snapshot_helper) if h is not None]
@@ -449,7 +455,7 @@ class LocalWriter:
         helper = self.helper
         if helper is None or slot is None or self.on_written is not None or not helper.available():
             return None
-        run, run_uid = (self.identity.name, self.identity.uid) if self.identity else ("", "")
+        run, run_uid = self._run_ids()
         chunk_bytes = RANGE_CHUNK_BYTES if shards else CHUNK_BYTES
         key, template = self._template(entries, shards, chunk_bytes)
         released = threading.Event()
