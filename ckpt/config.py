@@ -206,6 +206,16 @@ class CheckpointConfig:
     tier-0 directory) checksum and publish this rank's tier-0 snapshots, off the training process. Without
     a helper, or when it does not answer, the writer thread does it."""
 
+    replicas: int = 1
+    """Peer replicas of tier 0: every `replica_every` steps the node's helper copies a snapshot it published
+    to this many other nodes (the next ones of the round, a ring), over TCP (ckpt/replica.py), so that a lost
+    node's newest state is still in some node's memory. 0: none. Each node holds, for every rank whose
+    replicas it keeps, 2 x that rank's state bytes (two slots), and its helper a 1 x copy of each of its own
+    ranks' states being sent. Needs elastic-run's helper (with the etcd-v3 rendezvous)."""
+
+    replica_every: int = 10
+    """The step cadence of the peer replica (a snapshot of a step that is a multiple of it is replicated)."""
+
     def __post_init__(self) -> None:
         local_dir = self.local_dir
         if not isinstance(local_dir, (str, os.PathLike)):
@@ -249,6 +259,8 @@ class CheckpointConfig:
             object.__setattr__(self, "init_from", os.fspath(self.init_from))
         _check_int("max_failed_saves", self.max_failed_saves, minimum=1, optional=True)
         _check_duration("read_timeout", self.read_timeout)
+        _check_int("replicas", self.replicas, minimum=0)
+        _check_int("replica_every", self.replica_every, minimum=1)
         if not isinstance(self.tier0_helper, bool):
             raise ValueError(f"tier0_helper must be True or False, got {self.tier0_helper!r}")
         if self.tier0_dir is not None:

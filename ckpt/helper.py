@@ -19,9 +19,10 @@ length][body]. Requests:
   template  header {"op", "id"}; body: a manifest of the layout (its tensors and shards) — sent once
             per layout and connection, as the tensors' entries are hundreds of lines
   publish   header {"op", "template", "path" (the slot directory), "size" (bytes of its file image),
-            "step", "rank", "world_size", "generation", "run", "run_uid", "chunk_bytes"}; body: the
-            state skeleton's JSON. The helper checksums the slot's file image, writes its manifest
-            (atomically) and replies; the slot is then the rank's newest snapshot.
+            "step", "rank", "world_size", "generation", "run", "run_uid", "chunk_bytes", "replicate"};
+            body: the state skeleton's JSON. The helper checksums the slot's file image, writes its
+            manifest (atomically) and replies; the slot is then the rank's newest snapshot. With
+            "replicate" N > 0 it first copies the slot to send it to N peer nodes (ckpt/replica.py).
   persist   the same, plus "root" (the tier-1 directory), "local_world_size", "checksum": the helper
             writes the slot as the rank's directory of the step (ckpt/persist.py: fsynced, renamed) and
             writes COMMIT when the node's ranks are all there; the reply says where and whether. Before
@@ -136,12 +137,13 @@ class HelperClient:
 
     def publish(self, *, template_key: int, template: bytes, path: Path, size: int, step: int, rank: int,
                 world_size: int, generation: str, run: str, run_uid: str, chunk_bytes: int,
-                state_json: bytes) -> None:
-        """Have the helper checksum the slot at `path` and write its manifest. Raises HelperError (the
-        caller then publishes the slot itself)."""
+                state_json: bytes, replicate: int = 0) -> None:
+        """Have the helper checksum the slot at `path` and write its manifest (and, `replicate` > 0, send
+        it to that many peer nodes: ckpt/replica.py). Raises HelperError (the caller then publishes the slot
+        itself, without a replica)."""
         request = {"op": "publish", "path": str(path), "size": size, "step": step, "rank": rank,
                    "world_size": world_size, "generation": generation, "run": run, "run_uid": run_uid,
-                   "chunk_bytes": chunk_bytes}
+                   "chunk_bytes": chunk_bytes, "replicate": replicate}
         self._request(request, template_key, template, state_json)
         self.published += 1
 

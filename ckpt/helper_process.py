@@ -1,11 +1,12 @@
 """The node's checkpoint helper process (the protocol and the worker's side: ckpt/helper.py).
 
-    python -m ckpt.helper_process --socket <tier0 dir>/helper.sock --parent <agent pid>
+    python -m ckpt.helper_process --socket <tier0 dir>/helper.sock --parent <agent pid> [--replica-fd N]
 
 elastic-run's agent starts it beside the node's tier-0 directory (elastic/node_helper.py) and starts it
 again when it dies. One thread per worker connection; the checksums run on a small pool (sum64 on
 torch's intra-op threads, without the GIL). It exits when its agent is gone (parent death signal, and a
-check of the parent pid once a second).
+check of the parent pid once a second). With `--replica-fd` (a listening TCP socket the agent made and
+advertises to its peers) it also keeps other nodes' replicas and sends this node's (ckpt/replica.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import Manifest, parse_manifest
 from ckpt.persist import commit_if_complete, persist_rank
+from ckpt.replica import ReplicaReceiver, ReplicaSender
 from ckpt.tier0 import SlotLock, snapshot_manifest
 
 logger = logging.getLogger("ckpt.helper_process")
@@ -71,6 +73,12 @@ class Helper:
         self.path = path
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-sum")
         self.images = _Images()
+        self.sender = ReplicaSender(path.parent)
+
+    def serve_replicas(self, listener: socket.socket) -> None:
+        """Keep the replicas other nodes' helpers push to `listener` (a thread)."""
+        receiver = ReplicaReceiver(self.path.parent, self.pool)
+        threading.Thread(target=receiver.serve, args=(listener,), daemon=True, name="replica-accept").start()
 
     def serve(self, listener: socket.socket, parent: int | None) -> None:
         listener.settimeout(1.0)
@@ -135,7 +143,10 @@ class Helper:
             # publish or reuse the slot itself): its slot's bytes may be another step's by now.
             _require_open(conn)
             write_atomic(slot / MANIFEST_FILE, manifest)
-
+            copies = int(header.get("replicate", 0))
+            if copies > 0:  # copied now, under the lock: the worker rewrites the slot two snapshots later
+                self.sender.offer(rank=int(header["rank"]), step=int(header["step"]), image=image,
+                                  manifest=manifest, copies=copies)
 
     def persist(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> dict[str, Any]:
         slot = Path(header["path"])
@@ -201,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True, help="the socket to listen on")
     parser.add_argument("--parent", type=int, default=None, help="exit when this process is no longer our parent")
     parser.add_argument("--threads", type=int, default=4, help="checksum threads")
+    parser.add_argument("--replica-fd", type=int, default=None,
+                        help="an inherited listening TCP socket for other nodes' replicas (ckpt/replica.py)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[ckpt-helper] %(asctime)s %(levelname)s %(message)s")
     _die_with_parent()
@@ -216,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         listener.bind(str(tmp))
         listener.listen(64)
         os.replace(tmp, args.socket)  # a worker that sees the path can connect
-        Helper(args.socket, threads=args.threads).serve(listener, args.parent)
+        helper = Helper(args.socket, threads=args.threads)
+        if args.replica_fd is not None:
+            helper.serve_replicas(socket.socket(fileno=args.replica_fd))
+        helper.serve(listener, args.parent)
     finally:
         listener.close()
         tmp.unlink(missing_ok=True)

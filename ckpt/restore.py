@@ -11,7 +11,8 @@ Written once against the tier interface (ckpt/tiers.py), for tier 1 (`LocalTier`
   state: one on this node if there is one (after a node loss the survivors' local copies are
   newer than tier 2), else rank 0's.
 - Each part is tried in tier 0 first (this node's host memory, ckpt/tier0.py: copied out, so that
-  the slot can be rewritten), then tier 1, then tier 2. A damaged copy is logged, naming the file
+  the slot can be rewritten; with the replicas other nodes sent it, ckpt/replica.py, so a lost node's
+  parts are there too), then tier 1, then tier 2. A damaged copy is logged, naming the file
   (`skipping checkpoint step N: ...`, event `ckpt_skipped`), remembered in its tier's
   `unreadable` (retention drops it) and the next copy, rank or older step is tried.
   CheckpointVersionError (written by a newer version) is raised, never skipped.
@@ -170,12 +171,23 @@ class Restorer:
                 restored.tier,
                 restored.path,
             )
+            self._report_replicas(restored)
             return restored
         if candidates:
             logger.warning("no intact checkpoint among steps %s", candidates)
         elif self.config.init_from is not None and not (local or shared or host):
             return self._restore_init(step=step, max_step=max_step, replicated=replicated, into=into)
         return None
+
+    def _report_replicas(self, restored: Restored) -> None:
+        """Say so when parts of the step were in tier 0 only as a lost node's replica (ckpt/replica.py)."""
+        if restored.tier != "memory" or self.host is None:
+            return
+        ranks = sorted(r for s, r in self.host.replicated if s == restored.step)
+        if ranks:
+            logger.info("step %d: the parts of ranks %s came from peer nodes' replicas in this node's memory",
+                        restored.step, ranks)
+            emit("ckpt_replica_restored", step=restored.step, ranks=ranks)
 
     def _local_commit(self, step: int) -> CommitMarker | None:
         """Tier 1's COMMIT of `step`, read again (a newer version's raises: "upgrade")."""

@@ -54,6 +54,7 @@ from ckpt.layout import MANIFEST_FILE, STATE_FILE, list_dir, parse_rank_dir_name
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest, resolve_file
 from ckpt.ranges import LocalRange
 from ckpt.reader import read_manifest
+from ckpt.replica import PEERS_DIR
 from ckpt.safe_io import read_regular
 from ckpt.sharding import ShardInfo
 from ckpt.snapshot import host_register, host_unregister
@@ -273,6 +274,22 @@ class HostSlots:
         slot.invalidate()
         return slot
 
+    def claim_unmapped(self, file_bytes: int, pin: bool) -> HostSlot | None:
+        """A slot that is free (not the newest, not in use) but not mapped for a file of `file_bytes` (pinned
+        if `pin`), claimed and its manifest removed; None when there is none. For mapping it off the loop
+        once the state's layout changed (the optimizer's state appears at the first step)."""
+        with self._lock:
+            for index, slot in enumerate(self.slots):
+                if index == self._newest or index in self._busy:
+                    continue
+                if slot._size != file_bytes or (pin and not slot._pinned):
+                    self._busy.add(index)
+                    break
+            else:
+                return None
+        slot.invalidate()
+        return slot
+
     def published(self, slot: HostSlot, step: int, manifest: bytes | None) -> None:
         """`slot` now holds `step`, whole: it becomes the newest (`manifest` None: written by the helper)."""
         slot.publish(step, manifest)
@@ -325,6 +342,27 @@ class _Found:
     path: Path
     sha256: str
     mtime: float
+    generation: str
+    replica: bool
+    """A peer node's replica (ckpt/replica.py), not a slot of this node's own ranks."""
+
+
+def _choose(pieces: list[_Found]) -> dict[int, _Found]:
+    """One piece per rank of a step: this node's own slots first (of the world size of the newest; the newer
+    of two slots of one rank wins), then replicas of ranks not among them, of the same world size and
+    incarnation (generation), so that a replica left from a future this run went back from is not mixed in."""
+    own = [f for f in pieces if not f.replica]
+    newest = max(own or pieces, key=lambda f: f.mtime)
+    chosen: dict[int, _Found] = {}
+    for f in sorted(own, key=lambda f: f.mtime):
+        if f.world_size == newest.world_size:
+            chosen[f.rank] = f
+    replicas: dict[int, _Found] = {}
+    for f in sorted(pieces, key=lambda f: f.mtime):
+        if f.replica and f.rank not in chosen and (f.world_size, f.generation) == (newest.world_size,
+                                                                                   newest.generation):
+            replicas[f.rank] = f
+    return {**replicas, **chosen}
 
 
 class HostTier:
@@ -341,44 +379,54 @@ class HostTier:
         self.unreadable: set[int] = set()
         self._read_timeout = read_timeout
         self._where: dict[tuple[int, int], Path] = {}
+        self.replicated: set[tuple[int, int]] = set()
+        """(step, rank) whose chosen piece is a peer node's replica (set by `committed`)."""
 
     def _scan(self) -> dict[int, list[_Found]]:
         found: dict[int, list[_Found]] = {}
-        for rank_path in list_dir(self.root):
-            rank = parse_rank_dir_name(rank_path.name)
-            if rank is None:
-                continue
-            for slot in list_dir(rank_path):
-                path = slot / MANIFEST_FILE
-                try:
-                    data = read_regular(path, timeout=self._read_timeout)
-                    manifest = parse_manifest(data, path=path)
-                    mtime = path.stat().st_mtime
-                except (OSError, CheckpointError):
-                    continue  # no manifest: torn or being rewritten
-                ours = self.identity is None or (manifest.run, manifest.run_uid) == (
-                    self.identity.name, self.identity.uid)
-                if ours and manifest.rank == rank:
-                    found.setdefault(manifest.step, []).append(_Found(
-                        manifest.step, rank, manifest.world_size, slot, hashlib.sha256(data).hexdigest(), mtime))
+        for node_path in [self.root, *list_dir(self.root / PEERS_DIR)]:  # own slots, then other nodes' replicas
+            replica = node_path != self.root
+            for rank_path in list_dir(node_path):
+                rank = parse_rank_dir_name(rank_path.name)
+                if rank is None:
+                    continue
+                for slot in list_dir(rank_path):
+                    piece = self._read_slot(slot, rank, replica)
+                    if piece is not None:
+                        found.setdefault(piece.step, []).append(piece)
         return found
+
+    def _read_slot(self, slot: Path, rank: int, replica: bool) -> _Found | None:
+        path = slot / MANIFEST_FILE
+        try:
+            data = read_regular(path, timeout=self._read_timeout)
+            manifest = parse_manifest(data, path=path)
+            mtime = path.stat().st_mtime
+        except (OSError, CheckpointError):
+            return None  # no manifest: torn or being rewritten
+        # A replica carries its source node's run uid (minted per node's tier 1 unless a shared tier gives one):
+        # the run name is what the nodes of one job share. Only peers of this agent's rounds know its port.
+        ours = self.identity is None or (manifest.run, manifest.run_uid) == (self.identity.name, self.identity.uid) or (
+            replica and manifest.run == self.identity.name)
+        if not ours or manifest.rank != rank:
+            return None
+        return _Found(manifest.step, rank, manifest.world_size, slot, hashlib.sha256(data).hexdigest(), mtime,
+                      manifest.generation, replica)
 
     def committed(self) -> dict[int, CommitMarker]:
         markers: dict[int, CommitMarker] = {}
         self._where = {}
         for step, pieces in self._scan().items():
-            world = max(pieces, key=lambda f: f.mtime).world_size
-            chosen: dict[int, _Found] = {}
-            for f in sorted(pieces, key=lambda f: f.mtime):  # the newer of two slots of one step wins
-                if f.world_size == world:
-                    chosen[f.rank] = f
-            if len(chosen) < min(self.local_world_size, world):
+            chosen = _choose(pieces)
+            if len(chosen) < min(self.local_world_size, next(iter(chosen.values())).world_size):
                 continue
+            world = next(iter(chosen.values())).world_size
             self._where.update({(step, r): f.path for r, f in chosen.items()})
             markers[step] = CommitMarker(
                 step=step, world_size=world, run=self.identity.name if self.identity else "",
                 run_uid=self.identity.uid if self.identity else "",
                 manifests={r: f.sha256 for r, f in chosen.items()})
+        self.replicated = {key for key, path in self._where.items() if self.root / PEERS_DIR in path.parents}
         return markers
 
     def committed_steps(self) -> list[int]:
@@ -397,7 +445,8 @@ class HostTier:
         return self._where.get((step, rank), slot_dir(self.root, rank, 0))
 
     def describe_rank(self, step: int, rank: int) -> str:
-        return f"{self._slot(step, rank)} (tier 0, step {step})"
+        kind = "a peer's replica in tier 0" if (step, rank) in self.replicated else "tier 0"
+        return f"{self._slot(step, rank)} ({kind}, step {step})"
 
     @contextmanager
     def open_rank(self, step: int, rank: int, *, expected_manifest_sha256: str | None) -> Iterator[Path]:

@@ -57,12 +57,18 @@ from core.events import emit
 from elastic import peer_loss, progress, reform
 from elastic.errors import BelowMinimumError
 from elastic.job_metrics import JobMetrics
+from elastic.liveness import listening_socket
 from elastic.metrics import AgentMetrics
+from elastic.node_helper import ENV as NODE_HELPER_ENV
 from elastic.node_helper import NodeHelper
 from elastic.spare import ENV_CUDA_DEVICE, Spare, can_run
 from elastic.worker import STACKS_SIGNAL
 
 log = logging.getLogger(__name__)
+
+
+REPLICA_KEY = "replica"
+"""The membership record's field with the address of the node helper's tier-0 replica listener."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +132,19 @@ class RoundAware(Protocol):
         """The workers finished the job: the handler may close the run on shutdown."""
         ...
 
+    @property
+    def bind_addr(self) -> str | None:
+        """The address this node's listeners bind (None: every interface)."""
+        ...
+
+    def advertise(self, key: str, port: int) -> str:
+        """Publish `key`: "<this node's address>:<port>" in this node's membership record."""
+        ...
+
+    def advertised(self, key: str) -> dict[str, str]:
+        """Node id -> the address each live node advertises under `key`."""
+        ...
+
 
 class ElasticAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, *, agent_config: AgentConfig, **kwargs: Any) -> None:
@@ -139,8 +158,6 @@ class ElasticAgent(LocalElasticAgent):
         if tier0_dir.ENV not in os.environ:
             self.tier0_dir = tier0_dir.make_node_dir()
             os.environ[tier0_dir.ENV] = self.tier0_dir
-        # Checksums and publishes the workers' tier-0 snapshots off their training processes.
-        self.ckpt_helper = NodeHelper.start(self.tier0_dir) if self.tier0_dir is not None else None
         # Like the beacon and the round's store: only on --local-addr when one is given.
         self.metrics = AgentMetrics.start(agent_config.metrics_port, getattr(spec, "local_addr", None) or "0.0.0.0")
         self.job = JobMetrics(self.progress_dir, self.metrics)  # workers' series, restarts by cause, summary
@@ -156,6 +173,15 @@ class ElasticAgent(LocalElasticAgent):
         self._started_once = False
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
+        # Checksums and publishes the workers' tier-0 snapshots off their training processes; with membership
+        # records, also keeps peers' tier-0 replicas on a port advertised in this node's record.
+        self.ckpt_helper: NodeHelper | None = None
+        if self.tier0_dir is not None:
+            listener = None
+            if self._round_info is not None and os.environ.get(NODE_HELPER_ENV, "1") != "0":
+                listener = listening_socket(self._round_info.bind_addr, backlog=16)
+                self._round_info.advertise(REPLICA_KEY, listener.getsockname()[1])
+            self.ckpt_helper = NodeHelper.start(self.tier0_dir, listener)
         if self._round_info is not None:
             # A rendezvous that watches membership: a worker that dies of a lost peer waits this long
             # for us to stop it (elastic/peer_loss.py): the lease TTL, two monitor intervals, a margin.
@@ -212,6 +238,9 @@ class ElasticAgent(LocalElasticAgent):
         self.job.poll()  # after a failure: the first step after it
         if self.ckpt_helper is not None:
             self.ckpt_helper.ensure_running()
+            if self._round_info is not None:
+                self.ckpt_helper.update_targets(self._round_info.node_id, self._membership(),
+                                                self._round_info.advertised(REPLICA_KEY))
         # Not while a re-formation is under way: it has deadlines of its own, and kept workers make no steps then.
         if (result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None
                 and self._awaiting is None):

@@ -8,6 +8,12 @@ time the node was without it; the workers publish their snapshots themselves mea
 at exit. After `MAX_QUICK_DEATHS` deaths within a minute of their start it gives up (logged once):
 something in its environment is broken, and the workers do the work themselves.
 
+With a rendezvous that has membership records (etcd-v3) the agent also makes a TCP listener once,
+advertises it in its record as "replica" and hands it to every helper it starts (so the address stays
+the same over helper restarts): the helper keeps other nodes' tier-0 replicas there and sends its own
+node's to the next nodes of the round, which `update_targets` writes on every monitor tick when the
+round changed (core/replica_targets.py, ckpt/replica.py).
+
 `ELASTIC_CKPT_HELPER=0` in the agent's environment: no helper.
 """
 
@@ -15,12 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from core.events import emit
+from core.replica_targets import ring_targets, write_targets
 
 log = logging.getLogger(__name__)
 
@@ -35,19 +43,25 @@ QUICK_S = 60.0
 
 
 class NodeHelper:
-    def __init__(self, tier0_dir: str) -> None:
-        self.socket = Path(tier0_dir) / SOCKET_NAME
+    def __init__(self, tier0_dir: str, replica_listener: socket.socket | None = None) -> None:
+        self.tier0 = Path(tier0_dir)
+        self.socket = self.tier0 / SOCKET_NAME
+        self.replica_listener = replica_listener
+        self._targets: tuple[str, tuple[object, ...]] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = 0.0
         self._quick_deaths = 0
         self.restarts = 0
 
     @classmethod
-    def start(cls, tier0_dir: str) -> NodeHelper | None:
-        """The node's helper, started (None when ELASTIC_CKPT_HELPER=0)."""
+    def start(cls, tier0_dir: str, replica_listener: socket.socket | None = None) -> NodeHelper | None:
+        """The node's helper, started (None when ELASTIC_CKPT_HELPER=0). `replica_listener`: a listening TCP
+        socket for peer replicas (the helper then keeps and sends them)."""
         if os.environ.get(ENV, "1") == "0":
+            if replica_listener is not None:
+                replica_listener.close()
             return None
-        helper = cls(tier0_dir)
+        helper = cls(tier0_dir, replica_listener)
         helper._spawn()
         return helper
 
@@ -57,9 +71,13 @@ class NodeHelper:
 
     def _spawn(self) -> None:
         # Its few lines ("[ckpt-helper] ...") go to the agent's stderr, beside the agent's own.
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt.helper_process", "--socket", str(self.socket), "--parent", str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(), stderr=subprocess.STDOUT)
+        argv = [sys.executable, "-m", "ckpt.helper_process", "--socket", str(self.socket), "--parent", str(os.getpid())]
+        fds: tuple[int, ...] = ()
+        if self.replica_listener is not None:
+            fds = (self.replica_listener.fileno(),)
+            argv += ["--replica-fd", str(fds[0])]
+        self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                                      stderr=subprocess.STDOUT, pass_fds=fds)
         self._started_at = time.monotonic()
 
     def ensure_running(self) -> None:
@@ -82,7 +100,25 @@ class NodeHelper:
         emit("ckpt_helper_restarted", dead_pid=proc.pid, pid=self.pid, exit_code=proc.returncode,
              restarts=self.restarts)
 
+    def update_targets(self, node: str, members: tuple[str, ...], addrs: dict[str, str]) -> None:
+        """Tell the helper where to send this node's replicas: the round's next members (a ring)."""
+        if self.replica_listener is None:
+            return
+        targets = ring_targets(members, node, addrs)
+        if self._targets == (node, tuple(targets)):
+            return
+        try:
+            write_targets(self.tier0, node, targets)
+        except OSError as exc:
+            log.warning("agent: could not write the replica targets in %s: %s", self.tier0, exc)
+            return
+        self._targets = (node, tuple(targets))
+        if targets:
+            log.info("agent: tier-0 replicas of this node go to %s", ", ".join(f"{t.node} ({t.addr})" for t in targets))
+
     def stop(self, timeout: float = 5.0) -> None:
+        if self.replica_listener is not None:
+            self.replica_listener.close()
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return

@@ -96,6 +96,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
         self._joined_at = 0.0
+        self._advertised: dict[str, str] = {}
 
     # -- RendezvousHandler -------------------------------------------------------------------
 
@@ -129,6 +130,28 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def lease_ttl(self) -> timedelta:
         """How soon after a node dies its peers learn of it (its membership lease TTL)."""
         return self.config.lease_ttl
+
+    @property
+    def bind_addr(self) -> str | None:
+        """The address this node's listeners bind (`--local-addr`; None: every interface)."""
+        return self.config.bind_addr
+
+    def advertise(self, key: str, port: int) -> str:
+        """Put `key`: "<local addr>:<port>" in this node's membership record (from its next registration
+        on: call before the first rendezvous) for its peers to read (`advertised`). Returns the address."""
+        if key in {"addr", "pid", "beacon", "since"}:
+            raise ValueError(f"{key!r} is a field of the membership record itself")
+        self._advertised[key] = f"{self.config.local_addr}:{port}"
+        return self._advertised[key]
+
+    def advertised(self, key: str) -> dict[str, str]:
+        """Node id -> the address each registered node advertises under `key` (nodes without one left out)."""
+        found: dict[str, str] = {}
+        for node, record in self.view.snapshot().nodes.items():
+            value = record.doc.get(key)
+            if isinstance(value, str) and value:
+                found[node] = value
+        return found
 
     # -- RendezvousHandler, continued ------------------------------------------------------------
 
@@ -251,7 +274,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # `since`: when this agent first registered (wall clock), so a newcomer can tell a running job from one
         # whose nodes are still arriving (joins_a_running_round).
         return {"addr": self.config.local_addr, "pid": os.getpid(), "beacon": self._beacon.address if self._beacon
-                else None, "since": round(self._joined_at, 3)}
+                else None, "since": round(self._joined_at, 3), **self._advertised}
 
     def _stop_membership(self) -> None:
         self.view.stop()

@@ -117,7 +117,7 @@ def main() -> None:
                                         seed=args.seed, max_micro_batch=args.max_micro_batch), mesh=mesh)
     dataset = ProgressionTokens(args.dataset_size, args.seq_len, args.vocab, args.seed)
     config = ResumeConfig.at(args.ckpt_dir, save_every=args.snapshot_every or args.ckpt_every,
-                             persist_every=args.ckpt_every, mode=args.ckpt_mode)
+                             persist_every=args.ckpt_every, mode=args.ckpt_mode, replica_every=args.replica_every)
     # Flash and memory-efficient attention have no deterministic backward: --deterministic on CUDA uses
     # the math kernel, as train_gpt.py does.
     attention = sdpa_kernel(SDPBackend.MATH) if args.deterministic and device.type == "cuda" else nullcontext()

@@ -68,6 +68,8 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=int, default=50, help="save to disk (tier 1) every K steps")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="snapshot into host memory (tier 0, under elastic-run) every K steps; 0: only at --ckpt-every")
+    p.add_argument("--replica-every", type=int, default=10,
+                   help="copy a tier-0 snapshot to the next node (peer replica, ckpt/replica.py) every K steps")
     p.add_argument("--ckpt-mode", choices=["staged", "overlapped"], default="overlapped",
                    help="overlapped (default): the copy of the state to host overlaps the next forward/backward")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -251,7 +253,7 @@ def main() -> None:
     loader = sampler.loader(ProgressionTokens(args.dataset_size, args.seq_len, args.vocab, args.seed),
                             num_workers=args.num_workers, pin_memory=device.type == "cuda")
     config = ResumeConfig.at(args.ckpt_dir, save_every=args.snapshot_every or args.ckpt_every,
-                             persist_every=args.ckpt_every, mode=args.ckpt_mode)
+                             persist_every=args.ckpt_every, mode=args.ckpt_mode, replica_every=args.replica_every)
     run = Resumable(config, model=ddp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
                     extras={"tokens": 0})
     meter = Throughput(tokens_per_step=args.global_batch * args.seq_len)

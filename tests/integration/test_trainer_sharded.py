@@ -43,12 +43,14 @@ RTOL = 1e-4
 
 
 def fsdp(procs: Procs, work: Path, ckpt: Path, *extra: str, nproc: int = 2, faults: tuple[Fault, ...] = (),
-         launcher: tuple[str, ...] = (), samples: bool = False, digests: bool = False) -> TinyJob:
+         launcher: tuple[str, ...] = (), samples: bool = False, digests: bool = False,
+         env: dict[str, str] | None = None) -> TinyJob:
     """examples/train_fsdp.py; `samples`: with the sample log; `digests`: with `state_digest` events."""
     return TinyJob(procs, work, "--steps", str(STEPS), "--ckpt-dir", str(ckpt), "--ckpt-every", str(EVERY),
                    "--dataset-size", str(DATASET), "--global-batch", str(BATCH), "--max-micro-batch", "4", *MODEL,
                    *extra, nproc=nproc, faults=faults, launcher=launcher, script=FSDP,
-                   samples=work / "samples" if samples else None, env={STATE_DIGESTS_ENV: "1"} if digests else None)
+                   samples=work / "samples" if samples else None,
+                   env={**({STATE_DIGESTS_ENV: "1"} if digests else {}), **(env or {})})
 
 
 def one(job: TinyJob, kind: str, **match: object) -> str:

@@ -212,3 +212,22 @@ def test_cuda_snapshots_copy_into_page_locked_slots_overlapped_and_restore_exact
         restored = again.restore()
         assert restored is not None and (restored.step, restored.tier) == (3, "memory")
         assert torch.equal(restored.state["w"], expected)
+
+
+def test_when_the_layout_grows_after_prepare_the_other_slot_is_mapped_after_the_save_not_in_the_next(
+        tmp_path: Path, shm: Path) -> None:
+    # Resumable prepares before the loop, when the optimizer has no state yet; its first save brings a larger
+    # layout. The slot that save takes is mapped for it in the save; the other one must be mapped right after,
+    # on the writer's thread, so that the next save does not map (reserve, pin) a whole slot in its stall.
+    with make(tmp_path, shm) as ck:
+        ck.prepare({"w": torch.zeros(300, 70)})
+        sizes = {len(s.view()) for s in ck._writer.tier0.slots}
+        full = state(1)
+        ck.snapshot(1, full).wait_persisted()
+        assert ck._writer.tier0_thread.wait_idle(30)
+        grown = {len(s.view()) for s in ck._writer.tier0.slots}
+        assert len(grown) == 1 and grown != sizes, (sizes, grown)
+        assert slot_of(shm, 1)  # the save's own snapshot is whole and still the newest
+        ck.snapshot(2, state(2)).wait_persisted()
+        restored = ck.restore()
+        assert restored is not None and restored.step == 2 and torch.equal(restored.state["w"], state(2)["w"])

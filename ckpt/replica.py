@@ -1,0 +1,287 @@
+"""Tier 0's peer replica: each node's newest snapshots copied to the next node(s) of the ring, over TCP.
+
+A node's tier 0 (ckpt/tier0.py) outlives its workers but not the node. So every `replica_every` steps
+the node's checkpoint helper (ckpt/helper_process.py) copies a snapshot it has just published to the
+next `replicas` nodes of the round (ring order; the agent tells it who: core/replica_targets.py), and those
+nodes' helpers keep it in their own tier 0:
+
+    <tier0 dir>/peers/<source node>/rank_00003/slot_0/state.safetensors   the slot's file image
+    <tier0 dir>/peers/<source node>/rank_00003/slot_0/manifest.json       the source's manifest, written last
+
+After the source node is lost, the restore policy finds those slots with the node's own
+(HostTier scans both), so the lost ranks' newest state is read from host memory, not from an older
+tier-1/tier-2 step.
+
+Sending (`ReplicaSender`): the snapshot is first copied into the sender's buffer for that rank (a memcpy,
+under the slot's lock: the worker rewrites its slot two snapshots later, sooner than the network would
+send it), then a thread sends the newest buffered snapshot of each rank; an older one not yet sent is
+replaced, never queued. Every connect, send and reply has a deadline; a failed push is logged (once per
+target until it works again) and the next snapshot tries again.
+
+Receiving (`ReplicaReceiver`): one push per connection: header {"op": "replica", "node", "rank",
+"step", "size"}, body: the source's manifest; then `size` raw bytes. The receiver writes them into the
+(node, rank)'s older slot (its manifest removed first), checks the bytes against the manifest's
+checksum, and only then writes the manifest: a torn or damaged transfer leaves no manifest, and the
+other slot, the previous replica, whole. Reply {"ok": true} or {"ok": false, "error"}. A manifest that
+does not describe the pushed bytes (rank, step, size) is refused. The restore reads a replica as it
+reads the node's own slots: verified again, and only this run's (run name and uid).
+
+Simulated nodes on one machine each have their own tier-0 directory, so a replica always travels over
+the socket, never through a shared path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import re
+import socket
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpt.checksum import digest_parts
+from ckpt.durable import write_atomic
+from ckpt.errors import CheckpointError
+from ckpt.helper import recv_frame, send_frame
+from ckpt.layout import MANIFEST_FILE, STATE_FILE, rank_dir_name
+from ckpt.manifest import parse_manifest
+from core.events import emit
+from core.replica_targets import read_targets
+
+logger = logging.getLogger(__name__)
+
+PEERS_DIR = "peers"
+"""In the tier-0 directory: the replicas this node holds for other nodes."""
+
+SLOTS = 2
+CONNECT_S = 5.0
+IO_TIMEOUT_S = 60.0
+"""Deadline of each socket operation of a push (a peer that stops reading)."""
+_CHUNK = 8 << 20
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class ReplicaError(Exception):
+    """A push was refused or did not complete."""
+
+
+def node_dir_name(node: str) -> str:
+    """A directory name for node id `node` (node ids may hold ':' or '/')."""
+    safe = _SAFE.sub("_", node)[:100] or "_"
+    return safe if safe == node else f"{safe}-{hashlib.sha256(node.encode()).hexdigest()[:8]}"
+
+
+def peer_slot_dir(tier0: Path, node: str, rank: int, index: int) -> Path:
+    return tier0 / PEERS_DIR / node_dir_name(node) / rank_dir_name(rank) / f"slot_{index}"
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# -- sending --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Buffered:
+    step: int
+    rank: int
+    manifest: bytes
+    size: int
+    copies: int
+    buffer: mmap.mmap
+
+
+class ReplicaSender:
+    """The helper's side that sends its node's snapshots to the ring (see the module docstring)."""
+
+    def __init__(self, tier0: Path) -> None:
+        self.tier0 = tier0
+        self._buffers: dict[int, mmap.mmap] = {}  # rank -> its copy buffer
+        self._pending: dict[int, _Buffered] = {}  # rank -> newest not yet sent
+        self._sending: set[int] = set()
+        self._cond = threading.Condition()
+        self._failing: set[str] = set()
+        self.sent = 0
+        threading.Thread(target=self._run, name="replica-send", daemon=True).start()
+
+    def offer(self, *, rank: int, step: int, image: memoryview, manifest: bytes, copies: int) -> bool:
+        """Copy `image` (a published slot) for sending to `copies` peers. False: skipped (the previous copy
+        of this rank is being sent: its buffer is busy; the next snapshot is offered again)."""
+        with self._cond:
+            if rank in self._sending:
+                return False
+            buffer = self._buffers.get(rank)
+            if buffer is None or len(buffer) != len(image):
+                buffer = self._buffers[rank] = mmap.mmap(-1, max(1, len(image)))
+            self._pending.pop(rank, None)
+        buffer[: len(image)] = image
+        with self._cond:
+            self._pending[rank] = _Buffered(step, rank, manifest, len(image), copies, buffer)
+            self._cond.notify()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                rank = min(self._pending, key=lambda r: self._pending[r].step)
+                item = self._pending.pop(rank)
+                self._sending.add(rank)
+            try:
+                self._send_all(item)
+            finally:
+                with self._cond:
+                    self._sending.discard(rank)
+
+    def _send_all(self, item: _Buffered) -> None:
+        node, targets = read_targets(self.tier0)
+        for target in targets[: item.copies]:
+            started = time.monotonic()
+            try:
+                push(target.addr, node=node, rank=item.rank, step=item.step, manifest=item.manifest,
+                     data=memoryview(item.buffer)[: item.size])
+            except (OSError, ReplicaError, ValueError) as exc:
+                if target.node not in self._failing:
+                    self._failing.add(target.node)
+                    logger.warning("replica of rank %d step %d to node %s (%s) failed: %s; later snapshots try "
+                                   "again", item.rank, item.step, target.node, target.addr, exc)
+                    emit("ckpt_replica", state="failed", rank=item.rank, step=item.step, to=target.node,
+                         error=str(exc))
+                continue
+            self.sent += 1
+            if target.node in self._failing:
+                self._failing.discard(target.node)
+                logger.info("replicas to node %s go through again", target.node)
+            emit("ckpt_replica", state="sent", rank=item.rank, step=item.step, to=target.node,
+                 bytes=item.size, seconds=round(time.monotonic() - started, 3))
+
+
+def push(addr: str, *, node: str, rank: int, step: int, manifest: bytes, data: memoryview,
+         timeout: float = IO_TIMEOUT_S) -> None:
+    """Send one snapshot (its file image `data` and `manifest`) to the replica listener at `addr`."""
+    with socket.create_connection(_split_addr(addr), timeout=CONNECT_S) as sock:
+        sock.settimeout(timeout)
+        send_frame(sock, {"op": "replica", "node": node, "rank": rank, "step": step, "size": len(data)}, manifest)
+        for offset in range(0, len(data), _CHUNK):
+            sock.sendall(data[offset: offset + _CHUNK])
+        reply, _ = recv_frame(sock)
+    if not reply.get("ok"):
+        raise ReplicaError(str(reply.get("error", "refused")))
+
+
+# -- receiving ------------------------------------------------------------------------------------
+
+
+class ReplicaReceiver:
+    """The helper's side that keeps other nodes' snapshots (see the module docstring)."""
+
+    def __init__(self, tier0: Path, pool: Executor | None) -> None:
+        self.tier0 = tier0
+        self.pool = pool
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._guard = threading.Lock()
+        self.received = 0
+
+    def serve(self, listener: socket.socket) -> None:
+        """Accept pushes on `listener` (one thread each) until it is closed."""
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn, peer), daemon=True, name="replica-recv").start()
+
+    def _connection(self, conn: socket.socket, peer: Any) -> None:
+        with conn:
+            conn.settimeout(IO_TIMEOUT_S)
+            try:
+                header, body = recv_frame(conn)
+            except (OSError, ValueError, ConnectionError):
+                return
+            try:
+                self.receive(conn, header, body)
+                reply: dict[str, Any] = {"ok": True}
+            except (ReplicaError, CheckpointError, OSError, ValueError, KeyError) as exc:
+                logger.warning("refused a replica from %s (node %s, rank %s, step %s): %s", peer,
+                               header.get("node"), header.get("rank"), header.get("step"), exc)
+                reply = {"ok": False, "error": str(exc)}
+            try:
+                send_frame(conn, reply)
+            except OSError:
+                pass
+
+    def receive(self, conn: socket.socket, header: dict[str, Any], body: bytes) -> Path:
+        if header.get("op") != "replica":
+            raise ReplicaError(f"unknown request {header.get('op')!r}")
+        node, rank, step, size = str(header["node"]), int(header["rank"]), int(header["step"]), int(header["size"])
+        if not node or rank < 0 or size <= 0:
+            raise ReplicaError(f"a push without a node, rank or size: {header}")
+        manifest = parse_manifest(body, path=Path(f"<replica of {node} rank {rank}>"))
+        entry = manifest.files.get(STATE_FILE)
+        if manifest.rank != rank or manifest.step != step or entry is None or entry.bytes != size:
+            raise ReplicaError(f"the manifest (rank {manifest.rank}, step {manifest.step}, "
+                               f"{entry.bytes if entry else 'no'} bytes) does not describe the push")
+        with self._lock(node, rank):
+            slot = self._older_slot(node, rank)
+            (slot / MANIFEST_FILE).unlink(missing_ok=True)
+            slot.mkdir(parents=True, exist_ok=True)
+            image = _map_file(slot / STATE_FILE, size)
+            try:
+                with memoryview(image) as view:
+                    _recv_into(conn, view, size)
+                    checksum = digest_parts([view], algorithm=entry.algorithm, chunk_bytes=entry.chunk_bytes,
+                                            pool=self.pool)
+            finally:
+                image.close()
+            if checksum.digest != entry.digest:
+                raise ReplicaError(f"the bytes received do not match the manifest's {entry.algorithm} checksum")
+            write_atomic(slot / MANIFEST_FILE, body)
+        self.received += 1
+        return slot
+
+    def _lock(self, node: str, rank: int) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((node, rank), threading.Lock())
+
+    def _older_slot(self, node: str, rank: int) -> Path:
+        """The slot to write: one without a manifest, else the one holding the older step."""
+        def step_of(index: int) -> int:
+            try:
+                return parse_manifest((peer_slot_dir(self.tier0, node, rank, index) / MANIFEST_FILE).read_bytes(),
+                                      path=Path("<replica>")).step
+            except (OSError, CheckpointError):
+                return -1
+        index = min(range(SLOTS), key=step_of)
+        return peer_slot_dir(self.tier0, node, rank, index)
+
+
+def _recv_into(conn: socket.socket, view: memoryview, size: int) -> None:
+    got = 0
+    while got < size:
+        n = conn.recv_into(view[got:], min(_CHUNK, size - got))
+        if n == 0:
+            raise ReplicaError(f"the connection closed after {got} of {size} bytes")
+        got += n
+
+
+def _map_file(path: Path, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC now (refused), not SIGBUS while receiving
+        except OSError as exc:
+            raise ReplicaError(f"no room for a replica of {size / 2**20:.1f} MiB in {path.parent} "
+                               f"({os.strerror(exc.errno or 0)})") from exc
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)

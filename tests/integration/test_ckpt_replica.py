@@ -1,0 +1,223 @@
+"""Tier 0's peer replica (ckpt/replica.py): a node's snapshots copied over TCP into another node's tier 0.
+
+Two simulated nodes, each with its own tier-0 directory (neither reads the other's path): node a's
+helper, a real process, sends every 2nd snapshot to node b's helper over a TCP connection; once node
+a's memory is gone, a checkpointer on node b restores a's newest replicated step from b's memory, the
+tensors equal to what was saved. A push that is torn, damaged, or whose manifest does not describe its
+bytes is refused and leaves the previous replica whole and in use.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt import CheckpointConfig, Checkpointer, Restored
+from ckpt.helper import socket_path
+from ckpt.layout import MANIFEST_FILE, STATE_FILE
+from ckpt.replica import PEERS_DIR, ReplicaError, ReplicaReceiver, push
+from ckpt.tier0 import HostTier
+from core.replica_targets import Target, read_targets, write_targets
+from core.tier0_dir import shm_root
+from elastic.etcd_server import EtcdServer
+from tests.conftest import REPO, Procs
+from tests.integration.test_ckpt_helper import state
+from tests.integration.test_reform import wait_until
+from tests.integration.test_trainer_sharded import fsdp
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def nodes() -> Iterator[tuple[Path, Path]]:
+    """Two private tier-0 directories in tmpfs: node a's and node b's."""
+    made = [Path(tempfile.mkdtemp(prefix=f"test-replica-{n}-", dir=shm_root())) for n in "ab"]
+    try:
+        yield made[0], made[1]
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class Helper:
+    """A node's helper process with a replica listener (as elastic-run's agent starts it)."""
+
+    def __init__(self, tier0: Path, log: Path) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        sock = socket_path(tier0)
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckpt.helper_process", "--socket", str(sock), "--parent", str(os.getpid()),
+                 "--replica-fd", str(self.listener.fileno())], cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, pass_fds=(self.listener.fileno(),))
+        wait_for(lambda: sock.exists() or self.proc.poll() is not None, "the helper's socket")
+        assert self.proc.poll() is None, log.read_text()
+
+    def end(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        self.listener.close()
+
+
+def wait_for(predicate, what: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def replica_steps(tier0: Path, node: str = "a") -> list[int]:
+    import json
+
+    return sorted(json.loads(p.read_text())["step"]
+                  for p in (tier0 / PEERS_DIR / node).glob("rank_00000/slot_*/" + MANIFEST_FILE))
+
+
+def restore_on(tier0: Path, tmp_path: Path) -> Restored | None:
+    """What a worker on the node of `tier0` restores (its own tier 1 empty)."""
+    with Checkpointer(CheckpointConfig(local_dir=tmp_path / "b-ckpt", tier0_dir=tier0, tier0_helper=False),
+                      rank=0, world_size=1) as ck:
+        return ck.restore()
+
+
+def test_a_lost_nodes_newest_replicated_step_is_restored_from_the_peers_memory(
+        nodes: tuple[Path, Path], tmp_path: Path) -> None:
+    a, b = nodes
+    helpers = [Helper(a, tmp_path / "a.log"), Helper(b, tmp_path / "b.log")]
+    try:
+        write_targets(a, "a", [Target("b", helpers[1].addr)])
+        assert read_targets(a) == ("a", [Target("b", helpers[1].addr)])
+        ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "a-ckpt", tier0_dir=a, replica_every=2),
+                          rank=0, world_size=1)
+        try:
+            for step in range(1, 8):
+                pending = ck.snapshot(step, state(step))
+                pending.wait_persisted()
+                assert ck._writer.tier0_thread.wait_idle(60)
+                if step % 2 == 0:  # sent in the background: wait for it, so that each even step gets its turn
+                    wait_for(lambda: step in replica_steps(b), f"the replica of step {step}")  # noqa: B023
+        finally:
+            ck.close()
+        # Two slots per (node, rank): the two newest replicated steps; the odd steps were never sent.
+        assert replica_steps(b) == [4, 6]
+    finally:
+        for h in helpers:
+            h.end()
+    shutil.rmtree(a)  # node a is lost with its memory
+
+    found = restore_on(b, tmp_path)
+    assert found is not None and (found.step, found.tier) == (6, "memory"), found
+    assert f"{PEERS_DIR}/a/" in found.path and "replica" in found.path, found.path
+    expected = state(6)
+    assert torch.equal(found.state["w"], expected["w"]) and torch.equal(found.state["b"], expected["b"])
+
+
+@pytest.fixture
+def receiver(nodes: tuple[Path, Path]) -> Iterator[tuple[Path, str]]:
+    """Node b's receiving side alone, on a real TCP listener (in this process)."""
+    _, b = nodes
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=ReplicaReceiver(b, None).serve, args=(listener,), daemon=True).start()
+    try:
+        yield b, f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def snapshot_of(tier0: Path, tmp_path: Path, step: int) -> tuple[bytes, bytes]:
+    """The file image and manifest of rank 0's tier-0 snapshot of `step`, as node a's writer made it."""
+    ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / f"src-{step}", tier0_dir=tier0, tier0_helper=False),
+                      rank=0, world_size=1)
+    try:
+        ck.snapshot(step, state(step)).wait_persisted()
+    finally:
+        ck.close()
+    [slot] = [p.parent for p in tier0.glob(f"rank_00000/slot_*/{MANIFEST_FILE}")
+              if f'"step":{step}' in p.read_text().replace(" ", "")]
+    return (slot / STATE_FILE).read_bytes(), (slot / MANIFEST_FILE).read_bytes()
+
+
+def test_a_torn_damaged_or_mismatched_push_is_refused_and_the_previous_replica_stays_in_use(
+        nodes: tuple[Path, Path], receiver: tuple[Path, str], tmp_path: Path) -> None:
+    a, _ = nodes
+    b, addr = receiver
+    image, manifest = snapshot_of(a, tmp_path, 4)
+    push(addr, node="a", rank=0, step=4, manifest=manifest, data=memoryview(image))
+    later, later_manifest = snapshot_of(a, tmp_path, 6)
+
+    damaged = bytearray(later)
+    damaged[len(damaged) // 2] ^= 0xFF
+    with pytest.raises(ReplicaError, match="checksum"):
+        push(addr, node="a", rank=0, step=6, manifest=later_manifest, data=memoryview(bytes(damaged)))
+    with pytest.raises(ReplicaError, match="does not describe"):
+        push(addr, node="a", rank=0, step=6, manifest=later_manifest, data=memoryview(later[:-8]))
+    with pytest.raises(ReplicaError, match="does not describe"):  # another step's manifest
+        push(addr, node="a", rank=0, step=6, manifest=manifest, data=memoryview(later))
+
+    # Torn: the sender is gone after half the bytes (its node died mid-push).
+    from ckpt.helper import recv_frame, send_frame
+
+    host, port = addr.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        send_frame(sock, {"op": "replica", "node": "a", "rank": 0, "step": 6, "size": len(later)}, later_manifest)
+        sock.sendall(later[: len(later) // 2])
+        sock.shutdown(socket.SHUT_WR)
+        reply, _ = recv_frame(sock)
+    assert reply["ok"] is False and "closed after" in reply["error"], reply
+
+    assert replica_steps(b) == [4]
+    tier = HostTier(b, read_timeout=10)
+    assert sorted(tier.committed()) == [4] and tier.replicated == {(4, 0)}
+    found = restore_on(b, tmp_path)
+    assert found is not None and found.step == 4 and torch.equal(found.state["w"], state(4)["w"])
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """Two nodes of one worker each train FSDP under elastic-run (tier 0 every step, replicas every 2 steps, no
+    tier-1 save after the start). Node b (its agent, worker and helper) is SIGKILLed: node a's worker
+    restarts at world size 1 and restores from its own memory: its own shard and b's, from b's replica, resharded
+    2 -> 1; the state it restores is the one both ranks saved at that step (the layout-independent digest)."""
+    run_id = f"replica-{uuid.uuid4().hex[:8]}"
+    jobs = {name: fsdp(procs, tmp_path / name, tmp_path / name / "ckpt", "--snapshot-every", "1", "--ckpt-every",
+                       "100000", "--replica-every", "2", "--steps", "300", nproc=1, digests=True,
+                       env={"ELASTIC_CKPT_HELPER": "1"},
+                       launcher=("--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
+                                 "--node-id", name, "--monitor-interval", "0.1", "--max-restarts", "3"))
+            for name in ("a", "b")}
+    a, b = jobs["a"], jobs["b"]
+
+    def replicated_to_a() -> bool:
+        return any(e["state"] == "sent" and e["step"] >= 12 for e in b.events("ckpt_replica"))
+
+    wait_until("node b's replicas on node a", replicated_to_a, [a, b], timeout=180)
+    procs.kill_node(b.proc)
+    killed_at = max(e["step"] for e in b.events("step"))
+    a.finish(timeout=240)
+
+    [restored] = a.events("restored")
+    assert restored["tier"] == "memory", restored
+    [from_replica] = a.events("ckpt_replica_restored")
+    lost = sorted({e["rank"] for e in b.events("worker_started")})  # node b's rank(s) in the round of two
+    assert from_replica["ranks"] == lost and from_replica["step"] == restored["step"], (from_replica, lost)
+    sent = [e["step"] for e in b.events("ckpt_replica") if e["state"] == "sent"]
+    assert restored["step"] == max(s for s in sent if s <= killed_at) or restored["step"] >= killed_at - 4, (
+        restored, sent, killed_at)
+    # The state right after the restore (world 1) is the state the two ranks saved at that step (world 2).
+    saved = {e["digest"] for j in (a, b) for e in j.events("state_digest", point="save", step=restored["step"])}
+    after = {e["digest"] for e in a.events("state_digest", point="restore")}
+    assert len(saved) == 1 and after == saved, (saved, after)
