@@ -22,7 +22,8 @@ length][body]. Requests:
             "step", "rank", "world_size", "generation", "run", "run_uid", "chunk_bytes", "replicate"};
             body: the state skeleton's JSON. The helper checksums the slot's file image, writes its
             manifest (atomically) and replies; the slot is then the rank's newest snapshot. With
-            "replicate" N > 0 it first copies the slot to send it to N peer nodes (ckpt/replica.py).
+            "replicate" N > 0 and peers to send to, the reply says {"held": true}: the helper keeps the
+            slot's lock until it has copied the slot, to send it to N peer nodes (ckpt/replica.py).
   persist   the same, plus "root" (the tier-1 directory), "local_world_size", "checksum": the helper
             writes the slot as the rank's directory of the step (ckpt/persist.py: fsynced, renamed) and
             writes COMMIT when the node's ranks are all there; the reply says where and whether. Before
@@ -137,15 +138,17 @@ class HelperClient:
 
     def publish(self, *, template_key: int, template: bytes, path: Path, size: int, step: int, rank: int,
                 world_size: int, generation: str, run: str, run_uid: str, chunk_bytes: int,
-                state_json: bytes, replicate: int = 0) -> None:
+                state_json: bytes, replicate: int = 0) -> bool:
         """Have the helper checksum the slot at `path` and write its manifest (and, `replicate` > 0, send
         it to that many peer nodes: ckpt/replica.py). Raises HelperError (the caller then publishes the slot
-        itself, without a replica)."""
+        itself, without a replica). True: the helper still holds the slot's lock (it copies the slot for a
+        replica): the caller must not reuse the slot before the lock is free (HostSlots.hold)."""
         request = {"op": "publish", "path": str(path), "size": size, "step": step, "rank": rank,
                    "world_size": world_size, "generation": generation, "run": run, "run_uid": run_uid,
                    "chunk_bytes": chunk_bytes, "replicate": replicate}
-        self._request(request, template_key, template, state_json)
+        reply = self._request(request, template_key, template, state_json)
         self.published += 1
+        return bool(reply.get("held"))
 
     def map(self, path: Path, size: int) -> bool:
         """Have the helper map the slot at `path` now (at start), not in its first request inside the loop

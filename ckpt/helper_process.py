@@ -118,8 +118,7 @@ class Helper:
             templates[int(header["id"])] = parse_manifest(body, path=Path("<template>"))
             return {"ok": True}
         if op == "publish":
-            self.publish(header, templates[int(header["template"])], body, conn)
-            return {"ok": True}
+            return {"ok": True, "held": self.publish(header, templates[int(header["template"])], body, conn)}
         if op == "persist":
             return self.persist(header, templates[int(header["template"])], body, conn)
         if op == "map":
@@ -130,9 +129,13 @@ class Helper:
             return {"ok": True}
         raise ValueError(f"unknown request {op!r}")
 
-    def publish(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> None:
+    def publish(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> bool:
+        """Checksum the slot and write its manifest. True: the replica sender took the slot's lock with it (the
+        worker then leaves the slot alone until the lock is free: ckpt/tier0.py, HostSlots.hold)."""
         slot = Path(header["path"])
-        with SlotLock(slot / STATE_FILE, wait=True):
+        lock = SlotLock(slot / STATE_FILE, wait=True)
+        handed = False
+        try:
             image = self.images.view(slot / STATE_FILE, int(header["size"]))
             manifest = snapshot_manifest(
                 image, step=int(header["step"]), rank=int(header["rank"]), world_size=int(header["world_size"]),
@@ -144,9 +147,13 @@ class Helper:
             _require_open(conn)
             write_atomic(slot / MANIFEST_FILE, manifest)
             copies = int(header.get("replicate", 0))
-            if copies > 0:  # copied now, under the lock: the worker rewrites the slot two snapshots later
-                self.sender.offer(rank=int(header["rank"]), step=int(header["step"]), image=image,
-                                  manifest=manifest, copies=copies)
+            if copies > 0 and self.sender.offer(rank=int(header["rank"]), step=int(header["step"]), image=image,
+                                                manifest=manifest, copies=copies, lock=lock):
+                handed = True  # copied on the sender's thread, which then lets it go
+            return handed
+        finally:
+            if not handed:
+                lock.release()
 
     def persist(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> dict[str, Any]:
         slot = Path(header["path"])

@@ -40,7 +40,7 @@ import re
 import socket
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,13 +51,11 @@ from ckpt.errors import CheckpointError
 from ckpt.helper import recv_frame, send_frame
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, rank_dir_name
 from ckpt.manifest import parse_manifest
+from ckpt.tier0 import PEERS_DIR, SlotLock
 from core.events import emit
 from core.replica_targets import read_targets
 
 logger = logging.getLogger(__name__)
-
-PEERS_DIR = "peers"
-"""In the tier-0 directory: the replicas this node holds for other nodes."""
 
 SLOTS = 2
 CONNECT_S = 5.0
@@ -105,28 +103,51 @@ class ReplicaSender:
     def __init__(self, tier0: Path) -> None:
         self.tier0 = tier0
         self._buffers: dict[int, mmap.mmap] = {}  # rank -> its copy buffer
-        self._pending: dict[int, _Buffered] = {}  # rank -> newest not yet sent
-        self._sending: set[int] = set()
+        self._pending: dict[int, _Buffered] = {}  # rank -> newest copied, not yet sent
+        self._busy: set[int] = set()  # ranks whose buffer is being filled or sent
         self._cond = threading.Condition()
         self._failing: set[str] = set()
+        self._copier = ThreadPoolExecutor(max_workers=2, thread_name_prefix="replica-copy")
         self.sent = 0
         threading.Thread(target=self._run, name="replica-send", daemon=True).start()
 
-    def offer(self, *, rank: int, step: int, image: memoryview, manifest: bytes, copies: int) -> bool:
-        """Copy `image` (a published slot) for sending to `copies` peers. False: skipped (the previous copy
-        of this rank is being sent: its buffer is busy; the next snapshot is offered again)."""
+    def offer(self, *, rank: int, step: int, image: memoryview, manifest: bytes, copies: int,
+              lock: SlotLock) -> bool:
+        """Take a published slot (its file image, its manifest) to send to `copies` peers. True: it is taken,
+        with `lock` (the slot's, held), which is let go once the slot is copied, on another thread: the
+        worker's publish is answered at once, and the worker leaves the slot alone until the lock is free.
+        False: not taken, the lock is the caller's (no peer to send to, or this rank's previous copy is still
+        being sent: the next replicated snapshot goes instead)."""
+        if not read_targets(self.tier0)[1]:
+            return False
         with self._cond:
-            if rank in self._sending:
+            if rank in self._busy:
                 return False
-            buffer = self._buffers.get(rank)
-            if buffer is None or len(buffer) != len(image):
-                buffer = self._buffers[rank] = mmap.mmap(-1, max(1, len(image)))
+            self._busy.add(rank)
             self._pending.pop(rank, None)
-        buffer[: len(image)] = image
-        with self._cond:
-            self._pending[rank] = _Buffered(step, rank, manifest, len(image), copies, buffer)
-            self._cond.notify()
+        item = _Buffered(step, rank, manifest, len(image), copies, self._buffer(rank, len(image)))
+        self._copier.submit(self._copy, item, image, lock)
         return True
+
+    def _buffer(self, rank: int, size: int) -> mmap.mmap:
+        buffer = self._buffers.get(rank)
+        if buffer is None or len(buffer) != size:
+            buffer = self._buffers[rank] = mmap.mmap(-1, max(1, size))
+        return buffer
+
+    def _copy(self, item: _Buffered, image: memoryview, lock: SlotLock) -> None:
+        try:
+            item.buffer[: item.size] = image
+        except Exception:  # a thread boundary: this replica is skipped, the next one tries again
+            logger.exception("copying rank %d's snapshot of step %d for its replica failed", item.rank, item.step)
+            with self._cond:
+                self._busy.discard(item.rank)
+            return
+        finally:
+            lock.release()
+        with self._cond:
+            self._pending[item.rank] = item
+            self._cond.notify()
 
     def _run(self) -> None:
         while True:
@@ -135,12 +156,11 @@ class ReplicaSender:
                     self._cond.wait()
                 rank = min(self._pending, key=lambda r: self._pending[r].step)
                 item = self._pending.pop(rank)
-                self._sending.add(rank)
             try:
                 self._send_all(item)
             finally:
                 with self._cond:
-                    self._sending.discard(rank)
+                    self._busy.discard(rank)
 
     def _send_all(self, item: _Buffered) -> None:
         node, targets = read_targets(self.tier0)

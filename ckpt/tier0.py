@@ -54,7 +54,6 @@ from ckpt.layout import MANIFEST_FILE, STATE_FILE, list_dir, parse_rank_dir_name
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest, resolve_file
 from ckpt.ranges import LocalRange
 from ckpt.reader import read_manifest
-from ckpt.replica import PEERS_DIR
 from ckpt.safe_io import read_regular
 from ckpt.sharding import ShardInfo
 from ckpt.snapshot import host_register, host_unregister
@@ -63,6 +62,9 @@ from ckpt.tiers import TierName
 logger = logging.getLogger(__name__)
 
 SLOTS = 2
+
+PEERS_DIR = "peers"
+"""In the tier-0 directory: the replicas this node holds for other nodes (ckpt/replica.py)."""
 
 
 class HostMemoryError(CheckpointWriteError):

@@ -446,7 +446,7 @@ class LocalWriter:
             if helper is None or not helper.available():
                 raise HelperError("no helper")
             key, template = self._template(entries, shards, chunk_bytes)
-            helper.publish(template_key=key, template=template, path=slot.path, size=len(slot.view()),
+            held = helper.publish(template_key=key, template=template, path=slot.path, size=len(slot.view()),
                            step=pending.step, rank=self.rank, world_size=self.world_size,
                            generation=self.generation, run=run, run_uid=run_uid, chunk_bytes=chunk_bytes,
                            state_json=dumps(skeleton), replicate=self._replicas(pending.step))
@@ -466,6 +466,8 @@ class LocalWriter:
                 self.tier0.published(slot, pending.step, manifest)
         else:
             self.tier0.published(slot, pending.step, None)  # the helper wrote the manifest
+            if held:  # the helper copies it for a peer replica: not reused before its lock is free
+                self.tier0.hold(slot)
         if final:
             self._metrics.update(pending.metrics, tier0_s=time.monotonic() - started, status="snapshot")
         else:
