@@ -209,9 +209,11 @@ class CheckpointConfig:
     replicas: int = 1
     """Peer replicas of tier 0: every `replica_every` steps the node's helper copies a snapshot it published
     to this many other nodes (the next ones of the round, a ring), over TCP (ckpt/replica.py), so that a lost
-    node's newest state is still in some node's memory. 0: none. Each node holds, for every rank whose
-    replicas it keeps, 2 x that rank's state bytes (two slots), and its helper a 1 x copy of each of its own
-    ranks' states being sent. Needs elastic-run's helper (with the etcd-v3 rendezvous)."""
+    node's newest state is still in some node's memory. 0: none. `trainer` turns it off for a replicated
+    (DDP) state: that is whole on every rank, so any surviving node's own snapshot serves. Each node
+    holds, for every rank whose replicas it keeps, 2 x that rank's state bytes (two slots), and its helper a
+    1 x copy of each of its own ranks' states being sent. Needs elastic-run's helper (with the etcd-v3
+    rendezvous)."""
 
     replica_every: int = 10
     """The step cadence of the peer replica (a snapshot of a step that is a multiple of it is replicated)."""

@@ -39,6 +39,7 @@ after each completed step (and after the restore), `save` once this rank's files
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -134,7 +135,9 @@ class Resumable:
         self.sampler = setup.checked_sampler(sampler, self.topology, self.layout)
         self.extras: dict[str, Any] = setup.own_extras(extras)  # the caller's dict itself
         setup.hint_unstable_layout(model, self.topology.world_size)
-        self.checkpointer = Checkpointer(config.ckpt, rank=self.topology.rank, world_size=self.topology.world_size,
+        # Peer replicas of tier 0 only for sharded state: a replicated one is whole on every surviving node.
+        ckpt_config = config.ckpt if self.sharded else dataclasses.replace(config.ckpt, replicas=0)
+        self.checkpointer = Checkpointer(ckpt_config, rank=self.topology.rank, world_size=self.topology.world_size,
                                          on_written=_save_hook())
         self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
         self.telemetry = Telemetry.for_run(self)  # metrics for elastic-run's agent (trainer/telemetry.py)

@@ -72,6 +72,16 @@ def test_resume_config_holds_a_checkpoint_config_and_reaches_every_option(tmp_pa
         ResumeConfig.at(tmp_path, save_every=5, shared_url="x", shared=SharedConfig(url="y"))
 
 
+def test_a_replicated_state_sends_no_peer_replicas(tmp_path: Path) -> None:
+    # Whole on every rank: any surviving node's own tier 0 serves, so the copy to a peer would be waste.
+    run, *_ = build(tmp_path, replicas=2, replica_every=5)
+    with run:
+        assert not run.sharded and run.checkpointer.config.replicas == 0
+        assert run.config.ckpt.replicas == 2 and run.checkpointer.config.replica_every == 5
+    with pytest.raises(ValueError, match="replica_every"):
+        ResumeConfig.at(tmp_path, save_every=5, replica_every=0)
+
+
 def test_the_worker_events_of_a_run_and_of_its_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(EVENTS_DIR_ENV, str(tmp_path / "events"))
     run, model, opt, _ = build(tmp_path / "ckpt")
