@@ -18,6 +18,7 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +159,7 @@ def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
     Plain tensors pass through; a DTensor contributes its local box when this rank writes it and
     it is not empty. Raises TypeError (naming the tensor) for a Partial placement."""
     dtensor = dtensor_type()
-    if dtensor is None:
+    if dtensor is None or not any(map(isinstance, tensors.values(), repeat(dtensor))):  # a C loop: every snapshot
         return dict(tensors), {}
     written: dict[str, torch.Tensor] = {}
     shards: dict[str, ShardInfo] = {}

@@ -101,6 +101,32 @@ def buffer_view(buffer: torch.Tensor, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
 
 
+@dataclass
+class _CopyPlan:
+    """Where each tensor of a layout goes in one buffer, as (slot views, names) per kind of copy."""
+
+    layout: StagingLayout
+    names: list[str]
+    devices: list[torch.device]
+    seen: list[torch.Tensor]
+    """The tensor objects the plan was made for (a new object on the same device fits too)."""
+    cuda: dict[torch.device, tuple[list[torch.Tensor], list[str]]]
+    cpu: tuple[list[torch.Tensor], list[str]]
+    other: tuple[list[torch.Tensor], list[str]]
+
+    @staticmethod
+    def of(layout: StagingLayout, views: list[torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> _CopyPlan:
+        names = [s.name for s in layout.slots]
+        seen = [tensors[n] for n in names]
+        plan = _CopyPlan(layout, names, [t.device for t in seen], seen, {}, ([], []), ([], []))
+        for name, dst, t in zip(names, views, seen, strict=True):
+            dsts, group = (plan.cuda.setdefault(t.device, ([], [])) if t.device.type == "cuda"
+                           else plan.cpu if t.device.type == "cpu" else plan.other)
+            dsts.append(dst)
+            group.append(name)
+        return plan
+
+
 LAUNCH_BATCH = int(os.environ.get("ELASTIC_COPY_BATCH", "32")) or None
 """Tensors per copy call when a background thread launches a snapshot's copies (DeviceCopies.issue);
 $ELASTIC_COPY_BATCH overrides it (0: all in one call, as before; for benchmarks)."""
@@ -255,7 +281,7 @@ class StagingArea:
         self._layout: StagingLayout | None = None
         self._seen: dict[str, torch.Tensor] = {}
         """The tensors the last layout_for() call was given (it checks only those that are not these)."""
-        self._plans: dict[int, tuple[StagingLayout, list[tuple[str, torch.Tensor, str, torch.Tensor]]]] = {}
+        self._plans: dict[int, _CopyPlan] = {}
         """Per buffer address (the two tier-0 slots take turns), the last stage()'s (layout, [(name, slot view,
         device type, tensor)]): a snapshot of the same tensors reuses it instead of visiting every tensor."""
         self._views: dict[int, tuple[StagingLayout, list[torch.Tensor]]] = {}
@@ -309,45 +335,54 @@ class StagingArea:
         events: list[torch.cuda.Event] = []
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         sources: list[torch.Tensor] = []
-        by_device: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        plan = self._plan_for(tensors, layout, into)
         with torch.no_grad():
-            for name, dst, kind, _ in self._plan_for(tensors, layout, into):
-                src = tensors[name]
-                if kind == "cuda":
-                    by_device.setdefault(src.device, []).append((dst, src))
-                elif kind == "cpu" and overlapped:
-                    deferred.append((dst, src))
-                else:
+            cpu_dsts, cpu_names = plan.cpu
+            if overlapped:
+                deferred = list(zip(cpu_dsts, map(tensors.__getitem__, cpu_names), strict=True))
+            else:
+                for dst, src in zip(cpu_dsts, map(tensors.__getitem__, cpu_names), strict=True):
                     dst.copy_(src)
+            for dst, src in zip(plan.other[0], map(tensors.__getitem__, plan.other[1]), strict=True):
+                dst.copy_(src)
             launches = []
-            for device, pairs in by_device.items():
+            for device, (dsts, names) in plan.cuda.items():
                 taken = torch.cuda.Event()
                 taken.record(torch.cuda.current_stream(device))
-                copies = DeviceCopies(self._stream(device), taken, [d for d, _ in pairs], [s for _, s in pairs])
+                copies = DeviceCopies(self._stream(device), taken, dsts, list(map(tensors.__getitem__, names)))
                 sources.extend(copies.srcs)
                 if overlapped:  # launched by the writer thread: the training thread only records an event
                     launches.append(copies)
                 else:
                     events.append(copies.issue())
-        sources.extend(src for _, src in deferred)
+        sources.extend(map(operator.itemgetter(1), deferred))
         snapshot = HostSnapshot(layout, into, events=events, deferred=deferred, sources=sources, launches=launches)
         if not overlapped:
             snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot
 
-    def _plan_for(self, tensors: Mapping[str, torch.Tensor], layout: StagingLayout,
-                  into: torch.Tensor) -> list[tuple[str, torch.Tensor, str, torch.Tensor]]:
-        """(name, slot view in `into`, device type, tensor) per tensor, reused while the tensors are the same
-        objects, or new ones on the same kind of device (the RNG states of each step)."""
+    def _plan_for(self, tensors: Mapping[str, torch.Tensor], layout: StagingLayout, into: torch.Tensor) -> _CopyPlan:
+        """Which slot view of `into` each tensor goes to, grouped by device; reused while the tensors are the
+        same objects, or new ones on the same device (the RNG states of each step)."""
         plan = self._plans.get(into.data_ptr())
-        if plan is not None and plan[0] is layout and all(
-                (t := tensors[name]) is seen or t.device.type == kind for name, _, kind, seen in plan[1]):
-            return plan[1]
+        if plan is not None and plan.layout is layout:
+            # C loops over every tensor (a snapshot every step); Python only for the few new objects.
+            current = list(map(tensors.__getitem__, plan.names))
+            new = compress(zip(current, plan.devices, strict=True), map(operator.is_not, current, plan.seen))
+            if all(t.device == device for t, device in new):
+                plan.seen = current  # the next check finds these objects again (tensors of each step stay new)
+                return plan
+        plan = _CopyPlan.of(layout, self._slot_views(layout, into), tensors)
+        if len(self._plans) >= 4:
+            self._plans.clear()
+        self._plans[into.data_ptr()] = plan
+        return plan
         entries = [(s.name, dst, (t := tensors[s.name]).device.type, t)
                    for s, dst in zip(layout.slots, self._slot_views(layout, into), strict=True)]
         if len(self._plans) >= 4:
             self._plans.clear()
-        self._plans[into.data_ptr()] = (layout, entries)
+        self._plans[into.data_ptr()] = (layout, entries, [e[0] for e in entries], [e[2] for e in entries],
+                                        [e[3] for e in entries])
         return entries
 
     @staticmethod

@@ -95,9 +95,9 @@ def _encode(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -
     if isinstance(obj, Mapping):
         return _encode_mapping(obj, path, tensors)
     if type(obj) is tuple:
-        return {_TUPLE: _encode_items(enumerate(obj), path, tensors)}
+        return {_TUPLE: _encode_list(obj, path, tensors)}
     if type(obj) is list:
-        return _encode_items(enumerate(obj), path, tensors)
+        return _encode_list(obj, path, tensors)
     raise TypeError(
         f"cannot checkpoint a {type(obj).__module__}.{type(obj).__qualname__} at key path "
         f"{_describe(path)}; supported types are {_SUPPORTED}: convert it first"
@@ -123,6 +123,14 @@ def _encode_mapping(
 
 
 _PLAIN = (int, str, bool, type(None))
+_PLAIN_TYPES = frozenset(_PLAIN)
+
+
+def _encode_list(obj: list[Any] | tuple[Any, ...], path: tuple[str, ...],
+                 tensors: dict[str, torch.Tensor]) -> list[Any]:
+    if all(map(_PLAIN_TYPES.__contains__, map(type, obj))):  # a C loop: the Python RNG state's 625 ints, every save
+        return list(obj)
+    return _encode_items(enumerate(obj), path, tensors)
 
 
 def _encode_items(items: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> list[Any]:

@@ -82,7 +82,7 @@ class _Cache:
 
     def __init__(self) -> None:
         self.modules: list[torch.nn.Module] = []
-        self.counts: tuple[int, ...] = ()
+        self.counts: tuple[tuple[int, ...], ...] = ()
         self.model_objects: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         self.optimizer_objects: list[tuple[int, str, Any]] = []
         self.model_values: list[torch.Tensor] = []
@@ -153,8 +153,12 @@ class _Cache:
         return all(map(operator.is_, live, self.optimizer_values))
 
 
-def _counts(modules: list[torch.nn.Module]) -> tuple[int, ...]:
-    return tuple(len(m._parameters) + len(m._buffers) + len(m._modules) for m in modules)
+def _counts(modules: list[torch.nn.Module]) -> tuple[tuple[int, ...], ...]:
+    # C loops (map): checked every snapshot, over every module.
+    return tuple(tuple(map(len, map(get, modules))) for get in _STORES)
+
+
+_STORES = (operator.attrgetter("_parameters"), operator.attrgetter("_buffers"), operator.attrgetter("_modules"))
 
 
 def _plain(model: torch.nn.Module) -> bool:
