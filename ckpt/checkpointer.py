@@ -411,6 +411,7 @@ class Checkpointer:
         max_step: int | None = None,
         replicated: bool = True,
         into: Mapping[str, Any] | None = None,
+        detach: bool = True,
     ) -> Restored | None:
         """Load the newest checkpoint this rank can read completely and intact; None if none.
 
@@ -425,9 +426,15 @@ class Checkpointer:
         each such leaf comes back as a new DTensor laid out like the DTensor at the same key path
         of `into` (e.g. the state of the current model), or as the whole tensor when `into` has
         none there. ShardMismatchError (another global shape) is raised, not skipped.
+
+        `detach`=False: a state restored from tier 0 is not copied out of the slot (1.2 GB: 0.3-0.5 s of a
+        restore on one H200, seconds on a small host): its plain tensors are read-only views of the node's
+        shared memory, valid until this rank's second save after the restore rewrites that slot. For a caller
+        that copies the state into its model and optimizer at once and keeps nothing else (`trainer` does,
+        and then gives the optimizer's CPU tensors memory of their own).
         """
         self._check_open()
-        return self._restorer.restore(step=step, max_step=max_step, replicated=replicated, into=into)
+        return self._restorer.restore(step=step, max_step=max_step, replicated=replicated, into=into, detach=detach)
 
     # -- lifecycle -----------------------------------------------------------------------
 

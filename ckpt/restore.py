@@ -39,7 +39,8 @@ from ckpt.local import LocalTier
 from ckpt.reader import load_rank_dir
 from ckpt.reshard import StepFiles, load_sharded
 from ckpt.shared import SharedTier
-from ckpt.tier0 import HostTier, detach
+from ckpt.tier0 import HostTier
+from ckpt.tier0 import detach as copy_out
 from ckpt.tiers import Copy, Tier, TierName
 from core.events import emit
 
@@ -123,7 +124,8 @@ class Restorer:
         return sorted(steps, reverse=True)
 
     def restore(
-        self, *, step: int | None, max_step: int | None, replicated: bool, into: Mapping[str, Any] | None = None
+        self, *, step: int | None, max_step: int | None, replicated: bool, into: Mapping[str, Any] | None = None,
+        detach: bool = True,
     ) -> Restored | None:
         """See Checkpointer.restore."""
         local = set(self.local.committed_steps())
@@ -154,7 +156,8 @@ class Restorer:
             if candidate in shared:
                 assert self.shared is not None
                 copies.append(Copy(self.shared, shared[candidate]))
-            restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False, into=into)
+            restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False, into=into,
+                                          detach=detach)
             if restored is None:
                 continue
             if any(c.tier.name == restored.tier and c.marker.legacy for c in copies):
@@ -238,6 +241,7 @@ class Restorer:
         replicated: bool,
         init_from: bool,
         into: Mapping[str, Any] | None,
+        detach: bool = True,
     ) -> Restored | None:
         """Load `step` from the first intact copy, tiers in the order of `copies`; None if none is."""
         if not copies:
@@ -258,7 +262,7 @@ class Restorer:
                 try:
                     if files.is_sharded(rank):
                         return self._load_sharded(files, step, rank, init_from=init_from, into=into)
-                    return self._load(copy, step, rank, init_from=init_from)
+                    return self._load(copy, step, rank, init_from=init_from, detach=detach)
                 except CheckpointVersionError:
                     raise
                 except CheckpointError as exc:
@@ -286,7 +290,7 @@ class Restorer:
             bytes_read=files.bytes_read,
         )
 
-    def _load(self, copy: Copy, step: int, rank: int, *, init_from: bool) -> Restored:
+    def _load(self, copy: Copy, step: int, rank: int, *, init_from: bool, detach: bool = True) -> Restored:
         manifests = copy.marker.manifests
         expected = None if manifests is None else manifests.get(rank)
         with copy.tier.open_rank(step, rank, expected_manifest_sha256=expected) as rank_dir:
@@ -299,8 +303,8 @@ class Restorer:
                 run=None if init_from else self.identity.name,
                 timeout=self._timeout,
             )
-            if copy.tier.name == "memory":
-                state = detach(state)  # the slot is rewritten by later snapshots
+            if copy.tier.name == "memory" and detach:
+                state = copy_out(state)  # the slot is rewritten by later snapshots
             nbytes = sum(p.stat().st_size for p in rank_dir.iterdir() if p.name != MANIFEST_FILE)  # all verified
         return Restored(
             step=step,

@@ -197,7 +197,7 @@ class Resumable:
         loaded: list[Restored] = []  # the own part catch_up loaded, to report its tier
 
         def load_own(step: int) -> Restored | None:
-            found = self.checkpointer.restore(step=step, replicated=False)
+            found = self.checkpointer.restore(step=step, replicated=False, detach=False)
             loaded[:] = [found] if found is not None else []
             return found
 
@@ -214,7 +214,7 @@ class Resumable:
         return self._continue_from(step, source, own=next((r for r in loaded if r.step == step), None))
 
     def _has_own_checkpoint(self) -> bool:
-        found = self.checkpointer.restore(replicated=False)
+        found = self.checkpointer.restore(replicated=False, detach=False)
         return found is not None and found.own
 
     def _continue_from(self, step: int, source: str, own: Restored | None = None) -> int:
@@ -291,6 +291,7 @@ class Resumable:
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+            _own_cpu_tensors(self.optimizer)
         self._apply_rest(state)
         if own_rank:
             rng.restore(state["rng"])
@@ -303,6 +304,8 @@ class Resumable:
     def _apply_sharded(self, restored: Restored) -> None:
         state = restored.state
         sharding.load(self.model, self.optimizer, state)
+        if self.optimizer is not None:
+            _own_cpu_tensors(self.optimizer)
         self._apply_rest(state)
         saved = state.get("layout")
         # The TP peers of one data-parallel rank must keep drawing alike: all ranks decide together.
@@ -616,3 +619,14 @@ def _save_hook() -> Callable[[int], None] | None:
 def _rank_saved(step: int) -> None:
     # On the writer thread, once this rank's files of `step` are written, before the commit.
     faults.fire("save", step)
+
+
+def _own_cpu_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer's CPU state tensors memory of their own. A restore hands the state over without
+    copying it out of tier 0 (`detach=False`: the slot's read-only mapping, rewritten by this rank's second
+    save after it); the model's load copies, and so does the optimizer's for a GPU parameter, but it keeps
+    a CPU tensor as loaded (a CPU model's moments; AdamW's step counts)."""
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                per_param[key] = value.clone()

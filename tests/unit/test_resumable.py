@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,14 +28,14 @@ from trainer import (
 
 
 def make(
-    tmp_path: Path, *, hidden: int = 8, every: int = 2
+    tmp_path: Path, *, hidden: int = 8, every: int = 2, **options: Any
 ) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, hidden), nn.Dropout(0.2), nn.Linear(hidden, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     sampler = ElasticSampler(DataConfig(dataset_size=64, global_batch=8, seed=0))
-    run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=every), model=model, optimizer=opt,
+    run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=every, **options), model=model, optimizer=opt,
                     scheduler=sched, sampler=sampler, extras={"note": "x"})
     return run, model, opt, sampler
 
@@ -73,6 +76,29 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert sampler2.state_dict() == ref_run.sampler.state_dict()  # type: ignore[union-attr]
     assert run2.scheduler.state_dict() == ref_run.scheduler.state_dict()  # type: ignore[union-attr]
     assert run2.extras == {"note": "x"}
+
+
+def test_a_restore_from_tier_0_without_a_copy_resumes_bitwise_through_the_saves_that_rewrite_its_slot(
+        tmp_path: Path) -> None:
+    # The trainer restores from host memory without copying the state out of the slot (a copy-on-write
+    # mapping of it); the second save after the restore rewrites that slot. The optimizer's CPU state, which
+    # its load keeps as given, gets memory of its own (Resumable._apply).
+    from core.tier0_dir import shm_root  # noqa: PLC0415
+
+    shm = Path(tempfile.mkdtemp(prefix="test-resumable-tier0-", dir=shm_root()))
+    try:
+        ref_run, ref_model, ref_opt, _ = make(tmp_path / "ref")
+        ref_losses = train(ref_run, ref_model, ref_opt, 0, 8)
+        run, model, opt, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
+        first = train(run, model, opt, 0, 5)
+        run.close()
+        run2, model2, opt2, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
+        assert run2.restore() == 5 and run2.restored is not None and run2.restored.tier == "memory"
+        rest = train(run2, model2, opt2, 5, 8)  # saves 6, 7 (into the restored slot), 8
+        assert first + rest == ref_losses
+        assert training_digest(model2, opt2) == training_digest(ref_model, ref_opt)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_rng_streams_continue_after_resume(tmp_path: Path) -> None:
