@@ -46,24 +46,20 @@ The process itself: ckpt/helper_process.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
-import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from core.events import emit
+from core.frames import recv_frame, send_frame
 
 logger = logging.getLogger(__name__)
 
 SOCKET_NAME = "helper.sock"
 """The helper's socket, in the node's tier-0 directory."""
-
-_LEN = struct.Struct("!I")
-_MAX_FRAME = 256 << 20
 
 
 class HelperError(Exception):
@@ -72,37 +68,6 @@ class HelperError(Exception):
 
 def socket_path(tier0_dir: str | Path) -> Path:
     return Path(tier0_dir) / SOCKET_NAME
-
-
-# -- framing ---------------------------------------------------------------------------------------
-
-
-def send_frame(sock: socket.socket, header: dict[str, Any], body: bytes = b"") -> None:
-    head = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(_LEN.pack(len(head)) + head + _LEN.pack(len(body)) + body)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("the connection closed")
-        data += chunk
-    return bytes(data)
-
-
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
-    parts = []
-    for _ in range(2):
-        (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-        if n > _MAX_FRAME:
-            raise ConnectionError(f"a frame of {n} bytes (the limit is {_MAX_FRAME})")
-        parts.append(_recv_exact(sock, n))
-    header = json.loads(parts[0])
-    if not isinstance(header, dict):
-        raise ConnectionError("a header that is not a JSON object")
-    return header, parts[1]
 
 
 # -- the worker's side -----------------------------------------------------------------------------

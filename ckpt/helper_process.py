@@ -27,13 +27,13 @@ from typing import Any
 
 from ckpt.checksum import CHUNK_BYTES, digest_parts
 from ckpt.durable import write_atomic
-from ckpt.helper import recv_frame, send_frame
 from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import Manifest, parse_manifest
 from ckpt.persist import commit_if_complete, persist_rank
 from ckpt.replica import ReplicaReceiver, ReplicaSender
 from ckpt.tier0 import SlotLock, snapshot_manifest
+from core.frames import recv_frame, send_frame
 
 logger = logging.getLogger("ckpt.helper_process")
 

@@ -48,11 +48,11 @@ from typing import Any
 from ckpt.checksum import digest_parts
 from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError
-from ckpt.helper import recv_frame, send_frame
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, rank_dir_name
 from ckpt.manifest import parse_manifest
 from ckpt.tier0 import PEERS_DIR, SlotLock
 from core.events import emit
+from core.frames import recv_frame, send_frame
 from core.replica_targets import read_targets
 
 logger = logging.getLogger(__name__)

@@ -172,7 +172,7 @@ def test_a_torn_damaged_or_mismatched_push_is_refused_and_the_previous_replica_s
         push(addr, node="a", rank=0, step=6, manifest=manifest, data=memoryview(later))
 
     # Torn: the sender is gone after half the bytes (its node died mid-push).
-    from ckpt.helper import recv_frame, send_frame
+    from core.frames import recv_frame, send_frame
 
     host, port = addr.split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
