@@ -1,7 +1,7 @@
 """Length-prefixed JSON frames over a stream socket: [u32 header length][header JSON][u32 body length][body].
 
-The node's checkpoint helper speaks them on its Unix socket (ckpt/helper.py: the workers, and elastic-run's
-agent asking it to pull replicas) and on its replica listener (ckpt/replica.py).
+The node's checkpoint helper speaks them on its Unix socket (ckpt/helper.py) and on its replica listener
+(ckpt/replica.py).
 """
 
 from __future__ import annotations
