@@ -156,13 +156,18 @@ class ReplicaSender:
                     self._cond.wait()
                 rank = min(self._pending, key=lambda r: self._pending[r].step)
                 item = self._pending.pop(rank)
+            sent: list[dict[str, Any]] = []
             try:
-                self._send_all(item)
+                sent = self._send_all(item)
             finally:
                 with self._cond:
                     self._busy.discard(rank)
+            for fields in sent:  # once the buffer is free: this rank's next snapshot can be taken
+                emit("ckpt_replica", state="sent", **fields)
 
-    def _send_all(self, item: _Buffered) -> None:
+    def _send_all(self, item: _Buffered) -> list[dict[str, Any]]:
+        """Push `item` to its targets; the fields of a "sent" event for each that took it."""
+        sent = []
         node, targets = read_targets(self.tier0)
         for target in targets[: item.copies]:
             started = time.monotonic()
@@ -181,8 +186,9 @@ class ReplicaSender:
             if target.node in self._failing:
                 self._failing.discard(target.node)
                 logger.info("replicas to node %s go through again", target.node)
-            emit("ckpt_replica", state="sent", rank=item.rank, step=item.step, to=target.node,
-                 bytes=item.size, seconds=round(time.monotonic() - started, 3))
+            sent.append({"rank": item.rank, "step": item.step, "to": target.node, "bytes": item.size,
+                         "seconds": round(time.monotonic() - started, 3)})
+        return sent
 
 
 def push(addr: str, *, node: str, rank: int, step: int, manifest: bytes, data: memoryview,

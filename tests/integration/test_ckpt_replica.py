@@ -29,6 +29,7 @@ from ckpt.helper import socket_path
 from ckpt.layout import MANIFEST_FILE, STATE_FILE
 from ckpt.replica import PEERS_DIR, ReplicaError, ReplicaReceiver, push
 from ckpt.tier0 import HostTier
+from core.events import EVENTS_DIR_ENV, read_events
 from core.replica_targets import Target, read_targets, write_targets
 from core.tier0_dir import shm_root
 from elastic.etcd_server import EtcdServer
@@ -57,12 +58,14 @@ class Helper:
     def __init__(self, tier0: Path, log: Path) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.events = log.with_suffix(".events")
         sock = socket_path(tier0)
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ckpt.helper_process", "--socket", str(sock), "--parent", str(os.getpid()),
                  "--replica-fd", str(self.listener.fileno())], cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, pass_fds=(self.listener.fileno(),))
+                stderr=subprocess.STDOUT, pass_fds=(self.listener.fileno(),),
+                env={**os.environ, EVENTS_DIR_ENV: str(self.events)})
         wait_for(lambda: sock.exists() or self.proc.poll() is not None, "the helper's socket")
         assert self.proc.poll() is None, log.read_text()
 
@@ -108,10 +111,13 @@ def test_a_lost_nodes_newest_replicated_step_is_restored_from_the_peers_memory(
                 pending = ck.snapshot(step, state(step))
                 pending.wait_persisted()
                 assert ck._writer.tier0_thread.wait_idle(60)
-                # An even step is sent in the background: wait for it, so that each gets its turn. (A snapshot
-                # is skipped while the helper still copies the slot it needs, on a loaded machine.)
+                # An even step is sent in the background: wait until its sender is free again (its "sent" event
+                # comes after), so that each gets its turn. (A snapshot is skipped while the helper still copies
+                # the slot it needs, on a loaded machine.)
                 if step % 2 == 0 and not pending.skipped:
-                    wait_for(lambda: step in replica_steps(b), f"the replica of step {step}")  # noqa: B023
+                    wait_for(lambda: any(e["step"] == step for e in read_events(str(helpers[0].events))  # noqa: B023
+                                         if e["event"] == "ckpt_replica" and e["state"] == "sent"),
+                             f"the replica of step {step}")
                     sent.append(step)
         finally:
             ck.close()
