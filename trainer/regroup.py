@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import partial
@@ -66,6 +67,8 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round
         round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
     if round_ is None or round_.stop:
         return round_
+    if error is not None:
+        release_frames(error)
     backend = str(dist.get_backend())
     while True:
         try:
@@ -80,6 +83,25 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round
             round_ = newer
     watcher.joined(round_)
     return round_
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames `error` (and the errors it chains) was raised through.
+
+    Before leaving the group: the frame of a failed collective holds the group (torch's `all_reduce` keeps
+    `group` and `work`; c10d's logging wrapper keeps the error, a cycle). While they live the group survives
+    `destroy_process_group`: its gloo connections stay open, so a peer waiting on this rank in the same
+    collective is not failed by our leaving; it waits out the gloo timeout, misses the agent's leave
+    deadline and is restarted (`reform_fallback`)."""
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while pending and len(seen) < 16:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # skips the frames still running (the caller's)
+        pending += [e.__cause__, e.__context__]
 
 
 def abort_process_group(_round: reform.Round) -> None:

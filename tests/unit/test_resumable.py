@@ -93,9 +93,10 @@ def test_a_restore_from_tier_0_without_a_copy_resumes_bitwise_through_the_saves_
         first = train(run, model, opt, 0, 5)
         run.close()
         run2, model2, opt2, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
-        assert run2.restore() == 5 and run2.restored is not None and run2.restored.tier == "memory"
-        rest = train(run2, model2, opt2, 5, 8)  # saves 6, 7 (into the restored slot), 8
-        assert first + rest == ref_losses
+        step = run2.restore()  # 5, or 4 when the snapshot of 5 was skipped (the one before still being summed)
+        assert step in (4, 5) and run2.restored is not None and run2.restored.tier == "memory", step
+        rest = train(run2, model2, opt2, step, 8)  # the second save after it goes into the restored slot
+        assert first[:step] + rest == ref_losses
         assert training_digest(model2, opt2) == training_digest(ref_model, ref_opt)
     finally:
         shutil.rmtree(shm, ignore_errors=True)

@@ -1,0 +1,76 @@
+"""Leaving a gloo group after a collective failed in this rank (trainer/regroup.py, `release_frames`).
+
+The error of a failed `dist.all_reduce` keeps the group alive through its traceback (torch's frame holds
+`group` and `work`): `destroy_process_group` then frees nothing, and a survivor still waiting on this rank
+in the same collective is never failed by our leaving (it waited out gloo's timeout, then the agent's leave
+deadline restarted it: issue K). Two real gloo processes: rank 1 waits in an all-reduce that rank 0 never
+joins; rank 0 holds an error raised through a frame that holds the group, leaves, and rank 1 must fail at
+once (the group's timeout is 60 s; the deadline asserted is 20 s, loose for a loaded machine)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.regroup import release_frames
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _collective_that_fails(group: dist.ProcessGroup) -> None:
+    work = group  # noqa: F841 - a frame holding the group, as torch's all_reduce does
+    raise RuntimeError("Connection closed by peer (the collective failed)")
+
+
+def _rank(rank: int, port: int, release: bool, out: mp.Queue) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    if rank == 1:
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))  # rank 0 never joins it
+            out.put(("joined", time.monotonic() - started))
+        except RuntimeError:
+            out.put(("failed", time.monotonic() - started))
+        return
+    try:
+        _collective_that_fails(dist.distributed_c10d._get_default_group())
+    except RuntimeError as error:
+        held = error
+    time.sleep(1.0)  # rank 1 is inside its all-reduce by now
+    if release:
+        release_frames(held)
+    dist.destroy_process_group()
+    out.put(("left", 0.0))
+    time.sleep(30)  # alive, holding `held`, as a kept worker joining the next round is
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_rank_that_leaves_after_a_failed_collective_frees_the_group_so_its_peer_fails_at_once() -> None:
+    # (Without release_frames rank 1 stays in its all-reduce past the 20 s: checked when this test was written.)
+    release = True
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, release, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=90) for _ in range(2))
+        assert results.get("failed") is not None and results["failed"] < 20, results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
