@@ -14,9 +14,10 @@ tier-1/tier-2 step.
 
 Sending (`ReplicaSender`): the snapshot is first copied into the sender's buffer for that rank (a memcpy,
 under the slot's lock: the worker rewrites its slot two snapshots later, sooner than the network would
-send it), then a thread sends the newest buffered snapshot of each rank; an older one not yet sent is
-replaced, never queued. Every connect, send and reply has a deadline; a failed push is logged (once per
-target until it works again) and the next snapshot tries again.
+send it), then a thread sends it; while a rank's copy is being taken or sent, that rank's next replicated
+snapshot is not taken (never queued): the one after it goes. Every connect, send and reply has a
+deadline; a failed push is logged (once per target until it works again) and the next snapshot tries
+again.
 
 Receiving (`ReplicaReceiver`): one push per connection: header {"op": "replica", "node", "rank",
 "step", "size"}, body: the source's manifest; then `size` raw bytes. The receiver writes them into the
@@ -24,7 +25,8 @@ Receiving (`ReplicaReceiver`): one push per connection: header {"op": "replica",
 checksum, and only then writes the manifest: a torn or damaged transfer leaves no manifest, and the
 other slot, the previous replica, whole. Reply {"ok": true} or {"ok": false, "error"}. A manifest that
 does not describe the pushed bytes (rank, step, size) is refused. The restore reads a replica as it
-reads the node's own slots: verified again, and only this run's (run name and uid).
+reads the node's own slots: verified again, and only this run's (by run name: each node's tier 1 mints its
+own run uid).
 
 Simulated nodes on one machine each have their own tier-0 directory, so a replica always travels over
 the socket, never through a shared path.
@@ -50,14 +52,13 @@ from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, rank_dir_name
 from ckpt.manifest import parse_manifest
-from ckpt.tier0 import PEERS_DIR, SlotLock
+from ckpt.tier0 import PEERS_DIR, SLOTS, SlotLock
 from core.events import emit
 from core.frames import recv_frame, send_frame
 from core.replica_targets import read_targets
 
 logger = logging.getLogger(__name__)
 
-SLOTS = 2
 CONNECT_S = 5.0
 IO_TIMEOUT_S = 60.0
 """Deadline of each socket operation of a push (a peer that stops reading)."""
@@ -103,7 +104,7 @@ class ReplicaSender:
     def __init__(self, tier0: Path) -> None:
         self.tier0 = tier0
         self._buffers: dict[int, mmap.mmap] = {}  # rank -> its copy buffer
-        self._pending: dict[int, _Buffered] = {}  # rank -> newest copied, not yet sent
+        self._pending: dict[int, _Buffered] = {}  # rank -> copied, not yet sent
         self._busy: set[int] = set()  # ranks whose buffer is being filled or sent
         self._cond = threading.Condition()
         self._failing: set[str] = set()
@@ -124,7 +125,6 @@ class ReplicaSender:
             if rank in self._busy:
                 return False
             self._busy.add(rank)
-            self._pending.pop(rank, None)
         item = _Buffered(step, rank, manifest, len(image), copies, self._buffer(rank, len(image)))
         self._copier.submit(self._copy, item, image, lock)
         return True
