@@ -344,8 +344,15 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
         for m in rows:
             statuses[m["status"]] = statuses.get(m["status"], 0) + 1
         fig["ckpt_status"] = statuses
+        reasons: dict[str, int] = {}  # why snapshots were skipped (the error's first words name the cause)
+        for m in rows:
+            if m["status"] == "skipped":
+                reason = " ".join(str(m.get("error", "?")).split()[:6])
+                reasons[reason] = reasons.get(reason, 0) + 1
+        if reasons:
+            fig["ckpt_skipped_why"] = reasons
         fig["saves"] = sum(n for s, n in statuses.items() if s not in ("skipped", "failed"))
-        for key in ("stall_s", "wait_staged_s", "tier0_s", "tier1_s"):
+        for key in ("stall_s", "wait_staged_s", "copy_s", "tier0_s", "tier1_s"):
             values = [m[key] for m in rows if key in m and m["status"] not in ("skipped", "failed")]
             if values:
                 fig[f"ckpt_{key}"] = dist_of(values)
@@ -397,11 +404,18 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
         kill_to_worker_started_s=round(started["ts"] - fault["ts"], 3) if started else None,
         worker_started_to_restored_s=round(restored["ts"] - started["ts"], 3) if restored and started else None,
         restore_s=results.get(1, {}).get("restore_s"),
+        restore_prepare_s=resumed.get("prepare_s"),  # of restore_s: the tier-0 slots mapped and page-locked
         # where the restarted worker's start goes: interpreter and imports, then setup, model and DDP
         kill_to_worker_main_s=round(results[1]["main_started_unix"] - fault["ts"], 3)
         if "main_started_unix" in results.get(1, {}) else None,
         worker_main_to_loop_ready_s=results.get(1, {}).get("loop_ready_s"),
         restored_to_first_step_s=round(first_step["ts"] - restored["ts"], 3) if restored and first_step else None,
+        # elastic-run's agent: the crashed worker's place taken by a warm spare, one still warming up, or a new
+        # process (elastic/spare.py); a spare that was warm before the kill (its spare_ready event)
+        replaced_by=None if agent_restart is None else (
+            "a new process" if not agent_restart.get("warm_spare") else
+            "a warm spare" if agent_restart.get("spare_ready") else "a spare still warming up"),
+        spares_ready_before_kill=sum(1 for e in events if e["event"] == "spare_ready" and e["ts"] < fault["ts"]),
         events=events_summary(events),
     )
     return fig
@@ -596,8 +610,8 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]
             "rounds_not_run": sum(1 for f in entry["rounds"] if "not_run" in f),
         }
     if kills:
-        keys = ("steps_lost", "resumed_from", "restored_tier", "kill_to_first_step_s", "restore_s", "error",
-                "skipped", "not_run")
+        keys = ("steps_lost", "resumed_from", "restored_tier", "kill_to_first_step_s", "restore_s",
+                "restore_prepare_s", "replaced_by", "error", "skipped", "not_run")
         out["kills"] = {name: {k: fig[k] for k in keys if fig.get(k) is not None} for name, fig in kills.items()}
     t0 = out.get("ours_tier0_1_tier1_10", {})
     k0 = kills.get("ours_tier0_1_tier1_10", {})

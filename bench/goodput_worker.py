@@ -225,10 +225,12 @@ def save_metrics(run: Resumable) -> list[dict[str, Any]]:
     out = []
     for m in run.checkpointer.metrics:
         row: dict[str, Any] = {"step": m.step, "status": m.status}
-        for key in ("stall_s", "wait_staged_s", "tier0_s", "tier1_s"):
+        for key in ("stall_s", "wait_staged_s", "copy_s", "tier0_s", "tier1_s"):
             value = getattr(m, key, None)
             if value is not None:
                 row[key] = round(value, 6)
+        if m.status == "skipped" and m.error:
+            row["error"] = m.error
         out.append(row)
     return out
 

@@ -3,10 +3,11 @@
     python -m ckpt.helper_process --socket <tier0 dir>/helper.sock --parent <agent pid> [--replica-fd N]
 
 elastic-run's agent starts it beside the node's tier-0 directory (elastic/node_helper.py) and starts it
-again when it dies. One thread per worker connection; the checksums run on a small pool (sum64 on
-torch's intra-op threads, without the GIL). It exits when its agent is gone (parent death signal, and a
-check of the parent pid once a second). With `--replica-fd` (a listening TCP socket the agent made and
-advertises to its peers) it also keeps other nodes' replicas and sends this node's (ckpt/replica.py).
+again when it dies. One thread per worker connection; the checksums run on two small pools (a snapshot's
+sum64 on one, tier-1 files and replicas on the other), without the GIL. It exits when its agent is gone
+(parent death signal, and a check of the parent pid once a second). With `--replica-fd` (a listening TCP
+socket the agent made and advertises to its peers) it also keeps other nodes' replicas and sends this
+node's (ckpt/replica.py).
 """
 
 from __future__ import annotations
@@ -69,15 +70,19 @@ class _Images:
 class Helper:
     """Serves the node's workers (one thread per connection)."""
 
-    def __init__(self, path: Path, *, threads: int = 4) -> None:
+    def __init__(self, path: Path, *, threads: int | None = None) -> None:
         self.path = path
+        threads = threads or default_threads()
+        # Two pools: a snapshot's publish (the next snapshot and any tier-1 save wait for it) never queues
+        # behind a tier-1 file's sha256 or a replica's verification.
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-sum")
+        self.persist_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-persist")
         self.images = _Images()
         self.sender = ReplicaSender(path.parent)
 
     def serve_replicas(self, listener: socket.socket) -> None:
         """Keep the replicas other nodes' helpers push to `listener` (a thread)."""
-        receiver = ReplicaReceiver(self.path.parent, self.pool)
+        receiver = ReplicaReceiver(self.path.parent, self.persist_pool)
         threading.Thread(target=receiver.serve, args=(listener,), daemon=True, name="replica-accept").start()
 
     def serve(self, listener: socket.socket, parent: int | None) -> None:
@@ -175,8 +180,8 @@ class Helper:
             written = persist_rank(
                 layout, step=step, rank=int(header["rank"]), world_size=world_size, generation=generation,
                 parts=[image], tensors=template.tensors, skeleton=json.loads(body), checksum=str(header["checksum"]),
-                chunk_bytes=int(header["chunk_bytes"]), shards=template.shards, pool=self.pool, identity=identity,
-                before_publish=lambda: _require_open(conn), release=release)
+                chunk_bytes=int(header["chunk_bytes"]), shards=template.shards, pool=self.persist_pool,
+                identity=identity, before_publish=lambda: _require_open(conn), release=release)
         finally:
             lock.release()
         committed = commit_if_complete(layout, step=step, world_size=world_size,
@@ -184,6 +189,12 @@ class Helper:
                                        identity=identity)
         return {"ok": True, "path": str(written.path), "nbytes": written.nbytes,
                 "manifest_sha256": written.manifest_sha256, "committed": committed is not None}
+
+
+def default_threads() -> int:
+    """Checksum threads per pool: 4, and up to 8 on hosts with the cores (a 1.2 GB snapshot's sum64 took
+    45 ms with 4 and 30 ms with 8 on an H200 host's 16 cores; it runs every step, beside training)."""
+    return max(4, min(8, (os.cpu_count() or 1) // 2))
 
 
 class _GaveUp(Exception):
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckpt.helper_process", description=__doc__.split("\n")[0])
     parser.add_argument("--socket", type=Path, required=True, help="the socket to listen on")
     parser.add_argument("--parent", type=int, default=None, help="exit when this process is no longer our parent")
-    parser.add_argument("--threads", type=int, default=4, help="checksum threads")
+    parser.add_argument("--threads", type=int, default=None, help="checksum threads per pool (default: 4-8 by cores)")
     parser.add_argument("--replica-fd", type=int, default=None,
                         help="an inherited listening TCP socket for other nodes' replicas (ckpt/replica.py)")
     args = parser.parse_args(argv)

@@ -41,6 +41,8 @@ class SaveMetrics:
     writer); in "overlapped" mode add `wait_staged_s`."""
     wait_staged_s: float = 0.0
     """Time the loop spent in wait_staged() ("overlapped" mode)."""
+    copy_s: float | None = None
+    """From the save's start to its consistent copy (the device-to-host copies, overlapped with the loop)."""
     tier0_s: float | None = None
     """From the consistent copy to the tier-0 slot's published manifest (its checksum)."""
     tier1_s: float | None = None

@@ -146,6 +146,7 @@ class Resumable:
         self._names_cache: tuple[tuple[int, ...], list[list[str | None]]] | None = None
         self._view = StateView(self.state, self.model, self.optimizer)
         self.restored: Restored | None = None
+        self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._saved_step = -1
         self._closed = False
@@ -183,6 +184,7 @@ class Resumable:
         settings (the message lists what differs), and ckpt's CheckpointVersionError when the
         newest checkpoint was written by a newer elastic-train.
         """
+        self._restore_started, self._prepare_s = time.monotonic(), 0.0
         caught = self._join_group()
         if caught is not None:
             self._declare_ready()
@@ -227,7 +229,7 @@ class Resumable:
             emit("restored", step=step, tier="peer" if source == "peer" else "own", source_rank=None, path=None)
         elif self._boundary_rng is not None:
             rng.restore(self._boundary_rng)  # draws of the interrupted step are void
-        self.checkpointer.prepare(self.state())
+        self._prepare()
         self.step = self._saved_step = step
         if source != "memory":
             self._emit_digest(step, "restore")
@@ -256,7 +258,7 @@ class Resumable:
                 return self._started(self._continue_from(*peer))
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
-            self.checkpointer.prepare(self.state())  # staging buffer allocated before the loop
+            self._prepare()  # staging buffer allocated before the loop
             if self.sharded:
                 sharding.forget_optimizer_state(self.optimizer)  # the template's, made by get_state_dict
             self._mark_live(0)
@@ -267,7 +269,7 @@ class Resumable:
             self._apply(restored.state, own_rank=restored.own)
         self.restored = restored
         emit("restored", step=restored.step, tier=restored.tier, source_rank=restored.rank, path=restored.path)
-        self.checkpointer.prepare(self.state())
+        self._prepare()
         self.step = self.resumed_from = self._saved_step = restored.step
         self._emit_digest(restored.step, "restore")
         saved_world = restored.state.get("world_size")
@@ -280,8 +282,16 @@ class Resumable:
         self._mark_live(restored.step)
         return self._started(restored.step)
 
+    def _prepare(self) -> None:
+        """The staging buffer or tier-0 slots mapped (and page-locked for CUDA state) before the loop, timed."""
+        started = time.monotonic()
+        self.checkpointer.prepare(self.state())
+        self._prepare_s += time.monotonic() - started
+
     def _started(self, step: int) -> int:
-        emit("resumed", step=step)
+        # restore_s: the whole restore(); prepare_s: the part spent mapping and page-locking the staging memory
+        emit("resumed", step=step, restore_s=round(time.monotonic() - self._restore_started, 4),
+             prepare_s=round(self._prepare_s, 4))
         self.telemetry.resumed(step, self.restored)
         faults.fire("step", step)  # the fault point before the first step this incarnation runs
         return step
