@@ -416,6 +416,9 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
             "a new process" if not agent_restart.get("warm_spare") else
             "a warm spare" if agent_restart.get("spare_ready") else "a spare still warming up"),
         spares_ready_before_kill=sum(1 for e in events if e["event"] == "spare_ready" and e["ts"] < fault["ts"]),
+        spare_started_before_kill_s=next((round(fault["ts"] - e["ts"], 3) for e in events
+                                          if e["event"] == "spare_started" and e["ts"] < fault["ts"]), None),
+        spare_warm_s=next((e.get("warm_s") for e in events if e["event"] == "spare_ready"), None),
         events=events_summary(events),
     )
     return fig

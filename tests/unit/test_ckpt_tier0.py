@@ -214,20 +214,55 @@ def test_cuda_snapshots_copy_into_page_locked_slots_overlapped_and_restore_exact
         assert torch.equal(restored.state["w"], expected)
 
 
-def test_when_the_layout_grows_after_prepare_the_other_slot_is_mapped_after_the_save_not_in_the_next(
+def test_when_the_layout_grows_after_prepare_the_other_slot_is_mapped_in_that_save_not_in_the_next(
         tmp_path: Path, shm: Path) -> None:
     # Resumable prepares before the loop, when the optimizer has no state yet; its first save brings a larger
-    # layout. The slot that save takes is mapped for it in the save; the other one must be mapped right after,
-    # on the writer's thread, so that the next save does not map (reserve, pin) a whole slot in its stall.
+    # layout. The slot that save takes is mapped for it in the save, and so is the other one (pinning it later,
+    # even from another thread, held up a step of the loop on one H200): no later save maps a whole slot.
     with make(tmp_path, shm) as ck:
         ck.prepare({"w": torch.zeros(300, 70)})
         sizes = {len(s.view()) for s in ck._writer.tier0.slots}
         full = state(1)
-        ck.snapshot(1, full).wait_persisted()
+        ck.snapshot(1, full)
+        grown = {len(s.view()) for s in ck._writer.tier0.slots}  # before the snapshot's own thread finished
         assert ck._writer.tier0_thread.wait_idle(30)
-        grown = {len(s.view()) for s in ck._writer.tier0.slots}
         assert len(grown) == 1 and grown != sizes, (sizes, grown)
         assert slot_of(shm, 1)  # the save's own snapshot is whole and still the newest
         ck.snapshot(2, state(2)).wait_persisted()
         restored = ck.restore()
         assert restored is not None and restored.step == 2 and torch.equal(restored.state["w"], state(2)["w"])
+
+
+def test_slots_a_warm_spare_mapped_ahead_are_what_the_restarted_worker_uses(tmp_path: Path, shm: Path) -> None:
+    # A warm spare (elastic/spare.py) maps the node's slot files before it becomes a worker; the worker's
+    # slots take those mappings when file and size are unchanged, map anew when not, and restore bitwise.
+    from ckpt import tier0
+
+    with make(tmp_path, shm) as ck:
+        train(ck, range(1, 4), persist_every=10)
+    other = shm / "rank_00007" / "slot_0"  # another rank's slot, once on this node
+    other.mkdir(parents=True)
+    (other / "state.safetensors").write_bytes(bytes(4096))
+    assert tier0.premap_slots(shm, pin=False) == sum(p.stat().st_size for p in shm.glob("rank_*/slot_*/state.*"))
+    premapped = dict(tier0._PREMAPPED._maps)
+    assert len(premapped) == 3
+    with make(tmp_path, shm) as again:
+        assert str(other / "state.safetensors") not in tier0._PREMAPPED._maps  # dropped: not this rank's
+        restored = again.restore()
+        assert restored is not None and restored.step == 3 and torch.equal(restored.state["w"], state(3)["w"])
+        train(again, range(4, 6), persist_every=10)
+        adopted = [s._map for s in again._writer.tier0.slots]
+        assert all(any(m is entry[2] for entry in premapped.values()) for m in adopted), "mapped anew"
+        assert not tier0._PREMAPPED._maps
+    with make(tmp_path, shm) as third:
+        assert third.restore().step == 5  # type: ignore[union-attr]
+    # A file resized since it was mapped ahead is mapped anew, not through the stale mapping.
+    assert tier0.premap_slots(shm, pin=False) > 0
+    with make(tmp_path, shm) as grown:
+        bigger = {"w": torch.randn(600, 70), "step": 6}
+        grown.snapshot(6, bigger).wait_persisted()
+        grown.snapshot(7, bigger).wait_persisted()
+        assert grown._writer.tier0_thread.wait_idle(30)
+        restored = grown.restore()
+        assert restored is not None and restored.step == 7 and torch.equal(restored.state["w"], bigger["w"])
+    assert not tier0._PREMAPPED._maps
