@@ -409,6 +409,8 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
         kill_to_worker_main_s=round(results[1]["main_started_unix"] - fault["ts"], 3)
         if "main_started_unix" in results.get(1, {}) else None,
         worker_main_to_loop_ready_s=results.get(1, {}).get("loop_ready_s"),
+        # of it, cumulative from the worker's main(): imports, train_gpt.setup (the process group), model, DDP
+        worker_main_split_s=results.get(1, {}).get("start_split_s"),
         restored_to_first_step_s=round(first_step["ts"] - restored["ts"], 3) if restored and first_step else None,
         # elastic-run's agent: the crashed worker's place taken by a warm spare, one still warming up, or a new
         # process (elastic/spare.py); a spare that was warm before the kill (its spare_ready event)

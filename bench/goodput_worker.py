@@ -123,12 +123,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    marks = {"imports": time.perf_counter()}  # where a (restarted) worker's start goes, before its loop
     rank, world, device = train_gpt.setup(args)
+    marks["setup"] = time.perf_counter()
     torch.manual_seed(args.seed)
-    model = train_gpt.GPT(args).to(device)
+    with device:  # as train_gpt.py builds it: on its device
+        model = train_gpt.GPT(args)
+    marks["model"] = time.perf_counter()
     # train_gpt.py's choice: wrap_ddp (one bucket layout, bitwise resume) on CPU, plain DDP on CUDA
     wrap = wrap_ddp if args.deterministic or device.type == "cpu" else DDP
     ddp = wrap(model, device_ids=[device.index] if device.type == "cuda" else None) if dist.is_initialized() else model
+    marks["ddp"] = time.perf_counter()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                   fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_gpt.lr_schedule(args.warmup, args.steps))
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens_per_step=args.global_batch * args.seq_len,
         main_started_unix=round(started, 3),
         loop_ready_s=round(timings.t0 - started_perf, 3),
+        start_split_s={name: round(t - started_perf, 3) for name, t in marks.items()},
         max_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         cuda_max_allocated_mb=(round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
                                if device.type == "cuda" else None),

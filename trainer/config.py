@@ -4,10 +4,10 @@ Two cadences: `save_every` snapshots into tier 0 (the node's host memory, under 
 ckpt/tier0.py), `persist_every` writes to tier 1 (disk) and from there tier 2; a persisted step is in
 tier 0 too. Either given alone sets both (so `save_every=N` keeps its earlier meaning, a checkpoint on
 disk every N steps); left out, both are 10. Snapshots between the persisted steps need both:
-`save_every=1, persist_every=10`. They are not the default yet: on one H200 a snapshot every step still
-cost ~14% of the GPT example's throughput (bench/goodput_bench.py, 2026-12-02, with the node's checkpoint
-helper process and trainer/state_view.py; ~20% before them). Without a tier 0 (no elastic-run, or
-tier0_dir=""), only persisted steps are saved.
+`save_every=1, persist_every=10`. They are not the default: on one H200 a snapshot every step costs ~2%
+of the GPT example's throughput (0.978 of no checkpoint; the default 0.9997: bench/goodput_bench.py,
+2026-12-02). Memory: tier 0 keeps two copies of each rank's state in the node's /dev/shm. Without a
+tier 0 (no elastic-run, or tier0_dir=""), only persisted steps are saved.
 
 The checkpointer's options are not renamed here: `ResumeConfig.ckpt` is a `ckpt.CheckpointConfig`,
 so every one of them (snapshot `mode` including "overlapped", `if_busy`, `checksum`, `keep_every`,
