@@ -202,6 +202,15 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def wait_for_spares(started: list[Node]) -> None:
+    def warm() -> bool:
+        for n in started:
+            n.steps()  # reads the event files
+        return all(any(e["event"] == "spare_ready" for e in n.events) for n in started)
+
+    wait_for(warm, 120, "every node's warm spare")
+
+
 def one_run(mode: str, fault: str, nodes: int, etcd: EtcdServer, timeout: float, backend: str,
             keep: Path | None = None, script: str = "tiny") -> dict[str, Any]:
     """Start the job, inject `fault` into the node holding the last rank, measure; stops everything it started.
@@ -252,11 +261,7 @@ def measure(mode: str, fault: str, nodes: int, target: int, started: list[Node],
 
     wait_for(together, 180, f"{mode}: {nodes} nodes training together")
     if mode == "in-process" and fault == "worker":
-        def spares_warm() -> bool:
-            steps()  # reads the event files
-            return all(any(e["event"] == "spare_ready" for e in n.events) for n in started)
-
-        wait_for(spares_warm, 120, "every node's warm spare")
+        wait_for_spares(started)
     # Not right after a step record (when the bench sees it): at a random phase of the step cycle.
     time.sleep(random.uniform(0, KILL_PHASE_S))
     latest = {s.node: s for s in sorted((s for s in steps() if s.world == nodes), key=lambda s: s.ts)}
@@ -333,6 +338,8 @@ def measure_join(mode: str, nodes: int, started: list[Node], start_joiner: Calla
         return len({s.rank for s in at_n}) == nodes and len({s.step for s in at_n}) >= WARMUP_STEPS
 
     wait_for(together, 180, f"{mode}: {nodes} nodes training together")
+    if mode == "in-process":  # a job past its start: the nodes' warm spares are warm, not competing for the CPU
+        wait_for_spares(started)
     survivors = {n.index for n in started}
     latest = {s.node: s for s in sorted((s for s in steps() if s.world == nodes), key=lambda s: s.ts)}
     pids_before = {i: latest[i].pid for i in survivors}
@@ -382,6 +389,9 @@ def summarize(runs: list[dict[str, Any] | None]) -> dict[str, Any]:
     entry["median_s"] = statistics.median(r["recovery_s"] for r in ok)
     entry["survivor_pids_changed"] = any(r["survivor_pids_changed"] for r in ok)
     entry["recomputed_max"] = max(r["recomputed"] for r in ok)
+    pauses = [r["survivors_longest_pause_s"] for r in ok if r.get("survivors_longest_pause_s") is not None]
+    if pauses:
+        entry["survivors_longest_pause_median_s"] = statistics.median(pauses)
     detect = [r["detect_s"] for r in ok if r.get("detect_s") is not None]
     if detect:
         entry["detect_median_s"] = statistics.median(detect)
@@ -399,6 +409,8 @@ def compare(scenarios: dict[str, dict[str, Any]], fault: str, nodes: int, script
         entry[m] = {"median_s": found.get("median_s"), "recovered": f"{runs - found['failed']}/{runs}",
                     "survivor_pids_changed": found.get("survivor_pids_changed"),
                     "recomputed_max": found.get("recomputed_max")}
+        if "survivors_longest_pause_median_s" in found:
+            entry[m]["survivors_longest_pause_median_s"] = found["survivors_longest_pause_median_s"]
     ours = entry.get("in-process", {}).get("median_s")
     for m in ("no-spare", "restart", "torchrun"):
         theirs = entry.get(m, {}).get("median_s")

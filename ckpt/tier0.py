@@ -58,6 +58,7 @@ from ckpt.safe_io import read_regular
 from ckpt.sharding import ShardInfo
 from ckpt.snapshot import host_register, host_unregister
 from ckpt.tiers import TierName
+from core import premap
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class HostSlot:
                 os.posix_fallocate(fd, 0, size)  # reserve the pages now: ENOSPC here, not SIGBUS later
             except OSError as exc:
                 raise _no_room(self.path.parent.parent, size, room, exc) from exc
-            adopted = _PREMAPPED.take(self.data_path, os.fstat(fd).st_ino, size)
+            adopted = premap.take(self.data_path, os.fstat(fd).st_ino, size)
             if adopted is not None:  # mapped (and page-locked) by this process while it was a warm spare
                 self._map, self._pinned = adopted
             else:
@@ -155,79 +156,16 @@ class HostSlot:
         self._map, self._size, self._pinned = None, 0, False
 
 
-class _Premapped:
-    """Slot files a warm spare mapped and page-locked ahead of need (elastic/spare.py): a worker restarted
-    after a crash restores from tier 0 and snapshots again at once, and page-locking both slots of a
-    1.2 GB state took 0.46 s of its restore on one H200. A slot whose file changed since (another inode
-    or size) is mapped anew; the stale mappings go when the spare becomes a worker (drop_stale)."""
-
-    def __init__(self) -> None:
-        self._maps: dict[str, tuple[int, int, mmap.mmap, bool]] = {}
-        self._lock = threading.Lock()
-
-    def add(self, root: Path, *, pin: bool) -> int:
-        """Map every own slot file under the tier-0 directory `root` (not peers' replicas); page-lock them
-        if `pin`. Returns the bytes mapped. Best effort: a file that goes away meanwhile is skipped."""
-        mapped = 0
-        for data in sorted(root.glob(f"rank_*/slot_*/{STATE_FILE}")):
-            try:
-                fd = os.open(data, os.O_RDWR)
-            except OSError:
-                continue
-            try:
-                st = os.fstat(fd)
-                with self._lock:
-                    known = self._maps.get(str(data))
-                if not st.st_size or (known is not None and known[:2] == (st.st_ino, st.st_size)):
-                    continue
-                mapping = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            except (OSError, ValueError):
-                continue
-            finally:
-                os.close(fd)
-            pinned = pin and host_register(_address(mapping), st.st_size)
-            with self._lock:
-                old = self._maps.pop(str(data), None)
-                self._maps[str(data)] = (st.st_ino, st.st_size, mapping, pinned)
-            if old is not None:
-                _unmap(old[2], old[3])
-            mapped += st.st_size
-        return mapped
-
-    def take(self, path: Path, inode: int, size: int) -> tuple[mmap.mmap, bool] | None:
-        with self._lock:
-            found = self._maps.pop(str(path), None)
-        if found is None:
-            return None
-        if found[:2] != (inode, size):
-            _unmap(found[2], found[3])
-            return None
-        return found[2], found[3]
-
-    def drop_stale(self, keep: Path) -> None:
-        """Unmap what this process will not use: every mapping not under `keep` (its own rank's slots)."""
-        with self._lock:
-            stale = [k for k in self._maps if not Path(k).is_relative_to(keep)]
-            dropped = [self._maps.pop(k) for k in stale]
-        for _, _, mapping, pinned in dropped:
-            _unmap(mapping, pinned)
+def _pin(mapping: mmap.mmap, size: int) -> bool:
+    return host_register(_address(mapping), size)
 
 
-def _unmap(mapping: mmap.mmap, pinned: bool) -> None:
-    if pinned:
-        host_unregister(_address(mapping))
-    try:
-        mapping.close()
-    except BufferError:
-        pass
+def _unpin(mapping: mmap.mmap) -> None:
+    host_unregister(_address(mapping))
 
 
-_PREMAPPED = _Premapped()
-
-
-def premap_slots(root: Path, *, pin: bool) -> int:
-    """See _Premapped.add (for elastic/spare.py)."""
-    return _PREMAPPED.add(root, pin=pin)
+# Where a warm spare finds the slot files it maps ahead for the worker it becomes (core/premap.py).
+premap.configure(f"rank_*/slot_*/{STATE_FILE}", _pin, _unpin)
 
 
 def snapshot_manifest(
@@ -321,7 +259,7 @@ class HostSlots:
         self.rank = rank
         self.identity = identity
         self.slots = [HostSlot(slot_dir(root, rank, i)) for i in range(SLOTS)]
-        _PREMAPPED.drop_stale(root / rank_dir_name(rank))  # a former spare's mappings of other ranks' slots
+        premap.drop_except(root / rank_dir_name(rank))  # a former spare's mappings of other ranks' slots
         self._busy: set[int] = set()
         self._held: set[int] = set()
         """Busy slots the node's helper may still publish (a request given up on): free once their lock is."""

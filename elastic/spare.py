@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core import premap
 from core.tier0_dir import ENV as TIER0_ENV
 from elastic.progress import ENV_DIR as ENV_PROGRESS_DIR
 
@@ -209,14 +210,12 @@ def warm(target: Target) -> None:
 
 def _premap_tier0(*, pin: bool) -> None:
     """Map (and page-lock, for CUDA state) the node's tier-0 slot files, which the worker this spare replaces
-    restores from and snapshots into at once (ckpt/tier0.py, premap_slots)."""
+    restores from and snapshots into at once (core/premap.py; only where the script's imports loaded ckpt)."""
     root = os.environ.get(TIER0_ENV)
     if not root or not os.path.isdir(root):
         return
     try:
-        from ckpt.tier0 import premap_slots
-
-        mapped = premap_slots(Path(root), pin=pin)
+        mapped = premap.add(Path(root), pin=pin)
         log.debug("spare: %d bytes of tier-0 slots mapped ahead", mapped)
     except Exception as exc:  # noqa: BLE001 - the worker maps them itself
         log.debug("spare: mapping the tier-0 slots ahead failed (%s)", exc)

@@ -236,28 +236,28 @@ def test_when_the_layout_grows_after_prepare_the_other_slot_is_mapped_in_that_sa
 def test_slots_a_warm_spare_mapped_ahead_are_what_the_restarted_worker_uses(tmp_path: Path, shm: Path) -> None:
     # A warm spare (elastic/spare.py) maps the node's slot files before it becomes a worker; the worker's
     # slots take those mappings when file and size are unchanged, map anew when not, and restore bitwise.
-    from ckpt import tier0
+    from core import premap
 
     with make(tmp_path, shm) as ck:
         train(ck, range(1, 4), persist_every=10)
     other = shm / "rank_00007" / "slot_0"  # another rank's slot, once on this node
     other.mkdir(parents=True)
     (other / "state.safetensors").write_bytes(bytes(4096))
-    assert tier0.premap_slots(shm, pin=False) == sum(p.stat().st_size for p in shm.glob("rank_*/slot_*/state.*"))
-    premapped = dict(tier0._PREMAPPED._maps)
+    assert premap.add(shm, pin=False) == sum(p.stat().st_size for p in shm.glob("rank_*/slot_*/state.*"))
+    premapped = dict(premap._maps)
     assert len(premapped) == 3
     with make(tmp_path, shm) as again:
-        assert str(other / "state.safetensors") not in tier0._PREMAPPED._maps  # dropped: not this rank's
+        assert str(other / "state.safetensors") not in premap.held()  # dropped: not this rank's
         restored = again.restore()
         assert restored is not None and restored.step == 3 and torch.equal(restored.state["w"], state(3)["w"])
         train(again, range(4, 6), persist_every=10)
         adopted = [s._map for s in again._writer.tier0.slots]
         assert all(any(m is entry[2] for entry in premapped.values()) for m in adopted), "mapped anew"
-        assert not tier0._PREMAPPED._maps
+        assert not premap.held()
     with make(tmp_path, shm) as third:
         assert third.restore().step == 5  # type: ignore[union-attr]
     # A file resized since it was mapped ahead is mapped anew, not through the stale mapping.
-    assert tier0.premap_slots(shm, pin=False) > 0
+    assert premap.add(shm, pin=False) > 0
     with make(tmp_path, shm) as grown:
         bigger = {"w": torch.randn(600, 70), "step": 6}
         grown.snapshot(6, bigger).wait_persisted()
@@ -265,4 +265,4 @@ def test_slots_a_warm_spare_mapped_ahead_are_what_the_restarted_worker_uses(tmp_
         assert grown._writer.tier0_thread.wait_idle(30)
         restored = grown.restore()
         assert restored is not None and restored.step == 7 and torch.equal(restored.state["w"], bigger["w"])
-    assert not tier0._PREMAPPED._maps
+    assert not premap.held()
