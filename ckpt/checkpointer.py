@@ -172,7 +172,7 @@ class Checkpointer:
         if tier0_root is not None:
             self._host = HostTier(Path(tier0_root), read_timeout=read_timeout, local_world_size=local_world_size)
             self._host.identity = self.identity
-            self._writer.tier0 = HostSlots(Path(tier0_root), rank, self.identity)
+            self._writer.tier0 = HostSlots(Path(tier0_root), rank, self.identity, config.tier0_slots)
             if config.tier0_helper:
                 self._writer.helper = HelperClient(tier0_root)
                 self._writer.snapshot_helper = HelperClient(tier0_root)

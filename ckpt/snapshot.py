@@ -377,13 +377,6 @@ class StagingArea:
             self._plans.clear()
         self._plans[into.data_ptr()] = plan
         return plan
-        entries = [(s.name, dst, (t := tensors[s.name]).device.type, t)
-                   for s, dst in zip(layout.slots, self._slot_views(layout, into), strict=True)]
-        if len(self._plans) >= 4:
-            self._plans.clear()
-        self._plans[into.data_ptr()] = (layout, entries, [e[0] for e in entries], [e[2] for e in entries],
-                                        [e[3] for e in entries])
-        return entries
 
     @staticmethod
     def needs_pin(tensors: Mapping[str, torch.Tensor]) -> bool:

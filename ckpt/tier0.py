@@ -1,4 +1,4 @@
-"""Tier 0: each rank's newest snapshots in the node's host shared memory, two slots per rank.
+"""Tier 0: each rank's newest snapshots in the node's host shared memory, two slots per rank (or more).
 
     <tier0 dir>/rank_00003/slot_0/state.safetensors   the file image; mapped shared, it IS the staging buffer
     <tier0 dir>/rank_00003/slot_0/manifest.json       written last: the slot's commit (removed before a rewrite)
@@ -25,7 +25,8 @@ every step. A slot of another run (identity), a torn one (no manifest) or a dama
 never used. A restore copies the tensors out of the slot (`detach`): the slot is rewritten later.
 
 Memory: 2 x the rank's state bytes (page-locked for CUDA state), reserved with fallocate at the first
-save so that a full tmpfs is a clear error then (HostMemoryError), never a SIGBUS later.
+save so that a full tmpfs is a clear error then (HostMemoryError), never a SIGBUS later. With
+CheckpointConfig.tier0_slots = 3 snapshots go on while a tier-1 write reads a slot, at 3 x the bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Executor
@@ -63,6 +65,7 @@ from core import premap
 logger = logging.getLogger(__name__)
 
 SLOTS = 2
+"""Slots per rank unless CheckpointConfig.tier0_slots says more; also the replicas kept per peer rank."""
 
 PEERS_DIR = "peers"
 """In the tier-0 directory: the replicas this node holds for other nodes (ckpt/replica.py)."""
@@ -245,20 +248,27 @@ def _no_room(root: Path, size: int, room: int, exc: OSError) -> HostMemoryError:
     return HostMemoryError(
         f"tier 0 does not fit in {root} ({free}): a slot of {size / 2**30:.2f} GiB could not be reserved "
         f"({os.strerror(exc.errno or 0)}), and this node needs {room / 2**30:.2f} GiB more for the rest of its "
-        f"slots (2 per rank). Give /dev/shm more room (docker run --shm-size, a larger tmpfs), run fewer ranks "
-        f"per node, or turn tier 0 off with tier0_dir=\"\" (every save then goes to disk)",
+        f"slots (tier0_slots per rank). Give /dev/shm more room (docker run --shm-size, a larger tmpfs), run fewer "
+        f"ranks per node, use fewer tier0_slots (2 at least), or turn tier 0 off with tier0_dir=\"\" (every save "
+        f"then goes to disk)",
         path=root,
     )
 
 
 class HostSlots:
-    """The two tier-0 slots of one rank, on the writing side (see the module docstring)."""
+    """The tier-0 slots of one rank (`count`, at least 2), on the writing side (see the module docstring)."""
 
-    def __init__(self, root: Path, rank: int, identity: RunIdentity | None) -> None:
+    def __init__(self, root: Path, rank: int, identity: RunIdentity | None, count: int = SLOTS) -> None:
         self.root = root
         self.rank = rank
         self.identity = identity
-        self.slots = [HostSlot(slot_dir(root, rank, i)) for i in range(SLOTS)]
+        self.slots = [HostSlot(slot_dir(root, rank, i)) for i in range(count)]
+        # Slots a predecessor with more of them left: never written again here, so never trusted again (a
+        # restore of an older step would not drop them as a future it went back from).
+        for extra in list_dir(root / rank_dir_name(rank)):
+            number = extra.name.removeprefix("slot_")
+            if extra.name.startswith("slot_") and number.isdigit() and int(number) >= count:
+                shutil.rmtree(extra, ignore_errors=True)
         premap.drop_except(root / rank_dir_name(rank))  # a former spare's mappings of other ranks' slots
         self._busy: set[int] = set()
         self._held: set[int] = set()
@@ -285,7 +295,7 @@ class HostSlots:
                     slot.invalidate()  # a future we went back from
                     if self._newest == index:
                         self._newest = None
-            free = [i for i in range(SLOTS) if i != self._newest and i not in self._busy]
+            free = [i for i in range(len(self.slots)) if i != self._newest and i not in self._busy]
             if not free:
                 return None
             index = min(free, key=lambda i: _step_or_minus_one(self.slots[i]))

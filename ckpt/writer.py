@@ -341,7 +341,7 @@ class LocalWriter:
                             helper.map(path, size)
 
                     self.thread.submit(map_slots)
-                return 2 * layout.data_bytes
+                return len(self.tier0.slots) * layout.data_bytes
         return self.staging.reserve(tensors).data_bytes
 
     def _slot_buffer(self, slot: HostSlot, layout: StagingLayout, tensors: Mapping[str, Any]) -> Any:

@@ -137,6 +137,47 @@ def test_both_slots_in_use_skip_a_snapshot_instead_of_waiting(shm: Path) -> None
     assert slots.claim(3) is second
 
 
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_third_slot_keeps_snapshots_going_while_a_tier1_write_reads_one(shm: Path, count: int) -> None:
+    slots = HostSlots(shm, 0, RunIdentity("default", "uid"), count)
+    persisted = slots.claim(10)  # a tier-1 save: its slot is read by the write to disk for a while
+    assert persisted is not None
+    slots.published(persisted, 10, b"{}")
+    snapshot = slots.claim(11)
+    assert snapshot is not None
+    slots.published(snapshot, 11, b"{}")
+    slots.release(snapshot)
+    during = slots.claim(12)  # the write still reads step 10's slot; step 11's is the newest
+    if count == 2:
+        assert during is None  # skipped: a worker killed now loses 2 steps
+        return
+    assert during is not None and during not in (persisted, snapshot)
+    slots.published(during, 12, b"{}")
+    slots.release(during)
+    after = slots.claim(13)
+    assert after is snapshot  # the oldest free one, never the newest nor the one being written to disk
+
+
+def test_fewer_slots_than_a_predecessor_had_drop_the_extra_ones(shm: Path) -> None:
+    identity = RunIdentity("default", "uid")
+    three = HostSlots(shm, 0, identity, 3)
+    for step in (1, 2, 3):
+        slot = three.claim(step)
+        assert slot is not None
+        slot.buffer(b"", 64, pin=False, room=0)
+        three.published(slot, step, b"{}")
+        three.release(slot)
+    three.close()
+    assert len(list(shm.glob("rank_00000/slot_*"))) == 3
+    HostSlots(shm, 0, identity, 2).close()  # slot_2 is never written again: a restore must not find it
+    assert sorted(p.name for p in shm.glob("rank_00000/slot_*")) == ["slot_0", "slot_1"]
+
+
+def test_tier0_slots_below_two_is_refused_naming_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tier0_slots must be an int >= 2"):
+        CheckpointConfig(local_dir=tmp_path, tier0_slots=1)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB tmpfs (a container's small /dev/shm), unmounted afterwards."""
