@@ -420,13 +420,14 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
         worker_main_split_s=results.get(1, {}).get("start_split_s"),
         restored_to_first_step_s=round(first_step["ts"] - restored["ts"], 3) if restored and first_step else None,
         # elastic-run's agent: the crashed worker's place taken by a warm spare, one still warming up, or a new
-        # process (elastic/spare.py); a spare that was warm before the kill (its spare_ready event)
+        # process (elastic/spare.py: the agent's restart event says which), and when the spare was started
         replaced_by=None if agent_restart is None else (
             "a new process" if not agent_restart.get("warm_spare") else
             "a warm spare" if agent_restart.get("spare_ready") else "a spare still warming up"),
-        spares_ready_before_kill=sum(1 for e in events if e["event"] == "spare_ready" and e["ts"] < fault["ts"]),
         spare_started_before_kill_s=next((round(fault["ts"] - e["ts"], 3) for e in events
                                           if e["event"] == "spare_started" and e["ts"] < fault["ts"]), None),
+        # a spare's warm-up (the first spare_ready event found: a spare's own events reach the run's event
+        # directory only where the agent's environment names it, so this may be the spare started after the kill)
         spare_warm_s=next((e.get("warm_s") for e in events if e["event"] == "spare_ready"), None),
         events=events_summary(events),
     )
