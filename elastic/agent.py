@@ -181,7 +181,9 @@ class ElasticAgent(LocalElasticAgent):
             if self._round_info is not None and os.environ.get(NODE_HELPER_ENV, "1") != "0":
                 listener = listening_socket(self._round_info.bind_addr, backlog=16)
                 self._round_info.advertise(REPLICA_KEY, listener.getsockname()[1])
-            self.ckpt_helper = NodeHelper.start(self.tier0_dir, listener)
+            # Its process starts with the workers (_initialize_workers): a joining node's prestarted workers
+            # warm up first, not beside another torch import on the same cores.
+            self.ckpt_helper = NodeHelper.start(self.tier0_dir, listener, spawn=False)
         if self._round_info is not None:
             # A rendezvous that watches membership: a worker that dies of a lost peer waits this long
             # for us to stop it (elastic/peer_loss.py): the lease TTL, two monitor intervals, a margin.
@@ -202,6 +204,8 @@ class ElasticAgent(LocalElasticAgent):
         if not self._started_once:
             self._started_once = True
             self._prestart_joiners(worker_group)
+        if self.ckpt_helper is not None:
+            self.ckpt_helper.begin()
         super()._initialize_workers(worker_group)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:

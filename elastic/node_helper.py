@@ -49,27 +49,37 @@ class NodeHelper:
         self.replica_listener = replica_listener
         self._targets: tuple[str, tuple[object, ...]] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._begun = False  # its process was started once (or the helper stopped): begin() does nothing
         self._started_at = 0.0
         self._quick_deaths = 0
         self.restarts = 0
 
     @classmethod
-    def start(cls, tier0_dir: str, replica_listener: socket.socket | None = None) -> NodeHelper | None:
+    def start(cls, tier0_dir: str, replica_listener: socket.socket | None = None, *,
+              spawn: bool = True) -> NodeHelper | None:
         """The node's helper, started (None when ELASTIC_CKPT_HELPER=0). `replica_listener`: a listening TCP
-        socket for peer replicas (the helper then keeps and sends them)."""
+        socket for peer replicas (the helper then keeps and sends them). `spawn=False`: its process starts at
+        `begin()` (the agent's, once a joining node's workers are warm: both import torch, on the same cores)."""
         if os.environ.get(ENV, "1") == "0":
             if replica_listener is not None:
                 replica_listener.close()
             return None
         helper = cls(tier0_dir, replica_listener)
-        helper._spawn()
+        if spawn:
+            helper._spawn()
         return helper
+
+    def begin(self) -> None:
+        """Start the helper's process if it has not been started (start(spawn=False))."""
+        if not self._begun:
+            self._spawn()
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
     def _spawn(self) -> None:
+        self._begun = True
         # Its few lines ("[ckpt-helper] ...") go to the agent's stderr, beside the agent's own.
         argv = [sys.executable, "-m", "ckpt.helper_process", "--socket", str(self.socket), "--parent", str(os.getpid())]
         fds: tuple[int, ...] = ()
@@ -117,6 +127,7 @@ class NodeHelper:
             log.info("agent: tier-0 replicas of this node go to %s", ", ".join(f"{t.node} ({t.addr})" for t in targets))
 
     def stop(self, timeout: float = 5.0) -> None:
+        self._begun = True
         if self.replica_listener is not None:
             self.replica_listener.close()
         proc, self._proc = self._proc, None
