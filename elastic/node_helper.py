@@ -2,8 +2,10 @@
 
 The agent owns the node's tier-0 directory (core/tier0_dir.py) and, beside it, one helper process
 (`python -m ckpt.helper_process`, ckpt/helper.py says what it does) that checksums and publishes the
-workers' tier-0 snapshots off their training processes. The agent starts it with the directory,
-checks it on every monitor tick, starts it again when it died (event `ckpt_helper_restarted`, with the
+workers' tier-0 snapshots off their training processes. The agent starts it with its workers (not
+earlier: a joining node's prestarted workers warm up first, and the helper imports torch too, which on
+2 cores made a joiner's first step 6.9 s after its agent's start instead of 4.0 s), checks it on every
+monitor tick, starts it again when it died (event `ckpt_helper_restarted`, with the
 time the node was without it; the workers publish their snapshots themselves meanwhile) and stops it
 at exit. After `MAX_QUICK_DEATHS` deaths within a minute of their start it gives up (logged once):
 something in its environment is broken, and the workers do the work themselves.

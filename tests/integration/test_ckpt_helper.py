@@ -265,3 +265,29 @@ def test_a_tier1_write_the_helper_does_not_finish_in_time_is_written_by_the_work
         assert restored(tmp_path, shm) == (1, "local")
     else:  # nothing of step 1 became visible in tier 1
         assert not step_dir(tmp_path, 1).exists() or not list(step_dir(tmp_path, 1).glob("[!.]*"))
+
+
+def test_the_agents_helper_starts_at_begin_once_and_never_after_stop(shm: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # elastic-run's agent makes its NodeHelper at start and starts the process with the workers (begin); a
+    # second begin (every round's worker start) starts no second helper, and nothing starts one after stop.
+    from elastic.node_helper import ENV, NodeHelper
+
+    monkeypatch.setenv(ENV, "1")  # tests/conftest.py turns the helper off for the jobs that do not test it
+    helper = NodeHelper.start(str(shm), spawn=False)
+    assert helper is not None and helper.pid is None and not socket_path(shm).exists()
+    try:
+        helper.begin()
+        first = helper.pid
+        assert first is not None
+        deadline = time.monotonic() + 60
+        while not socket_path(shm).exists():
+            assert time.monotonic() < deadline, "the helper did not listen within 60 s"
+            time.sleep(0.05)
+        helper.begin()
+        assert helper.pid == first
+    finally:
+        helper.stop()
+    assert helper.pid is None
+    helper.begin()
+    assert helper.pid is None
