@@ -216,6 +216,15 @@ def persist_rank(
     return WrittenRank(final, nbytes, hashlib.sha256(manifest).hexdigest())
 
 
+def _committed_as(commit_path: Path, step: int, marker: CommitMarker) -> bool:
+    """Whether the step's COMMIT is there and is `marker`."""
+    try:
+        return parse_commit(read_regular(commit_path, timeout=_RECORD_TIMEOUT_S), path=commit_path,
+                            step=step) == marker
+    except (OSError, CheckpointError):
+        return False
+
+
 def commit_if_complete(
     layout: Layout,
     *,
@@ -262,17 +271,15 @@ def commit_if_complete(
             except OSError as exc:
                 logger.warning("could not remove %s: %s", path, exc)
     commit_path = layout.commit_path(step)
-    try:
-        current = parse_commit(
-            read_regular(commit_path, timeout=_RECORD_TIMEOUT_S), path=commit_path, step=step
-        )
-        if current == marker:
-            return marker
-    except (OSError, CheckpointError):
-        pass
+    if _committed_as(commit_path, step, marker):
+        return marker
     try:
         write_atomic(commit_path, marker.to_bytes())
     except OSError as exc:
+        # Another rank of this directory that saw the step complete too may have written the same marker and,
+        # in its retention's sweep of the committed step, removed our scratch file before our rename (ENOENT).
+        if _committed_as(commit_path, step, marker):
+            return marker
         raise CheckpointWriteError(
             f"could not write {commit_path}: {describe(exc, layout.root)}; step {step} stays "
             f"uncommitted here",

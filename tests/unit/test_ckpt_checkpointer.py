@@ -63,6 +63,38 @@ def rank_state(rank: int) -> dict[str, Any]:
     }
 
 
+def test_two_ranks_committing_at_once_both_succeed_when_the_others_sweep_takes_our_scratch_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both ranks of a directory see the step complete and write the same COMMIT; the one that finishes first
+    # sweeps the committed step's scratch entries (retention), which can remove the other's scratch COMMIT
+    # before its rename (ENOENT: seen in bench/sharded_bench.py's smoke test). Not a failed save.
+    import ckpt.persist as persist
+
+    ranks = [make(tmp_path, rank=r, world_size=2) for r in range(2)]
+    ranks[0].save(7, rank_state(0))
+    real = persist.write_atomic
+
+    def raced(path: Path, data: bytes) -> None:
+        if path.name == "COMMIT":
+            real(path, data)  # the other rank's identical marker lands first ...
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))  # ... ours is swept
+        real(path, data)
+
+    monkeypatch.setattr(persist, "write_atomic", raced)
+    ranks[1].save(7, rank_state(1))  # raises CheckpointWriteError without the re-read
+    assert ranks[1].latest() == 7 and ranks[0].latest() == 7
+
+    def refused(path: Path, data: bytes) -> None:
+        if path.name == "COMMIT":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))  # and no marker from anyone
+        real(path, data)
+
+    monkeypatch.setattr(persist, "write_atomic", refused)
+    ranks[0].save(8, rank_state(0))
+    with pytest.raises(CheckpointWriteError, match="COMMIT"):
+        ranks[1].save(8, rank_state(1))
+
+
 def saved_and_committed(root: Path, step: int = 10) -> tuple[Checkpointer, Path]:
     c = make(root)
     rank_dir = c.save(step, rank_state(0))
