@@ -426,9 +426,11 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
             "a warm spare" if agent_restart.get("spare_ready") else "a spare still warming up"),
         spare_started_before_kill_s=next((round(fault["ts"] - e["ts"], 3) for e in events
                                           if e["event"] == "spare_started" and e["ts"] < fault["ts"]), None),
-        # a spare's warm-up (the first spare_ready event found: a spare's own events reach the run's event
-        # directory only where the agent's environment names it, so this may be the spare started after the kill)
+        # the first spare's warm-up (from its main(), after its interpreter's start and imports) and when it was
+        # ready, from the kill (negative: before it; a spare started ~7 s before the kill can still be warming)
         spare_warm_s=next((e.get("warm_s") for e in events if e["event"] == "spare_ready"), None),
+        spare_ready_from_kill_s=next((round(e["ts"] - fault["ts"], 3) for e in events
+                                      if e["event"] == "spare_ready"), None),
         events=events_summary(events),
     )
     return fig

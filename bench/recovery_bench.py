@@ -251,17 +251,26 @@ def one_run(mode: str, fault: str, nodes: int, etcd: EtcdServer, timeout: float,
                         shutil.copytree(node.events_dir, keep / f"node{node.index}" / "events", dirs_exist_ok=True)
 
 
-def measure(mode: str, fault: str, nodes: int, target: int, started: list[Node], timeout: float) -> dict[str, Any]:
-    def steps() -> list[Step]:
-        return [s for node in started for s in node.steps()]
+def all_steps(started: list[Node]) -> list[Step]:
+    return [s for node in started for s in node.steps()]
 
+
+def wait_together(mode: str, nodes: int, started: list[Node], *, spares: bool) -> None:
+    """Until `nodes` nodes have trained WARMUP_STEPS steps together (and, `spares`, every node's spare is warm)."""
     def together() -> bool:
-        at_n = [s for s in steps() if s.world == nodes]
+        at_n = [s for s in all_steps(started) if s.world == nodes]
         return len({s.rank for s in at_n}) == nodes and len({s.step for s in at_n}) >= WARMUP_STEPS
 
     wait_for(together, 180, f"{mode}: {nodes} nodes training together")
-    if mode == "in-process" and fault == "worker":
+    if spares:
         wait_for_spares(started)
+
+
+def measure(mode: str, fault: str, nodes: int, target: int, started: list[Node], timeout: float) -> dict[str, Any]:
+    def steps() -> list[Step]:
+        return all_steps(started)
+
+    wait_together(mode, nodes, started, spares=mode == "in-process" and fault == "worker")
     # Not right after a step record (when the bench sees it): at a random phase of the step cycle.
     time.sleep(random.uniform(0, KILL_PHASE_S))
     latest = {s.node: s for s in sorted((s for s in steps() if s.world == nodes), key=lambda s: s.ts)}
@@ -331,15 +340,10 @@ def measure_join(mode: str, nodes: int, started: list[Node], start_joiner: Calla
                  timeout: float) -> dict[str, Any]:
     """`nodes` nodes train together; another node's agent starts; until the group's first step at nodes + 1."""
     def steps() -> list[Step]:
-        return [s for node in started for s in node.steps()]
+        return all_steps(started)
 
-    def together() -> bool:
-        at_n = [s for s in steps() if s.world == nodes]
-        return len({s.rank for s in at_n}) == nodes and len({s.step for s in at_n}) >= WARMUP_STEPS
-
-    wait_for(together, 180, f"{mode}: {nodes} nodes training together")
-    if mode == "in-process":  # a job past its start: the nodes' warm spares are warm, not competing for the CPU
-        wait_for_spares(started)
+    # In-process: a job past its start, its nodes' warm spares warm, not competing for the CPU.
+    wait_together(mode, nodes, started, spares=mode == "in-process")
     survivors = {n.index for n in started}
     latest = {s.node: s for s in sorted((s for s in steps() if s.world == nodes), key=lambda s: s.ts)}
     pids_before = {i: latest[i].pid for i in survivors}

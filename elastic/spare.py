@@ -205,17 +205,17 @@ def warm(target: Target) -> None:
     if device is not None and torch.cuda.is_available():
         torch.cuda.set_device(int(device))
         _warm_cuda(torch.device("cuda", int(device)))
-        _premap_tier0(pin=True)
+        _premap_tier0()
 
 
-def _premap_tier0(*, pin: bool) -> None:
-    """Map (and page-lock, for CUDA state) the node's tier-0 slot files, which the worker this spare replaces
-    restores from and snapshots into at once (core/premap.py; only where the script's imports loaded ckpt)."""
+def _premap_tier0() -> None:
+    """Map and page-lock the node's tier-0 slot files, which the worker this spare replaces restores from and
+    snapshots into at once (core/premap.py; only where the script's imports loaded ckpt)."""
     root = os.environ.get(TIER0_ENV)
     if not root or not os.path.isdir(root):
         return
     try:
-        mapped = premap.add(Path(root), pin=pin)
+        mapped = premap.add(Path(root), pin=True)
         log.debug("spare: %d bytes of tier-0 slots mapped ahead", mapped)
     except Exception as exc:  # noqa: BLE001 - the worker maps them itself
         log.debug("spare: mapping the tier-0 slots ahead failed (%s)", exc)

@@ -146,8 +146,8 @@ class Resumable:
         self._names_cache: tuple[tuple[int, ...], list[list[str | None]]] | None = None
         self._view = StateView(self.state, self.model, self.optimizer)
         self.restored: Restored | None = None
-        self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
+        self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
         self._saved_step = -1
         self._closed = False
         # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
