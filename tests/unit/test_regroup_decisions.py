@@ -70,6 +70,14 @@ def test_one_step_back_when_the_replaced_rank_only_has_the_step_before() -> None
     assert run(Group(1, [7, -1], [[1], [1]]), {6: own(6)}) == ((6, "own"), [6])
 
 
+def test_survivors_one_step_apart_go_on_exactly_from_the_step_both_completed() -> None:
+    # A peer died between the two survivors' ends of step 7's last collective: it completed for rank 0, failed for
+    # rank 1 (live at 6). Rank 1 has no part of 7; rank 0 goes back to its own snapshot of 6 (exact RNG streams),
+    # rank 1 keeps its memory: the group recomputes nothing it had completed together.
+    assert run(Group(0, [7, 6], [[0], [1]]), {6: own(6)}) == ((6, "own"), [6])
+    assert run(Group(1, [7, 6], [[1], [1]]), {}) == ((6, "memory"), [])
+
+
 def test_without_an_exact_step_a_peer_sends_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
     # Rank 1 is fresh and holds only rank 0's part (not its own): no exact step; rank 0 (live at 7) sends.
     sent: list[int] = []
