@@ -25,14 +25,18 @@ What is timed (time.perf_counter, seconds):
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
 import resource
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -181,13 +185,17 @@ def main(argv: list[str] | None = None) -> None:
             result["restored_tier"] = run.restored.tier if run.restored is not None else None
             return step
 
+        profile = StepDoneProfile.from_env(args, restart)
+
         def timed_step_done(step: int, **kw: Any) -> bool:
-            return bool(timings.timed(step, lambda: step_done(step, **kw)))
+            with profile.around(step):
+                return bool(timings.timed(step, lambda: step_done(step, **kw)))
 
         # Instance attributes: train_loop calls resumable.restore() and resumable.step_done(step).
         run.restore = timed_restore  # type: ignore[method-assign]
         run.step_done = timed_step_done  # type: ignore[method-assign]
         end = train_loop(train_step, run, args.steps, loader=loader)
+        profile.write()
         result["ckpt_saves"] = save_metrics(run)
         result["final_digest"] = run.teardown()
     else:
@@ -224,6 +232,47 @@ def main(argv: list[str] | None = None) -> None:
     )
     out = Path(f"{args.result}.r{restart}")
     out.write_text(json.dumps(result))
+
+
+class StepDoneProfile:
+    """$GOODPUT_PROFILE=<dir>: cProfile of `Resumable.step_done` from step $GOODPUT_PROFILE_FROM (default 12) on,
+    written to <dir>/<variant>-s<save_every>-p<persist_every>-r<restart>-<pid>.txt (cumulative and own time).
+    It slows the calls it profiles: a run with it says where the time goes, not how much there is."""
+
+    def __init__(self, path: Path | None, first: int) -> None:
+        self.path, self.first = path, first
+        self.profiler = cProfile.Profile() if path is not None else None
+        self.calls = 0
+
+    @staticmethod
+    def from_env(args: Any, restart: int) -> StepDoneProfile:
+        where = os.environ.get("GOODPUT_PROFILE")
+        if not where:
+            return StepDoneProfile(None, 0)
+        name = f"{args.variant}-s{args.save_every}-p{args.persist_every}-r{restart}-{os.getpid()}.txt"
+        return StepDoneProfile(Path(where) / name, int(os.environ.get("GOODPUT_PROFILE_FROM", "12")))
+
+    @contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        if self.profiler is None or step < self.first:
+            yield
+            return
+        self.calls += 1
+        self.profiler.enable()
+        try:
+            yield
+        finally:
+            self.profiler.disable()
+
+    def write(self) -> None:
+        if self.profiler is None or self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        out = io.StringIO()
+        out.write(f"step_done calls profiled: {self.calls}\n")
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(self.profiler, stream=out).sort_stats(order).print_stats(45)
+        self.path.write_text(out.getvalue())
 
 
 def save_metrics(run: Resumable) -> list[dict[str, Any]]:
