@@ -85,6 +85,8 @@ class Variant:
     """ours with tier 0: the tier-1 cadence (0: tier 0 off)"""
     tier0_slots: int = 2
     """ours with tier 0: CheckpointConfig.tier0_slots"""
+    defer: bool = True
+    """ours: ResumeConfig.defer_snapshots (False: a snapshot's bookkeeping all in step_done)"""
 
     @property
     def tier0(self) -> bool:
@@ -98,6 +100,7 @@ VARIANTS = {
     "ours_tier0_1_tier1_10": Variant("ours", 1, 10),
     "ours_tier0_1_tier1_50": Variant("ours", 1, 50),
     "ours_tier0_1_tier1_10_3slots": Variant("ours", 1, 10, 3),
+    "ours_tier0_1_tier1_10_at_boundary": Variant("ours", 1, 10, defer=False),
     "dcp_async_thread_10": Variant("dcp_thread", 10),
     "dcp_async_process_10": Variant("dcp_process", 10),
     "torch_save_50": Variant("torch_save", 50),
@@ -285,6 +288,8 @@ def worker_argv(args: argparse.Namespace, variant: Variant, run_dir: Path, steps
         argv += ["--persist-every", str(variant.persist_every)]
     if variant.tier0_slots != 2:
         argv += ["--tier0-slots", str(variant.tier0_slots)]
+    if not variant.defer:
+        argv += ["--no-defer"]
     return argv
 
 

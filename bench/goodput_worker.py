@@ -26,6 +26,7 @@ What is timed (time.perf_counter, seconds):
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--persist-every", type=int, default=0)
     p.add_argument("--tier0-slots", type=int, default=2, help="CheckpointConfig.tier0_slots")
+    p.add_argument("--no-defer", action="store_true", help="ResumeConfig.defer_snapshots=False")
     p.add_argument("--result", required=True)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     return train_gpt.checked_args(p, p.parse_args(argv))
@@ -172,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.variant == "ours":
         config = ours_config(args)
         result["config"] = {"save_every": config.save_every, "persist_every": getattr(config, "persist_every", None),
-                            "mode": config.ckpt.mode, "tier0_dir": getattr(config.ckpt, "tier0_root", None)}
+                            "mode": config.ckpt.mode, "tier0_dir": getattr(config.ckpt, "tier0_root", None),
+                            "defer_snapshots": getattr(config, "defer_snapshots", None)}
         run = Resumable(config, model=ddp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
                         extras={"tokens": 0})
         restore, step_done = run.restore, run.step_done
@@ -313,8 +316,9 @@ def ours_config(args: Any) -> ResumeConfig:
     if args.persist_every:
         if not tier0_supported():
             raise SystemExit("--persist-every needs tier 0 (CheckpointConfig.tier0_dir, ResumeConfig.persist_every)")
-        return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every,
-                               tier0_slots=args.tier0_slots)
+        config = ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every,
+                                 tier0_slots=args.tier0_slots)
+        return dataclasses.replace(config, defer_snapshots=False) if args.no_defer else config
     if tier0_supported():  # today's behaviour: tier 1 only, even where the agent offers a tier-0 dir
         return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, tier0_dir="")
     return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every)

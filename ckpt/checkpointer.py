@@ -59,6 +59,7 @@ from ckpt.restore import Restored, Restorer
 from ckpt.retention import apply_local_retention
 from ckpt.save_policy import SaveFailures
 from ckpt.shared import SharedTier
+from ckpt.snapshot import StateMark
 from ckpt.tier0 import HostSlots, HostTier
 from ckpt.tree import Flat
 from ckpt.writer import LocalWriter, PendingSave
@@ -236,7 +237,14 @@ class Checkpointer:
         """Whether snapshots have a tier 0 to go to (CheckpointConfig.tier0_dir or $ELASTIC_TIER0_DIR)."""
         return self._writer.tier0 is not None
 
-    def snapshot(self, step: int, state: Mapping[str, Any] | Flat) -> PendingSave:
+    def mark(self) -> StateMark:
+        """Where the training streams are now: pass it to a later `snapshot(..., at=...)` to snapshot the state
+        as it is at this moment, when nothing changes the state in between except on those streams after the
+        mark (trainer/resumable.py takes a snapshot's bookkeeping off the step boundary this way)."""
+        self._check_open()
+        return self._writer.staging.mark()
+
+    def snapshot(self, step: int, state: Mapping[str, Any] | Flat, *, at: StateMark | None = None) -> PendingSave:
         """Snapshot `state` for `step` into tier 0 only (host memory of the node; ckpt/tier0.py).
 
         Costs the loop what save_async() costs it (the copy, or nothing in "overlapped" mode) and
@@ -246,7 +254,7 @@ class Checkpointer:
         """
         self._check_open()
         _check_index("step", step, minimum=0)
-        return self._writer.save_async(step, state, persist=False)
+        return self._writer.save_async(step, state, persist=False, at=at)
 
     def save(self, step: int, state: Mapping[str, Any], timeout: timedelta = timedelta(minutes=10)) -> Path:
         """`save_async(step, state).wait_persisted()`, after waiting for the save in flight;

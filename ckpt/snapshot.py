@@ -127,6 +127,10 @@ class _CopyPlan:
         return plan
 
 
+StateMark = dict[torch.device, torch.cuda.Event]
+"""StagingArea.mark(): per device, an event recorded on its training stream at the moment of the mark."""
+
+
 LAUNCH_BATCH = int(os.environ.get("ELASTIC_COPY_BATCH", "32")) or None
 """Tensors per copy call when a background thread launches a snapshot's copies (DeviceCopies.issue);
 $ELASTIC_COPY_BATCH overrides it (0: all in one call, as before; for benchmarks)."""
@@ -322,9 +326,11 @@ class StagingArea:
         overlapped: bool,
         timeout: float = 300.0,
         into: torch.Tensor | None = None,
+        at: StateMark | None = None,
     ) -> HostSnapshot:
         """Copy `tensors` into the buffer (or into `into`, a uint8 CPU tensor of the layout's data
-        bytes: a tier-0 slot); in overlapped mode only start the copies.
+        bytes: a tier-0 slot); in overlapped mode only start the copies. `at` (from `mark()`, earlier):
+        the device copies see the state as it was then, not now.
 
         Raises CheckpointTimeoutError when a device copy is not done within `timeout` seconds (a
         stuck device)."""
@@ -347,8 +353,10 @@ class StagingArea:
                 dst.copy_(src)
             launches = []
             for device, (dsts, names) in plan.cuda.items():
-                taken = torch.cuda.Event()
-                taken.record(torch.cuda.current_stream(device))
+                taken = (at or {}).get(device)
+                if taken is None:
+                    taken = torch.cuda.Event()
+                    taken.record(torch.cuda.current_stream(device))
                 copies = DeviceCopies(self._stream(device), taken, dsts, list(map(tensors.__getitem__, names)))
                 sources.extend(copies.srcs)
                 if overlapped:  # launched by the writer thread: the training thread only records an event
@@ -377,6 +385,17 @@ class StagingArea:
             self._plans.clear()
         self._plans[into.data_ptr()] = plan
         return plan
+
+    def mark(self) -> StateMark:
+        """Where each device's training stream is now, for a `stage(at=...)` made later: an event recorded on
+        the current stream of every device the last staged tensors were on (~5 us each). A device not marked
+        (the state moved) is marked when staged."""
+        devices = {d for plan in self._plans.values() for d in plan.cuda}
+        events: StateMark = {}
+        for device in devices:
+            event = events[device] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        return events
 
     @staticmethod
     def needs_pin(tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -50,7 +50,7 @@ from ckpt.replicator import Replicator, UploadJob
 from ckpt.safetensors_io import dtype_name
 from ckpt.save_policy import SaveFailures
 from ckpt.sharding import ShardInfo, split_sharded
-from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout
+from ckpt.snapshot import HostSnapshot, StagingArea, StagingLayout, StateMark
 from ckpt.tier0 import HostMemoryError, HostSlot, HostSlots, SlotLock, snapshot_manifest
 from ckpt.tree import Flat, flatten
 from core.deadline import Deadline
@@ -185,7 +185,8 @@ class LocalWriter:
         self._check = check
         self._after_commit = after_commit
 
-    def save_async(self, step: int, state: Mapping[str, Any] | Flat, *, persist: bool = True) -> PendingSave:
+    def save_async(self, step: int, state: Mapping[str, Any] | Flat, *, persist: bool = True,
+                   at: StateMark | None = None) -> PendingSave:
         """See Checkpointer.save_async (persist=False: Checkpointer.snapshot)."""
         started = time.monotonic()
         if not isinstance(state, (Mapping, Flat)):
@@ -223,7 +224,8 @@ class LocalWriter:
                     if not persist:
                         self._metrics.update(metrics, status="skipped", error="tier 0 does not fit (logged)")
                         return PendingSave(step, metrics, None)
-            snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout, into=into)
+            snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout, into=into,
+                                          at=at)
         except CheckpointError as exc:
             if slot is not None:
                 assert self.tier0 is not None

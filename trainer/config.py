@@ -41,11 +41,17 @@ class ResumeConfig:
     tokens_per_sample: int | None = None
     """Tokens in one sample (e.g. the sequence length), for the `elastic_train_tokens_*` metrics; None: the job
     reports samples only."""
+    defer_snapshots: bool = True
+    """Finish a tier-0 snapshot's bookkeeping once the next forward is queued instead of in `step_done`, where a
+    loop that waits for the device each step leaves it idle (trainer/deferred.py; where nothing but the
+    optimizer changes the saved tensors between steps). False: all of it in `step_done`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, CheckpointConfig):
             raise ValueError(f"ResumeConfig.ckpt must be a ckpt.CheckpointConfig, got {type(self.ckpt).__name__}; "
                              "ResumeConfig.at(ckpt_dir, save_every=...) builds one")
+        if not isinstance(self.defer_snapshots, bool):
+            raise ValueError(f"defer_snapshots must be a bool, got {self.defer_snapshots!r}")
         for name in ("save_every", "persist_every", "tokens_per_sample"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
+from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
 from core import faults
 from core.events import emit
@@ -68,10 +69,11 @@ from trainer.agree import agree_on_checkpoint
 from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
 from trainer.ddp import release_process_group
+from trainer.deferred import DeferredSnapshots
 from trainer.digest import state_digests_on, training_digest
 from trainer.errors import RoundChanged
 from trainer.sharding import Layout
-from trainer.state_view import StateView
+from trainer.state_view import Boundary, StateView
 from trainer.telemetry import Telemetry
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
@@ -139,12 +141,16 @@ class Resumable:
         ckpt_config = config.ckpt if self.sharded else dataclasses.replace(config.ckpt, replicas=0)
         self.checkpointer = Checkpointer(ckpt_config, rank=self.topology.rank, world_size=self.topology.world_size,
                                          on_written=_save_hook())
+        self._view = StateView(self.state, self.model, self.optimizer)
+        self._deferred = (DeferredSnapshots(self.model, self._finish_snapshot) if config.defer_snapshots and
+                          DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded)
+                          else None)
+        """Snapshots from step_done finished once the next forward is queued (trainer/deferred.py)."""
         self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
         self.telemetry = Telemetry.for_run(self)  # metrics for elastic-run's agent (trainer/telemetry.py)
         self.step = 0
         self.resumed_from: int | None = None
         self._names_cache: tuple[tuple[int, ...], list[list[str | None]]] | None = None
-        self._view = StateView(self.state, self.model, self.optimizer)
         self.restored: Restored | None = None
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
@@ -355,6 +361,8 @@ class Resumable:
         the sampler and agrees with the group on the step (the interrupted step is discarded). Make a
         new data iterator afterwards: `iter(sampler.loader(...))`."""
         started = time.monotonic()
+        if self._deferred is not None:
+            self._deferred.flush()  # the state is still the boundary's: the optimizer has not stepped since
         if self._rounds is not None and self.ddp is not None and (self._rounds.newest() is not None or error):
             # DDP's reducer holds the old group: without it the group's sockets close when it is destroyed,
             # so a peer still waiting on this rank in a collective of the old group fails at once.
@@ -463,9 +471,15 @@ class Resumable:
         emit("step", **fields)
         saved = step % self.config.persist_interval == 0
         if saved:
-            self.save(step)
+            if self._checkpoint(step, persist=True, rng_state=self._boundary_rng):
+                self._saved_step = step
         elif step % self.config.snapshot_every == 0 and self.checkpointer.has_tier0:
-            self.snapshot(step)
+            if self._deferred is not None:  # its rest once the next forward is queued (trainer/deferred.py)
+                self._deferred.flush()
+                self._emit_digest(step, "save")
+                self._deferred.defer(step, self._boundary(self._boundary_rng), self.checkpointer.mark())
+            else:
+                self._checkpoint(step, persist=False, rng_state=self._boundary_rng)
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
 
@@ -483,7 +497,8 @@ class Resumable:
             names = self._param_names() if self.optimizer is not None else None
         return self._tree(model_sd, optim_sd, names)
 
-    def _tree(self, model_sd: Any, optim_sd: Any, names: list[list[str | None]] | None) -> dict[str, Any]:
+    def _tree(self, model_sd: Any, optim_sd: Any, names: list[list[str | None]] | None,
+              rng_state: dict[str, Any] | None = None) -> dict[str, Any]:
         layout = {"layout": self.layout.record()} if self.sharded else {}
         return {
             "step": self.step,
@@ -495,18 +510,23 @@ class Resumable:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "data": self.sampler.state_dict() if self.sampler is not None else None,
-            "rng": rng.capture(),
+            "rng": rng_state if rng_state is not None else rng.capture(),
             "extras": self.extras,
         }
 
-    def _checkpoint_state(self) -> dict[str, Any] | Flat:
+    def _checkpoint_state(self, rng_state: dict[str, Any] | None = None) -> dict[str, Any] | Flat:
         """What a save or snapshot hands the checkpointer: `state()`, flattened without walking the model and
-        the optimizer state again while they are the same tensors (trainer/state_view.py)."""
+        the optimizer state again while they are the same tensors (trainer/state_view.py). `rng_state`: the
+        RNG streams captured at this step's end already (Resumable._mark_live), else captured now."""
         if self.sharded:
             return self.state()
+        return self._view.flat(self._boundary(rng_state))
+
+    def _boundary(self, rng_state: dict[str, Any] | None = None) -> Boundary:
+        """The part of the (replicated) state the next step changes, taken now (trainer/state_view.py)."""
         setup.check_json_able(self.extras)
         names = self._param_names() if self.optimizer is not None else None
-        return self._view.flat(self._tree(None, None, names))
+        return self._view.boundary(self._tree(None, None, names, rng_state))
 
     def _param_names(self) -> list[list[str | None]]:
         """param_names(model, optimizer), walked again only when the optimizer's parameters change: a
@@ -532,13 +552,23 @@ class Resumable:
         as for `save`. A snapshot that finds its slots busy is skipped (in the checkpointer's metrics)."""
         self._checkpoint(step, persist=False)
 
-    def _checkpoint(self, step: int, *, persist: bool) -> bool:
+    def _checkpoint(self, step: int, *, persist: bool, rng_state: dict[str, Any] | None = None) -> bool:
+        if self._deferred is not None:
+            self._deferred.flush()  # the snapshot of the step before first
         self._emit_digest(step, "save")
+        if persist:
+            return self._guarded(step, persist, lambda: self.checkpointer.save_async(
+                step, self._checkpoint_state(rng_state)))
+        return self._guarded(step, persist, lambda: self.checkpointer.snapshot(step, self._checkpoint_state(rng_state)))
+
+    def _finish_snapshot(self, step: int, boundary: Boundary, mark: StateMark) -> None:
+        """The rest of a deferred snapshot (trainer/deferred.py): the state's tensors as they were at `mark`."""
+        self._guarded(step, False, lambda: self.checkpointer.snapshot(step, self._view.flat(boundary), at=mark))
+
+    def _guarded(self, step: int, persist: bool, save: Callable[[], Any]) -> bool:
+        """Run `save`; a failed one is logged and training goes on (see `save`)."""
         try:
-            if persist:
-                self.checkpointer.save_async(step, self._checkpoint_state())
-            else:
-                self.checkpointer.snapshot(step, self._checkpoint_state())
+            save()
             return True
         except CheckpointSaveError:
             raise
@@ -559,6 +589,8 @@ class Resumable:
     def _wait_for_copy_hooks(self) -> list[Any]:
         # "overlapped" mode: the state must not change until the save's copy of it is consistent.
         def wait(*_: Any) -> None:
+            if self._deferred is not None:
+                self._deferred.flush()  # a snapshot whose copies are not launched yet: launch them first
             self.checkpointer.wait_staged()
 
         hooks = [self.optimizer.register_step_pre_hook(wait)] if self.optimizer is not None else []
@@ -576,6 +608,8 @@ class Resumable:
         if self._closed:
             return
         self._closed = True
+        if self._deferred is not None:
+            self._deferred.close()
         if self._rounds is not None:
             self._rounds.withdraw()  # from here on a membership change restarts this process
             self._rounds.stop()

@@ -10,15 +10,22 @@ objects, and flattening only the rest (step, data position, RNG, scheduler, extr
 
 When the cache holds: the model has no state_dict hooks, no `_save_to_state_dict` or `get_extra_state` of
 its own in any module (checked once), and its modules, parameters and buffers are the ones cached (a count
-per module, then the objects themselves, every call); the optimizer state's values are the cached objects
-(its `state_dict()` is called every call: it is cheap, and its param_groups change: lr). Anything else, or
-a sharded model (FSDP / TP: trainer/sharding.py's state), takes the full walk, as before.
+per module, then the objects themselves, every call); the optimizer state's values are the cached objects.
+A plain optimizer (torch's `state_dict`, no state_dict hooks) is read directly, its param_groups packed as
+`state_dict()` packs them (their lr changes every step); any other has its `state_dict()` called every time.
+Anything else, or a sharded model (FSDP / TP: trainer/sharding.py's state), takes the full walk, as before.
+
+Two halves, so that a snapshot's bookkeeping can wait (trainer/deferred.py): `boundary(rest)` takes what the
+next step changes (the rest, flattened, and the optimizer's param_groups) at the step boundary; `flat` takes
+the model's and optimizer state's tensors, which only the optimizer's next step changes, whenever it runs.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -40,41 +47,80 @@ class StateView:
         self.rebuilds = 0
         """Full walks (for tests: 1 while nothing changes)."""
 
-    def flat(self, rest: dict[str, Any]) -> Flat:
-        """The flattened state; `rest` is the state without "model" and "optimizer" (in its key order, with
-        placeholders None for those two)."""
-        optimizer_sd = self._optimizer.state_dict() if self._optimizer is not None else None
+    def boundary(self, rest: dict[str, Any]) -> Boundary:
+        """What of the state the next step changes, taken now: `rest` is the state without "model" and
+        "optimizer" (in its key order, with placeholders None for those two)."""
+        tensors, skeleton = flatten({k: v for k, v in rest.items() if k not in ("model", "optimizer")})
+        groups = self._param_groups()
+        group_tensors, group_skeleton = ({}, None) if groups is None else flatten(
+            {"optimizer": {"param_groups": groups}})
+        return Boundary(list(rest), tensors, skeleton, groups, group_tensors,
+                        None if group_skeleton is None else group_skeleton["optimizer"]["param_groups"], rest)
+
+    def flat(self, rest: dict[str, Any] | Boundary) -> Flat:
+        """The flattened state; `rest` as for `boundary`, or what `boundary` took earlier (then the model's and
+        the optimizer's tensors are taken now: nothing but the optimizer's step may have changed them)."""
+        at = rest if isinstance(rest, Boundary) else self.boundary(rest)
+        optimizer = self._optimizer
         cache = self._cache
-        if cache is None or not cache.holds(self._model, optimizer_sd):
-            return self._rebuild()
+        if cache is None or not cache.holds(self._model, optimizer):
+            return self._rebuild(at)
         tensors = dict(cache.tensors)
-        rest_tensors, rest_skeleton = flatten({k: v for k, v in rest.items() if k not in ("model", "optimizer")})
         skeleton: dict[str, Any] = {}
-        for key in rest:
+        for key in at.keys:
             if key == "model":
                 skeleton[key] = cache.model_skeleton
             elif key == "optimizer":
-                skeleton[key] = self._optimizer_skeleton(cache, optimizer_sd, tensors)
+                skeleton[key] = None if optimizer is None else {
+                    "state": cache.optimizer_state_skeleton, "param_groups": at.group_skeleton}
             else:
-                skeleton[key] = rest_skeleton[key]
-        for name, tensor in rest_tensors.items():
-            tensors[name] = tensor
+                skeleton[key] = at.skeleton[key]
+        tensors.update(at.group_tensors)
+        tensors.update(at.tensors)
         return Flat(tensors, skeleton)
 
-    def _optimizer_skeleton(self, cache: _Cache, optimizer_sd: dict[str, Any] | None,
-                            tensors: dict[str, torch.Tensor]) -> Any:
-        if optimizer_sd is None:
+    def _param_groups(self) -> list[dict[str, Any]] | None:
+        """The optimizer's param_groups as its state_dict() has them (params as indices), read directly from
+        a plain optimizer while its parameters are the ones indexed; else from state_dict()."""
+        optimizer = self._optimizer
+        if optimizer is None:
             return None
-        groups_tensors, groups_skeleton = flatten({"optimizer": {"param_groups": optimizer_sd["param_groups"]}})
-        tensors.update(groups_tensors)
-        return {"state": cache.optimizer_state_skeleton, "param_groups": groups_skeleton["optimizer"]["param_groups"]}
+        cache = self._cache
+        if cache is not None and cache.plain_optimizer:
+            groups = optimizer.param_groups
+            key = tuple(id(p) for g in groups for p in g["params"])
+            if key == cache.param_key:
+                return [{**{k: v for k, v in g.items() if k != "params"}, "params": indices}
+                        for g, indices in zip(groups, cache.group_indices, strict=True)]
+        groups_sd: list[dict[str, Any]] = optimizer.state_dict()["param_groups"]
+        return groups_sd
 
-    def _rebuild(self) -> Flat:
-        state = self._full()
+    def _rebuild(self, at: Boundary) -> Flat:
+        """The full walk: the model's and optimizer's parts from `state()` now, the rest as `at` took it."""
+        state = {**self._full(), **{k: v for k, v in at.rest.items() if k not in ("model", "optimizer")}}
+        if at.groups is not None and isinstance(state.get("optimizer"), dict):
+            state["optimizer"] = {**state["optimizer"], "param_groups": at.groups}
         tensors, skeleton = flatten(state)
         self.rebuilds += 1
         self._cache = _Cache.of(self._model, self._optimizer, state, tensors, skeleton)
         return Flat(tensors, skeleton)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """StateView.boundary(): the state's parts that the next step changes, flattened at the step boundary."""
+
+    keys: list[str]
+    """The state's keys, in order."""
+    tensors: dict[str, torch.Tensor]
+    skeleton: dict[str, Any]
+    """The rest (all but "model" and "optimizer"), flattened."""
+    groups: list[dict[str, Any]] | None
+    """The optimizer's param_groups as its state_dict() has them (None without an optimizer), and flattened:"""
+    group_tensors: dict[str, torch.Tensor]
+    group_skeleton: Any
+    rest: dict[str, Any]
+    """The rest as given (for a full walk; its tensors are the ones flattened)."""
 
 
 class _Cache:
@@ -88,6 +134,13 @@ class _Cache:
         self.model_values: list[torch.Tensor] = []
         self.optimizer_values: list[Any] = []
         self.optimizer_params = 0
+        self.plain_optimizer = False
+        """Read directly (torch's state_dict, no state_dict hooks): the fields below index its parameters."""
+        self.param_key: tuple[int, ...] = ()
+        self.group_indices: list[list[int]] = []
+        self.object_params: list[torch.Tensor] = []
+        self.object_keys: list[str] = []
+        self.state_entries = 0
         self.tensors: dict[str, torch.Tensor] = {}
         self.model_skeleton: Any = None
         self.optimizer_state_skeleton: Any = None
@@ -133,23 +186,52 @@ class _Cache:
         cache.model_values = [v for _, _, v in cache.model_objects]
         cache.optimizer_values = [v for _, _, v in cache.optimizer_objects]
         cache.optimizer_params = len({i for i, _, _ in cache.optimizer_objects})
+        if optimizer is not None and _plain_optimizer(optimizer):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            groups = state["optimizer"].get("param_groups")
+            indices = [list(g["params"]) for g in groups] if isinstance(groups, list) else []
+            by_index = dict(zip([i for g in indices for i in g], params, strict=False))
+            if len(by_index) == len(params) and all(i in by_index for i, _, _ in cache.optimizer_objects):
+                cache.plain_optimizer = True
+                cache.param_key = tuple(map(id, params))
+                cache.group_indices = indices
+                cache.object_params = [by_index[i] for i, _, _ in cache.optimizer_objects]
+                cache.object_keys = [k for _, k, _ in cache.optimizer_objects]
+                cache.state_entries = len(state["optimizer"]["state"])
         return cache
 
-    def holds(self, model: torch.nn.Module, optimizer_sd: dict[str, Any] | None) -> bool:
+    def holds(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
         if _counts(self.modules) != self.counts:
             return False
         live = [store.get(attr) for store, attr, _ in self.model_objects]
         if not all(map(operator.is_, live, self.model_values)):
             return False
-        if optimizer_sd is None:
+        if optimizer is None:
             return not self.optimizer_objects
-        state = optimizer_sd["state"]
+        if self.plain_optimizer:
+            return self._optimizer_holds(optimizer)
+        state = optimizer.state_dict()["state"]
         if len(state) != self.optimizer_params or sum(map(len, state.values())) != len(self.optimizer_objects):
             return False
         try:
             live = [state[index][key] for index, key, _ in self.optimizer_objects]
         except KeyError:
             return False
+        return all(map(operator.is_, live, self.optimizer_values))
+
+    def _optimizer_holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """holds() for a plain optimizer: its state read by parameter, without state_dict() (C loops)."""
+        if not _plain_optimizer(optimizer):  # a state_dict hook registered since
+            return False
+        if tuple(id(p) for g in optimizer.param_groups for p in g["params"]) != self.param_key:
+            return False
+        state = optimizer.state
+        if len(state) != self.state_entries or sum(map(len, state.values())) != len(self.optimizer_objects):
+            return False
+        entries: list[dict[str, Any] | None] = list(map(state.get, self.object_params))  # [] would add one
+        if not all(map(operator.is_not, entries, repeat(None))):
+            return False
+        live = list(map(_entry, entries, self.object_keys))
         return all(map(operator.is_, live, self.optimizer_values))
 
 
@@ -159,6 +241,16 @@ def _counts(modules: list[torch.nn.Module]) -> tuple[tuple[int, ...], ...]:
 
 
 _STORES = (operator.attrgetter("_parameters"), operator.attrgetter("_buffers"), operator.attrgetter("_modules"))
+
+
+_entry: Callable[[Any, str], Any] = dict.get
+
+
+def _plain_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `state_dict()` is torch's own, with no hooks that could change what it returns."""
+    return (type(optimizer).state_dict is torch.optim.Optimizer.state_dict
+            and not getattr(optimizer, "_optimizer_state_dict_pre_hooks", None)
+            and not getattr(optimizer, "_optimizer_state_dict_post_hooks", None))
 
 
 def _plain(model: torch.nn.Module) -> bool:

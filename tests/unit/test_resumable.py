@@ -28,10 +28,10 @@ from trainer import (
 
 
 def make(
-    tmp_path: Path, *, hidden: int = 8, every: int = 2, **options: Any
+    tmp_path: Path, *, hidden: int = 8, every: int = 2, device: str = "cpu", **options: Any
 ) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, hidden), nn.Dropout(0.2), nn.Linear(hidden, 1))
+    model = nn.Sequential(nn.Linear(4, hidden), nn.Dropout(0.2), nn.Linear(hidden, 1)).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     sampler = ElasticSampler(DataConfig(dataset_size=64, global_batch=8, seed=0))
@@ -41,7 +41,7 @@ def make(
 
 
 def train(run: Resumable, model: nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> list[float]:
-    data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1)).to(next(model.parameters()).device)
     losses = []
     for step in range(start, stop):
         idx = torch.tensor(run.sampler.indices())  # type: ignore[union-attr]
@@ -98,6 +98,42 @@ def test_a_restore_from_tier_0_without_a_copy_resumes_bitwise_through_the_saves_
         rest = train(run2, model2, opt2, step, 8)  # the second save after it goes into the restored slot
         assert first[:step] + rest == ref_losses
         assert training_digest(model2, opt2) == training_digest(ref_model, ref_opt)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("then", ["forward", "optimizer step"])
+def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boundary(
+        tmp_path: Path, then: str, device: str) -> None:
+    # step_done takes a tier-0 snapshot's small parts (RNG, schedules, data position) at once and the rest when
+    # the next forward is queued, or before the optimizer's next step (trainer/deferred.py): what happens in
+    # between (RNG draws, a scheduler step, the optimizer changing the parameters) is not in the snapshot.
+    from core.tier0_dir import shm_root  # noqa: PLC0415
+
+    shm = Path(tempfile.mkdtemp(prefix="test-resumable-deferred-", dir=shm_root()))
+    try:
+        run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm, device=device)
+        train(run, model, opt, 0, 3)
+        assert run._deferred is not None and run._deferred.pending == 3
+        rng_now = (lambda: torch.cuda.get_rng_state()) if device == "cuda" else torch.get_rng_state
+        at_boundary = (training_digest(model, opt), rng_now(), opt.param_groups[0]["lr"])
+        torch.rand(5, device=device)
+        run.scheduler.step()  # type: ignore[union-attr]
+        if then == "forward":
+            model(torch.randn(2, 4, device=device))
+        else:
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()  # changes the parameters: its pre-hook finished the snapshot first
+            assert training_digest(model, opt) != at_boundary[0]
+        assert run._deferred.pending is None
+        run.close()
+        run2, model2, opt2, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm, device=device)
+        assert run2.restore() == 3 and run2.restored is not None and run2.restored.tier == "memory"
+        assert training_digest(model2, opt2) == at_boundary[0]
+        assert torch.equal(rng_now(), at_boundary[1]) and opt2.param_groups[0]["lr"] == at_boundary[2]
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 

@@ -98,3 +98,40 @@ def test_a_model_with_a_state_dict_hook_is_walked_every_time() -> None:
         job.train()
         job.check()
     assert job.view.rebuilds == 3
+
+
+def test_the_boundary_taken_before_a_scheduler_step_and_rng_draws_is_what_flat_gives_later() -> None:
+    # A snapshot's small parts are taken at the step boundary, its tensors later (trainer/deferred.py).
+    job = Job(model())
+    for _ in range(2):
+        job.train()
+        job.check()
+    before = torch.get_rng_state()
+    at = job.view.boundary(job.tree(None, None))
+    expected = flatten(job.state())
+    torch.rand(3)
+    job.scheduler.step()  # changes param_groups' lr after the boundary
+    got = job.view.flat(at)
+    assert json.loads(dumps(got.skeleton)) == json.loads(dumps(expected[1]))
+    assert sorted(got.tensors) == sorted(expected[0])
+    assert torch.equal(got.tensors["rng/torch"], before)
+    assert job.view.rebuilds == 1
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_plain_optimizer_is_read_without_state_dict_and_a_hooked_one_through_it(hooked: bool) -> None:
+    job = Job(model())
+    job.train()
+    job.check()
+    if hooked:  # a hook may change what state_dict() returns: the view must ask it (registered after its walk)
+        job.optimizer.register_state_dict_post_hook(
+            lambda opt, sd: sd["param_groups"][0].update(note="hooked") or sd)
+    calls = []
+    own = job.optimizer.state_dict
+    job.optimizer.state_dict = lambda: calls.append(1) or own()  # type: ignore[method-assign]
+    for _ in range(3):
+        job.train()
+        job.view.flat(job.tree(None, None))
+    assert (len(calls) > 0) == hooked
+    flat = job.check()
+    assert ("note" in flat.skeleton["optimizer"]["param_groups"][0]) == hooked
