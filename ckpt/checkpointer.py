@@ -237,6 +237,11 @@ class Checkpointer:
         """Whether snapshots have a tier 0 to go to (CheckpointConfig.tier0_dir or $ELASTIC_TIER0_DIR)."""
         return self._writer.tier0 is not None
 
+    @property
+    def persisting(self) -> bool:
+        """Whether a save is still being written to tier 1 (a save_async now would wait for it, or be skipped)."""
+        return self._writer.thread.busy()
+
     def mark(self) -> StateMark:
         """Where the training streams are now: pass it to a later `snapshot(..., at=...)` to snapshot the state
         as it is at this moment, when nothing changes the state in between except on those streams after the

@@ -2,7 +2,9 @@
 
 Two cadences: `save_every` snapshots into tier 0 (the node's host memory, under elastic-run; see
 ckpt/tier0.py), `persist_every` writes to tier 1 (disk) and from there tier 2; a persisted step is in
-tier 0 too. Either given alone sets both (so `save_every=N` keeps its earlier meaning, a checkpoint on
+tier 0 too. With a tier 0, a persist that comes due while the disk still writes the one before waits for
+the first step after that write (it goes to tier 0 meanwhile) instead of stalling the loop.
+Either given alone sets both (so `save_every=N` keeps its earlier meaning, a checkpoint on
 disk every N steps); left out, both are 10. Snapshots between the persisted steps need both:
 `save_every=1, persist_every=10`. They are not the default: on one H200 a snapshot every step costs ~2%
 of the GPT example's throughput (0.978 of no checkpoint; the default 0.9997: bench/goodput_bench.py,

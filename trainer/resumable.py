@@ -155,6 +155,8 @@ class Resumable:
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
         self._saved_step = -1
+        self._persist_owed = False
+        """A persist came due while the previous one was still being written: it goes at the next step."""
         self._closed = False
         # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
         # has stepped past it, and the RNG streams at that step boundary.
@@ -384,6 +386,19 @@ class Resumable:
         log.info("reformed world=%d pid=%d step=%d in %.3fs", round_.world_size, os.getpid(), step, seconds)
         return step
 
+    def _disk_behind(self, step: int) -> bool:
+        """Whether the persist due at `step` waits for a later step: with a tier 0 holding every step, a loop
+        does not stall for a disk slower than its cadence (the previous tier-1 write still going); the step is
+        snapshotted instead and the first step after that write persists."""
+        if not (self.checkpointer.has_tier0 and self.checkpointer.persisting):
+            return False
+        if not self._persist_owed:
+            self._persist_owed = True
+            log.info("rank %d: step %d is due on disk while the previous tier-1 write still runs; it goes to "
+                     "tier 0 now and the first step after that write is persisted", self.topology.rank, step)
+            emit("persist_postponed", step=step)
+        return True
+
     def _stop_below_minimum(self, why: str) -> NoReturn:
         """The job stops: too few nodes are left (the agent's round says why). Persist the step held in memory
         (tier 1 now, tier 2's uploads flushed) and exit with EXIT_BELOW_MIN, so a requeue resumes from it."""
@@ -455,8 +470,9 @@ class Resumable:
         """Call after each completed optimizer step with the number of completed steps.
 
         Advances the data position; persists when `step` is a multiple of `persist_every`, else snapshots
-        into tier 0 when it is a multiple of `save_every` (and there is a tier 0). Returns True if it
-        persisted.
+        into tier 0 when it is a multiple of `save_every` (and there is a tier 0). With a tier 0, a persist
+        due while the previous one is still being written is snapshotted instead and the first step after
+        that write persists (the loop does not wait for a slow disk). Returns True if it persisted.
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
         self.telemetry.step(step)
@@ -469,11 +485,13 @@ class Resumable:
         if loss is not None:
             fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
         emit("step", **fields)
-        saved = step % self.config.persist_interval == 0
+        due = step % self.config.persist_interval == 0
+        saved = (due or self._persist_owed) and not self._disk_behind(step)
         if saved:
+            self._persist_owed = False
             if self._checkpoint(step, persist=True, rng_state=self._boundary_rng):
                 self._saved_step = step
-        elif step % self.config.snapshot_every == 0 and self.checkpointer.has_tier0:
+        elif self.checkpointer.has_tier0 and (due or step % self.config.snapshot_every == 0):
             if self._deferred is not None:  # its rest once the next forward is queued (trainer/deferred.py)
                 self._deferred.flush()
                 self._emit_digest(step, "save")

@@ -138,6 +138,41 @@ def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boun
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_a_persist_due_while_the_disk_is_still_writing_the_last_one_goes_to_tier_0_and_then_the_next_step(
+        tmp_path: Path) -> None:
+    # With a tier 0 holding every step, the loop does not wait for a disk slower than the persist cadence.
+    import threading  # noqa: PLC0415
+
+    from core.tier0_dir import shm_root  # noqa: PLC0415
+
+    shm = Path(tempfile.mkdtemp(prefix="test-resumable-postpone-", dir=shm_root()))
+    try:
+        run, model, opt, _ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
+        train(run, model, opt, 0, 3)  # step 2 persisted
+        writer = run.checkpointer._writer.thread
+        gate = threading.Event()
+        writer.submit(lambda: gate.wait(20))  # the tier-1 write of a slow disk, still going
+        try:
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            assert run.step_done(4) is False  # returned while the write runs: not persisted, not waited for
+            assert not gate.is_set() and run.checkpointer.persisting
+        finally:
+            gate.set()
+        assert writer.wait_idle(60)
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        assert run.step_done(5) is True  # the owed persist, at the first step after the write
+        run.checkpointer.wait_persisted()
+        on_disk = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
+        assert on_disk == [2, 5], on_disk
+        run.close()
+        run2, *_ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
+        assert run2.restore() == 5
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_rng_streams_continue_after_resume(tmp_path: Path) -> None:
     run, model, opt, _ = make(tmp_path)
     train(run, model, opt, 0, 2)
