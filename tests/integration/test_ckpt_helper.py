@@ -21,6 +21,7 @@ import torch
 
 from ckpt import CheckpointConfig, Checkpointer, CheckpointWriteError
 from ckpt.helper import HelperClient, socket_path
+from ckpt.helper_process import NICE
 from ckpt.tier0 import SlotLock
 from core.tier0_dir import shm_root
 from tests.conftest import REPO
@@ -124,6 +125,8 @@ def test_the_helper_publishes_snapshots_and_a_restore_reads_them_bitwise(
     tmp_path: Path, shm: Path, helpers: list[HelperProcess]
 ) -> None:
     helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    # It runs below the training processes' CPU priority: its checksums take the cores they leave.
+    assert os.getpriority(os.PRIO_PROCESS, helpers[0].proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + NICE
     ck = make(tmp_path, shm)
     ck.prepare(state(1))  # both slots mapped by the helper too, before the loop: it must still see what is written
     assert ck._writer.thread.wait_idle(60)  # (the writer thread asks for that, not holding up a restore)
