@@ -8,8 +8,8 @@ Either given alone sets both (so `save_every=N` keeps its earlier meaning, a che
 disk every N steps); left out, both are 10. Snapshots between the persisted steps need both:
 `save_every=1, persist_every=10`. They are not the default: on one H200 a snapshot every step costs 1-3%
 of the GPT example's throughput (0.970-0.986 of no checkpoint, the median step 0.99; the default 0.9997:
-bench/goodput_bench.py, 2026-12-02). Memory: tier 0 keeps two copies of each rank's state in the node's /dev/shm. Without a
-tier 0 (no elastic-run, or tier0_dir=""), only persisted steps are saved.
+bench/goodput_bench.py, 2026-12-02). Memory: tier 0 keeps two copies of each rank's state in the node's
+/dev/shm. Without a tier 0 (no elastic-run, or tier0_dir=""), only persisted steps are saved.
 
 The checkpointer's options are not renamed here: `ResumeConfig.ckpt` is a `ckpt.CheckpointConfig`,
 so every one of them (snapshot `mode` including "overlapped", `if_busy`, `checksum`, `keep_every`,
