@@ -40,9 +40,9 @@ class DeferredSnapshots:
         self._hook = model.register_forward_hook(self._on_forward)
 
     @staticmethod
-    def applies(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, mode: str,
-                sharded: bool) -> bool:
-        return (optimizer is not None and mode == "overlapped" and not sharded
+    def applies(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, mode: str, sharded: bool,
+                tier0: bool) -> bool:
+        return (tier0 and optimizer is not None and mode == "overlapped" and not sharded
                 and not any(True for _ in model.buffers()))
 
     def defer(self, step: int, boundary: Boundary, mark: StateMark) -> None:
@@ -61,9 +61,14 @@ class DeferredSnapshots:
             self._finish(*pending)
 
     def _on_forward(self, *_: Any) -> None:
+        # A compiled forward traces its hooks: there this one is a no-op (no graph break, `fullgraph=True` works),
+        # and the optimizer's pre-hook finishes the snapshot instead.
+        if torch.compiler.is_compiling():
+            return
         if self._pending is not None:
             self.flush()
 
     def close(self) -> None:
-        self.flush()
+        """Remove the hook, then finish the waiting snapshot (which may raise: the hook is gone either way)."""
         self._hook.remove()
+        self.flush()

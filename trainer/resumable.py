@@ -143,8 +143,8 @@ class Resumable:
                                          on_written=_save_hook())
         self._view = StateView(self.state, self.model, self.optimizer)
         self._deferred = (DeferredSnapshots(self.model, self._finish_snapshot) if config.defer_snapshots and
-                          DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded)
-                          else None)
+                          DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded,
+                                                    tier0=self.checkpointer.has_tier0) else None)
         """Snapshots from step_done finished once the next forward is queued (trainer/deferred.py)."""
         self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
         self.telemetry = Telemetry.for_run(self)  # metrics for elastic-run's agent (trainer/telemetry.py)
@@ -377,6 +377,7 @@ class Resumable:
         if round_.stop:
             self._stop_below_minimum(round_.stop)
         self._regroup(round_.rank, round_.world_size)
+        self._persist_owed = False  # as a new worker of the round starts: every rank calls _disk_behind alike
         caught = self._join_group()
         step = caught if caught is not None else self._restore_from_checkpoints()
         self.telemetry.resumed(step, None)  # metrics: steps after `step` are recomputed; the next is the first
@@ -387,17 +388,25 @@ class Resumable:
         return step
 
     def _disk_behind(self, step: int) -> bool:
-        """Whether the persist due at `step` waits for a later step: with a tier 0 holding every step, a loop
-        does not stall for a disk slower than its cadence (the previous tier-1 write still going); the step is
-        snapshotted instead and the first step after that write persists."""
-        if not (self.checkpointer.has_tier0 and self.checkpointer.persisting):
+        """Whether the persist due at `step` waits for a later step: with tier-0 snapshots between persists, a
+        loop does not stall for a disk slower than its cadence (the previous tier-1 write still going); the step
+        is snapshotted instead and the first step after that write persists. Every rank decides alike (one
+        small all-reduce on these steps only): a step commits once every rank has written it."""
+        if self.config.snapshot_every >= self.config.persist_interval:
+            return False  # no snapshots between persists (the same on every rank): a persist as before
+        busy = int(self.checkpointer.has_tier0 and self.checkpointer.persisting)
+        try:
+            behind = -self.topology.all_min(-busy) == 1
+        except RuntimeError as exc:  # the group is failing (a peer lost): the next step's collective re-forms it
+            log.warning("rank %d: could not agree on postponing step %d's persist (%s); persisting it",
+                        self.topology.rank, step, exc)
             return False
-        if not self._persist_owed:
-            self._persist_owed = True
-            log.info("rank %d: step %d is due on disk while the previous tier-1 write still runs; it goes to "
-                     "tier 0 now and the first step after that write is persisted", self.topology.rank, step)
+        if behind and not self._persist_owed:
+            log.info("rank %d: step %d is due on disk while a tier-1 write still runs; it goes to tier 0 now and "
+                     "the first step after that write is persisted", self.topology.rank, step)
             emit("persist_postponed", step=step)
-        return True
+        self._persist_owed = behind
+        return behind
 
     def _stop_below_minimum(self, why: str) -> NoReturn:
         """The job stops: too few nodes are left (the agent's round says why). Persist the step held in memory
@@ -564,6 +573,7 @@ class Resumable:
         then CheckpointSaveError (naming the directory and the cause) stops the job."""
         if self._checkpoint(step, persist=True):
             self._saved_step = step
+            self._persist_owed = False
 
     def snapshot(self, step: int) -> None:
         """Snapshot this rank's state for `step` into tier 0 only (host memory; ckpt/tier0.py); failures
@@ -626,8 +636,12 @@ class Resumable:
         if self._closed:
             return
         self._closed = True
+        unfinished: BaseException | None = None
         if self._deferred is not None:
-            self._deferred.close()
+            try:  # a snapshot waiting for its rest; the close goes on either way, its error raised at the end
+                self._deferred.close()
+            except Exception as exc:  # noqa: BLE001 - re-raised below, once everything is closed
+                unfinished = exc
         if self._rounds is not None:
             self._rounds.withdraw()  # from here on a membership change restarts this process
             self._rounds.stop()
@@ -641,6 +655,8 @@ class Resumable:
                         self.checkpointer.last_error)
         self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
         self.checkpointer.check()
+        if unfinished is not None:
+            raise unfinished
 
     def final_digest(self) -> str:
         """The digest of the model's and optimizer's state (trainer.training_digest), also emitted as

@@ -55,7 +55,7 @@ class StateView:
         group_tensors, group_skeleton = ({}, None) if groups is None else flatten(
             {"optimizer": {"param_groups": groups}})
         return Boundary(list(rest), tensors, skeleton, groups, group_tensors,
-                        None if group_skeleton is None else group_skeleton["optimizer"]["param_groups"], rest)
+                        None if group_skeleton is None else group_skeleton["optimizer"]["param_groups"])
 
     def flat(self, rest: dict[str, Any] | Boundary) -> Flat:
         """The flattened state; `rest` as for `boundary`, or what `boundary` took earlier (then the model's and
@@ -86,10 +86,9 @@ class StateView:
         if optimizer is None:
             return None
         cache = self._cache
-        if cache is not None and cache.plain_optimizer:
+        if cache is not None and cache.plain_optimizer and _plain_optimizer(optimizer):
             groups = optimizer.param_groups
-            key = tuple(id(p) for g in groups for p in g["params"])
-            if key == cache.param_key:
+            if _param_key(groups) == cache.param_key:
                 return [{**{k: v for k, v in g.items() if k != "params"}, "params": indices}
                         for g, indices in zip(groups, cache.group_indices, strict=True)]
         groups_sd: list[dict[str, Any]] = optimizer.state_dict()["param_groups"]
@@ -97,12 +96,15 @@ class StateView:
 
     def _rebuild(self, at: Boundary) -> Flat:
         """The full walk: the model's and optimizer's parts from `state()` now, the rest as `at` took it."""
-        state = {**self._full(), **{k: v for k, v in at.rest.items() if k not in ("model", "optimizer")}}
-        if at.groups is not None and isinstance(state.get("optimizer"), dict):
-            state["optimizer"] = {**state["optimizer"], "param_groups": at.groups}
-        tensors, skeleton = flatten(state)
+        full = self._full()
+        parts: dict[str, Any] = {k: full[k] for k in ("model", "optimizer") if k in full}
+        if at.groups is not None and isinstance(parts.get("optimizer"), dict):
+            parts["optimizer"] = {**parts["optimizer"], "param_groups": at.groups}
+        tensors, own_skeleton = flatten(parts)
+        tensors.update(at.tensors)
+        skeleton = {k: own_skeleton[k] if k in own_skeleton else at.skeleton[k] for k in at.keys}
         self.rebuilds += 1
-        self._cache = _Cache.of(self._model, self._optimizer, state, tensors, skeleton)
+        self._cache = _Cache.of(self._model, self._optimizer, parts, tensors, skeleton)
         return Flat(tensors, skeleton)
 
 
@@ -119,8 +121,6 @@ class Boundary:
     """The optimizer's param_groups as its state_dict() has them (None without an optimizer), and flattened:"""
     group_tensors: dict[str, torch.Tensor]
     group_skeleton: Any
-    rest: dict[str, Any]
-    """The rest as given (for a full walk; its tensors are the ones flattened)."""
 
 
 class _Cache:
@@ -136,7 +136,7 @@ class _Cache:
         self.optimizer_params = 0
         self.plain_optimizer = False
         """Read directly (torch's state_dict, no state_dict hooks): the fields below index its parameters."""
-        self.param_key: tuple[int, ...] = ()
+        self.param_key: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
         self.group_indices: list[list[int]] = []
         self.object_params: list[torch.Tensor] = []
         self.object_keys: list[str] = []
@@ -193,7 +193,7 @@ class _Cache:
             by_index = dict(zip([i for g in indices for i in g], params, strict=False))
             if len(by_index) == len(params) and all(i in by_index for i, _, _ in cache.optimizer_objects):
                 cache.plain_optimizer = True
-                cache.param_key = tuple(map(id, params))
+                cache.param_key = _param_key(optimizer.param_groups)
                 cache.group_indices = indices
                 cache.object_params = [by_index[i] for i, _, _ in cache.optimizer_objects]
                 cache.object_keys = [k for _, k, _ in cache.optimizer_objects]
@@ -223,7 +223,7 @@ class _Cache:
         """holds() for a plain optimizer: its state read by parameter, without state_dict() (C loops)."""
         if not _plain_optimizer(optimizer):  # a state_dict hook registered since
             return False
-        if tuple(id(p) for g in optimizer.param_groups for p in g["params"]) != self.param_key:
+        if _param_key(optimizer.param_groups) != self.param_key:
             return False
         state = optimizer.state
         if len(state) != self.state_entries or sum(map(len, state.values())) != len(self.optimizer_objects):
@@ -244,6 +244,11 @@ _STORES = (operator.attrgetter("_parameters"), operator.attrgetter("_buffers"), 
 
 
 _entry: Callable[[Any, str], Any] = dict.get
+
+
+def _param_key(groups: list[dict[str, Any]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The optimizer's parameters as its state_dict() indexes them: each group's size, then every id in order."""
+    return tuple(len(g["params"]) for g in groups), tuple(id(p) for g in groups for p in g["params"])
 
 
 def _plain_optimizer(optimizer: torch.optim.Optimizer) -> bool:

@@ -173,6 +173,84 @@ def test_a_persist_due_while_the_disk_is_still_writing_the_last_one_goes_to_tier
         shutil.rmtree(shm, ignore_errors=True)
 
 
+class _OtherRankBusy(Topology):
+    """Rank 0 of two whose other rank answers every all_min with "my tier-1 write still runs" (-1)."""
+
+    def all_min(self, value: int) -> int:
+        return min(value, -1)
+
+
+def test_a_persist_is_postponed_on_every_rank_when_any_rank_s_disk_is_behind(tmp_path: Path) -> None:
+    # A step commits once every rank has written it: the ranks agree, and an idle rank postpones with a busy one.
+    from core.tier0_dir import shm_root  # noqa: PLC0415
+
+    shm = Path(tempfile.mkdtemp(prefix="test-resumable-agree-", dir=shm_root()))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=1, persist_every=2, tier0_dir=shm),
+                        model=model, optimizer=opt, topology=_OtherRankBusy(rank=0, world_size=2, local_rank=0))
+        for step in (1, 2, 3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            assert run.step_done(step) is False, step  # 2 due, 3 owed: the other rank's disk is still behind
+            assert not run.checkpointer.persisting  # this rank's own disk is idle
+        assert run._persist_owed
+        run.close()
+        assert not list((tmp_path / "ckpt").glob("step_*"))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_compiled_full_graph_forward_takes_the_deferred_snapshot_hook(tmp_path: Path) -> None:
+    # The hook is a no-op inside a traced forward (no graph break); the optimizer's pre-hook finishes the snapshot.
+    from core.tier0_dir import shm_root  # noqa: PLC0415
+
+    shm = Path(tempfile.mkdtemp(prefix="test-resumable-compiled-", dir=shm_root()))
+    try:
+        run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        for step in (1, 2, 3):
+            compiled(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            run.step_done(step)
+        assert run._deferred is not None and run._deferred.pending == 3
+        compiled(torch.randn(2, 4))
+        assert run._deferred.pending == 3  # not from the traced forward
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        at_boundary = training_digest(model, opt)
+        opt.step()
+        assert run._deferred.pending is None
+        run.close()
+        run2, model2, opt2, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+        assert run2.restore() == 3 and training_digest(model2, opt2) == at_boundary
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_close_closes_everything_when_the_waiting_snapshot_fails(tmp_path: Path) -> None:
+    from core.tier0_dir import shm_root  # noqa: PLC0415
+
+    shm = Path(tempfile.mkdtemp(prefix="test-resumable-close-", dir=shm_root()))
+    try:
+        run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+        train(run, model, opt, 0, 2)
+        assert run._deferred is not None and run._deferred.pending == 2
+
+        def broken(*_: Any) -> None:
+            raise RuntimeError("a sticky device error")
+
+        run._deferred._finish = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="sticky"):
+            run.close()
+        assert not model._forward_hooks and not opt._optimizer_step_pre_hooks  # every hook removed
+        assert run.checkpointer._closed
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_rng_streams_continue_after_resume(tmp_path: Path) -> None:
     run, model, opt, _ = make(tmp_path)
     train(run, model, opt, 0, 2)

@@ -135,3 +135,30 @@ def test_a_plain_optimizer_is_read_without_state_dict_and_a_hooked_one_through_i
     assert (len(calls) > 0) == hooked
     flat = job.check()
     assert ("note" in flat.skeleton["optimizer"]["param_groups"][0]) == hooked
+
+
+def test_a_full_walk_after_the_boundary_keeps_the_boundary_s_rest() -> None:
+    # The first snapshot (no cache yet) walks everything: what it takes of the rest is still the boundary's.
+    job = Job(model())
+    job.train()
+    extras = {"note": "at the boundary"}
+    at = job.view.boundary({**job.tree(None, None), "extras": extras})
+    extras["note"] = "later"
+    got = job.view.flat(at)
+    assert job.view.rebuilds == 1 and got.skeleton["extras"] == {"note": "at the boundary"}
+
+
+@pytest.mark.parametrize("change", ["hook", "empty group", "parameter moved"])
+def test_param_groups_read_directly_follow_state_dict_at_once_after_a_change(change: str) -> None:
+    job = Job(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+    job.train()
+    job.check()
+    opt = job.optimizer
+    if change == "hook":
+        opt.register_state_dict_post_hook(lambda o, sd: sd["param_groups"][0].update(note="hooked") or sd)
+    elif change == "empty group":
+        opt.param_groups.append({**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": []})
+    else:  # the last parameter into a group of its own: the same ids in order, other group sizes
+        last = opt.param_groups[0]["params"].pop()
+        opt.param_groups.append({**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": [last]})
+    job.check()  # the first snapshot after the change equals flatten(state())
