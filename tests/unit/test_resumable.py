@@ -7,6 +7,7 @@ import logging
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,16 @@ def train(run: Resumable, model: nn.Module, opt: torch.optim.Optimizer, start: i
     return losses
 
 
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A tier-0 directory of its own in host shared memory, removed afterwards."""
+    from core.tier0_dir import shm_root  # noqa: PLC0415
+
+    path = Path(tempfile.mkdtemp(prefix="test-resumable-tier0-", dir=shm_root()))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def test_fresh_start_returns_step_zero(tmp_path: Path) -> None:
     run, *_ = make(tmp_path)
     assert run.restore() == 0 and run.resumed_from is None
@@ -79,98 +90,80 @@ def test_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
 
 def test_a_restore_from_tier_0_without_a_copy_resumes_bitwise_through_the_saves_that_rewrite_its_slot(
-        tmp_path: Path) -> None:
+        tmp_path: Path, shm: Path) -> None:
     # The trainer restores from host memory without copying the state out of the slot (a copy-on-write
     # mapping of it); the second save after the restore rewrites that slot. The optimizer's CPU state, which
     # its load keeps as given, gets memory of its own (Resumable._apply).
-    from core.tier0_dir import shm_root  # noqa: PLC0415
-
-    shm = Path(tempfile.mkdtemp(prefix="test-resumable-tier0-", dir=shm_root()))
-    try:
-        ref_run, ref_model, ref_opt, _ = make(tmp_path / "ref")
-        ref_losses = train(ref_run, ref_model, ref_opt, 0, 8)
-        run, model, opt, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
-        first = train(run, model, opt, 0, 5)
-        run.close()
-        run2, model2, opt2, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
-        step = run2.restore()  # 5, or 4 when the snapshot of 5 was skipped (the one before still being summed)
-        assert step in (4, 5) and run2.restored is not None and run2.restored.tier == "memory", step
-        rest = train(run2, model2, opt2, step, 8)  # the second save after it goes into the restored slot
-        assert first[:step] + rest == ref_losses
-        assert training_digest(model2, opt2) == training_digest(ref_model, ref_opt)
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    ref_run, ref_model, ref_opt, _ = make(tmp_path / "ref")
+    ref_losses = train(ref_run, ref_model, ref_opt, 0, 8)
+    run, model, opt, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
+    first = train(run, model, opt, 0, 5)
+    run.close()
+    run2, model2, opt2, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
+    step = run2.restore()  # 5, or 4 when the snapshot of 5 was skipped (the one before still being summed)
+    assert step in (4, 5) and run2.restored is not None and run2.restored.tier == "memory", step
+    rest = train(run2, model2, opt2, step, 8)  # the second save after it goes into the restored slot
+    assert first[:step] + rest == ref_losses
+    assert training_digest(model2, opt2) == training_digest(ref_model, ref_opt)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 @pytest.mark.parametrize("then", ["forward", "optimizer step"])
 def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boundary(
-        tmp_path: Path, then: str, device: str) -> None:
+        tmp_path: Path, then: str, device: str, shm: Path) -> None:
     # step_done takes a tier-0 snapshot's small parts (RNG, schedules, data position) at once and the rest when
     # the next forward is queued, or before the optimizer's next step (trainer/deferred.py): what happens in
     # between (RNG draws, a scheduler step, the optimizer changing the parameters) is not in the snapshot.
-    from core.tier0_dir import shm_root  # noqa: PLC0415
-
-    shm = Path(tempfile.mkdtemp(prefix="test-resumable-deferred-", dir=shm_root()))
-    try:
-        run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm, device=device)
-        train(run, model, opt, 0, 3)
-        assert run._deferred is not None and run._deferred.pending == 3
-        rng_now = (lambda: torch.cuda.get_rng_state()) if device == "cuda" else torch.get_rng_state
-        at_boundary = (training_digest(model, opt), rng_now(), opt.param_groups[0]["lr"])
-        torch.rand(5, device=device)
-        run.scheduler.step()  # type: ignore[union-attr]
-        if then == "forward":
-            model(torch.randn(2, 4, device=device))
-        else:
-            for p in model.parameters():
-                p.grad = torch.ones_like(p)
-            opt.step()  # changes the parameters: its pre-hook finished the snapshot first
-            assert training_digest(model, opt) != at_boundary[0]
-        assert run._deferred.pending is None
-        run.close()
-        run2, model2, opt2, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm, device=device)
-        assert run2.restore() == 3 and run2.restored is not None and run2.restored.tier == "memory"
-        assert training_digest(model2, opt2) == at_boundary[0]
-        assert torch.equal(rng_now(), at_boundary[1]) and opt2.param_groups[0]["lr"] == at_boundary[2]
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm, device=device)
+    train(run, model, opt, 0, 3)
+    assert run._deferred is not None and run._deferred.pending == 3
+    rng_now = (lambda: torch.cuda.get_rng_state()) if device == "cuda" else torch.get_rng_state
+    at_boundary = (training_digest(model, opt), rng_now(), opt.param_groups[0]["lr"])
+    torch.rand(5, device=device)
+    run.scheduler.step()  # type: ignore[union-attr]
+    if then == "forward":
+        model(torch.randn(2, 4, device=device))
+    else:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()  # changes the parameters: its pre-hook finished the snapshot first
+        assert training_digest(model, opt) != at_boundary[0]
+    assert run._deferred.pending is None
+    run.close()
+    run2, model2, opt2, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm, device=device)
+    assert run2.restore() == 3 and run2.restored is not None and run2.restored.tier == "memory"
+    assert training_digest(model2, opt2) == at_boundary[0]
+    assert torch.equal(rng_now(), at_boundary[1]) and opt2.param_groups[0]["lr"] == at_boundary[2]
 
 
 def test_a_persist_due_while_the_disk_is_still_writing_the_last_one_goes_to_tier_0_and_then_the_next_step(
-        tmp_path: Path) -> None:
+        tmp_path: Path, shm: Path) -> None:
     # With a tier 0 holding every step, the loop does not wait for a disk slower than the persist cadence.
     import threading  # noqa: PLC0415
 
-    from core.tier0_dir import shm_root  # noqa: PLC0415
-
-    shm = Path(tempfile.mkdtemp(prefix="test-resumable-postpone-", dir=shm_root()))
+    run, model, opt, _ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
+    train(run, model, opt, 0, 3)  # step 2 persisted
+    writer = run.checkpointer._writer.thread
+    gate = threading.Event()
+    writer.submit(lambda: gate.wait(20))  # the tier-1 write of a slow disk, still going
     try:
-        run, model, opt, _ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
-        train(run, model, opt, 0, 3)  # step 2 persisted
-        writer = run.checkpointer._writer.thread
-        gate = threading.Event()
-        writer.submit(lambda: gate.wait(20))  # the tier-1 write of a slow disk, still going
-        try:
-            model(torch.randn(8, 4)).pow(2).mean().backward()
-            opt.step()
-            assert run.step_done(4) is False  # returned while the write runs: not persisted, not waited for
-            assert not gate.is_set() and run.checkpointer.persisting
-        finally:
-            gate.set()
-        assert writer.wait_idle(60)
         model(torch.randn(8, 4)).pow(2).mean().backward()
         opt.step()
-        assert run.step_done(5) is True  # the owed persist, at the first step after the write
-        run.checkpointer.wait_persisted()
-        on_disk = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
-        assert on_disk == [2, 5], on_disk
-        run.close()
-        run2, *_ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
-        assert run2.restore() == 5
+        assert run.step_done(4) is False  # returned while the write runs: not persisted, not waited for
+        assert not gate.is_set() and run.checkpointer.persisting
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        gate.set()
+    assert writer.wait_idle(60)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    assert run.step_done(5) is True  # the owed persist, at the first step after the write
+    run.checkpointer.wait_persisted()
+    on_disk = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
+    assert on_disk == [2, 5], on_disk
+    run.close()
+    run2, *_ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
+    assert run2.restore() == 5
 
 
 class _OtherRankBusy(Topology):
@@ -180,75 +173,57 @@ class _OtherRankBusy(Topology):
         return min(value, -1)
 
 
-def test_a_persist_is_postponed_on_every_rank_when_any_rank_s_disk_is_behind(tmp_path: Path) -> None:
+def test_a_persist_is_postponed_on_every_rank_when_any_rank_s_disk_is_behind(tmp_path: Path, shm: Path) -> None:
     # A step commits once every rank has written it: the ranks agree, and an idle rank postpones with a busy one.
-    from core.tier0_dir import shm_root  # noqa: PLC0415
-
-    shm = Path(tempfile.mkdtemp(prefix="test-resumable-agree-", dir=shm_root()))
-    try:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
-        opt = torch.optim.Adam(model.parameters(), lr=0.1)
-        run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=1, persist_every=2, tier0_dir=shm),
-                        model=model, optimizer=opt, topology=_OtherRankBusy(rank=0, world_size=2, local_rank=0))
-        for step in (1, 2, 3):
-            model(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            assert run.step_done(step) is False, step  # 2 due, 3 owed: the other rank's disk is still behind
-            assert not run.checkpointer.persisting  # this rank's own disk is idle
-        assert run._persist_owed
-        run.close()
-        assert not list((tmp_path / "ckpt").glob("step_*"))
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-
-
-def test_a_compiled_full_graph_forward_takes_the_deferred_snapshot_hook(tmp_path: Path) -> None:
-    # The hook is a no-op inside a traced forward (no graph break); the optimizer's pre-hook finishes the snapshot.
-    from core.tier0_dir import shm_root  # noqa: PLC0415
-
-    shm = Path(tempfile.mkdtemp(prefix="test-resumable-compiled-", dir=shm_root()))
-    try:
-        run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
-        compiled = torch.compile(model, backend="eager", fullgraph=True)
-        for step in (1, 2, 3):
-            compiled(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            run.step_done(step)
-        assert run._deferred is not None and run._deferred.pending == 3
-        compiled(torch.randn(2, 4))
-        assert run._deferred.pending == 3  # not from the traced forward
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        at_boundary = training_digest(model, opt)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=1, persist_every=2, tier0_dir=shm),
+                    model=model, optimizer=opt, topology=_OtherRankBusy(rank=0, world_size=2, local_rank=0))
+    for step in (1, 2, 3):
+        model(torch.randn(2, 4)).sum().backward()
         opt.step()
-        assert run._deferred.pending is None
+        assert run.step_done(step) is False, step  # 2 due, 3 owed: the other rank's disk is still behind
+        assert not run.checkpointer.persisting  # this rank's own disk is idle
+    assert run._persist_owed
+    run.close()
+    assert not list((tmp_path / "ckpt").glob("step_*"))
+
+
+def test_a_compiled_full_graph_forward_takes_the_deferred_snapshot_hook(tmp_path: Path, shm: Path) -> None:
+    # The hook is a no-op inside a traced forward (no graph break); the optimizer's pre-hook finishes the snapshot.
+    run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for step in (1, 2, 3):
+        compiled(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        run.step_done(step)
+    assert run._deferred is not None and run._deferred.pending == 3
+    compiled(torch.randn(2, 4))
+    assert run._deferred.pending == 3  # not from the traced forward
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    at_boundary = training_digest(model, opt)
+    opt.step()
+    assert run._deferred.pending is None
+    run.close()
+    run2, model2, opt2, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+    assert run2.restore() == 3 and training_digest(model2, opt2) == at_boundary
+
+
+def test_close_closes_everything_when_the_waiting_snapshot_fails(tmp_path: Path, shm: Path) -> None:
+    run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+    train(run, model, opt, 0, 2)
+    assert run._deferred is not None and run._deferred.pending == 2
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("a sticky device error")
+
+    run._deferred._finish = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="sticky"):
         run.close()
-        run2, model2, opt2, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
-        assert run2.restore() == 3 and training_digest(model2, opt2) == at_boundary
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-
-
-def test_close_closes_everything_when_the_waiting_snapshot_fails(tmp_path: Path) -> None:
-    from core.tier0_dir import shm_root  # noqa: PLC0415
-
-    shm = Path(tempfile.mkdtemp(prefix="test-resumable-close-", dir=shm_root()))
-    try:
-        run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
-        train(run, model, opt, 0, 2)
-        assert run._deferred is not None and run._deferred.pending == 2
-
-        def broken(*_: Any) -> None:
-            raise RuntimeError("a sticky device error")
-
-        run._deferred._finish = broken  # type: ignore[method-assign]
-        with pytest.raises(RuntimeError, match="sticky"):
-            run.close()
-        assert not model._forward_hooks and not opt._optimizer_step_pre_hooks  # every hook removed
-        assert run.checkpointer._closed
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    assert not model._forward_hooks and not opt._optimizer_step_pre_hooks  # every hook removed
+    assert run.checkpointer._closed
 
 
 def test_rng_streams_continue_after_resume(tmp_path: Path) -> None:
