@@ -54,6 +54,11 @@ class DeferredSnapshots:
         """The step of the snapshot waiting for its rest, if any."""
         return self._pending[0] if self._pending is not None else None
 
+    def drop(self, step: int) -> None:
+        """Forget the waiting snapshot if it is of `step` (a save of that same step is about to take its place)."""
+        if self._pending is not None and self._pending[0] == step:
+            self._pending = None
+
     def flush(self) -> None:
         """Finish the waiting snapshot now (its errors are the snapshot's: see Resumable.snapshot)."""
         pending, self._pending = self._pending, None

@@ -582,6 +582,8 @@ class Resumable:
 
     def _checkpoint(self, step: int, *, persist: bool, rng_state: dict[str, Any] | None = None) -> bool:
         if self._deferred is not None:
+            if persist:  # the last step saved at teardown or below the minimum: one copy of it, not two
+                self._deferred.drop(step)
             self._deferred.flush()  # the snapshot of the step before first
         self._emit_digest(step, "save")
         if persist:

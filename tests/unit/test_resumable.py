@@ -211,6 +211,16 @@ def test_a_compiled_full_graph_forward_takes_the_deferred_snapshot_hook(tmp_path
     assert run2.restore() == 3 and training_digest(model2, opt2) == at_boundary
 
 
+def test_the_last_step_saved_at_teardown_is_copied_once_not_snapshotted_first(tmp_path: Path, shm: Path) -> None:
+    run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+    train(run, model, opt, 0, 3)
+    assert run._deferred is not None and run._deferred.pending == 3
+    run.teardown(destroy_process_group=False)
+    assert [m.step for m in run.checkpointer.metrics].count(3) == 1  # the persisted save, no snapshot before it
+    run2, model2, opt2, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+    assert run2.restore() == 3 and training_digest(model2, opt2) == training_digest(model, opt)
+
+
 def test_close_closes_everything_when_the_waiting_snapshot_fails(tmp_path: Path, shm: Path) -> None:
     run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
     train(run, model, opt, 0, 2)
