@@ -602,6 +602,15 @@ def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, varian
     return figures
 
 
+SLOW_STEP = 1.15
+"""A step this many times the no-checkpoint run's median step (same round) counts as slow."""
+
+
+def _step_times(fig: dict[str, Any] | None) -> list[float]:
+    raw = (fig or {}).get("raw") or {}
+    return [t for t in raw.get("step_s") or [] if t > 0]
+
+
 def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]:
     """Per variant: median tokens/s, the median over rounds of its ratio to `none` of the same round,
     blocking per save pooled over rounds; and the kill figures with the issue's targets."""
@@ -617,12 +626,23 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]
             if base and "tokens_per_s" in base and "tokens_per_s" in fig:
                 ratios.append(fig["tokens_per_s"] / base["tokens_per_s"])
         ok = [f for f in entry["rounds"] if "tokens_per_s" in f]
+        # The median step against none's of the same round: a figure that a few slow steps (a noisy host,
+        # a stall) do not move, beside the tokens/s ratio that counts them; and how many steps were slow.
+        step_ratios, slow = [], []
+        for i, fig in enumerate(entry["rounds"]):
+            base = anchor[i] if i < len(anchor) else None
+            mine, theirs = _step_times(fig), _step_times(base)
+            if mine and theirs:
+                step_ratios.append(statistics.median(theirs) / statistics.median(mine))
+                slow.append(sum(1 for t in mine if t > SLOW_STEP * statistics.median(theirs)))
         blocked = [f["blocked_per_save_s"]["median"] for f in ok if f["blocked_per_save_s"]["median"] is not None]
         p90 = [f["blocked_per_save_s"]["p90"] for f in ok if f["blocked_per_save_s"]["p90"] is not None]
         out[name] = {
             "tokens_per_s_median": pct([f["tokens_per_s"] for f in ok], 0.5),
             "ratio_to_none_median": round(statistics.median(ratios), 4) if ratios else None,
             "ratio_to_none_per_round": [round(x, 4) for x in ratios],
+            "median_step_ratio_per_round": [round(x, 4) for x in step_ratios],
+            "slow_steps_per_run": slow,
             "saves_per_run": [f["saves"] for f in ok],
             "blocked_per_save_median_s": pct(blocked, 0.5),
             "blocked_per_save_p90_s": pct(p90, 0.5),
