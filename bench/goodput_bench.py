@@ -620,21 +620,19 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]
         if "skipped" in entry:
             out[name] = {"skipped": entry["skipped"]}
             continue
-        ratios = []
+        # Against none's round of the same index: tokens/s, and the median step, which a few slow steps (a noisy
+        # host, a stall) do not move, with how many steps were slow.
+        ratios, step_ratios, slow = [], [], []
         for i, fig in enumerate(entry["rounds"]):
             base = anchor[i] if i < len(anchor) else None
             if base and "tokens_per_s" in base and "tokens_per_s" in fig:
                 ratios.append(fig["tokens_per_s"] / base["tokens_per_s"])
-        ok = [f for f in entry["rounds"] if "tokens_per_s" in f]
-        # The median step against none's of the same round: a figure that a few slow steps (a noisy host,
-        # a stall) do not move, beside the tokens/s ratio that counts them; and how many steps were slow.
-        step_ratios, slow = [], []
-        for i, fig in enumerate(entry["rounds"]):
-            base = anchor[i] if i < len(anchor) else None
             mine, theirs = _step_times(fig), _step_times(base)
             if mine and theirs:
-                step_ratios.append(statistics.median(theirs) / statistics.median(mine))
-                slow.append(sum(1 for t in mine if t > SLOW_STEP * statistics.median(theirs)))
+                anchor_step = statistics.median(theirs)
+                step_ratios.append(anchor_step / statistics.median(mine))
+                slow.append(sum(1 for t in mine if t > SLOW_STEP * anchor_step))
+        ok = [f for f in entry["rounds"] if "tokens_per_s" in f]
         blocked = [f["blocked_per_save_s"]["median"] for f in ok if f["blocked_per_save_s"]["median"] is not None]
         p90 = [f["blocked_per_save_s"]["p90"] for f in ok if f["blocked_per_save_s"]["p90"] is not None]
         out[name] = {

@@ -405,7 +405,7 @@ class Resumable:
             log.info("rank %d: step %d is due on disk while a tier-1 write still runs; it goes to tier 0 now and "
                      "the first step after that write is persisted", self.topology.rank, step)
             emit("persist_postponed", step=step)
-        self._persist_owed = behind
+            self._persist_owed = True  # cleared by the persist that pays it
         return behind
 
     def _stop_below_minimum(self, why: str) -> NoReturn:
@@ -502,7 +502,6 @@ class Resumable:
                 self._saved_step = step
         elif self.checkpointer.has_tier0 and (due or step % self.config.snapshot_every == 0):
             if self._deferred is not None:  # its rest once the next forward is queued (trainer/deferred.py)
-                self._deferred.flush()
                 self._emit_digest(step, "save")
                 self._deferred.defer(step, self._boundary(self._boundary_rng), self.checkpointer.mark())
             else:
@@ -586,10 +585,8 @@ class Resumable:
                 self._deferred.drop(step)
             self._deferred.flush()  # the snapshot of the step before first
         self._emit_digest(step, "save")
-        if persist:
-            return self._guarded(step, persist, lambda: self.checkpointer.save_async(
-                step, self._checkpoint_state(rng_state)))
-        return self._guarded(step, persist, lambda: self.checkpointer.snapshot(step, self._checkpoint_state(rng_state)))
+        save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
+        return self._guarded(step, persist, lambda: save(step, self._checkpoint_state(rng_state)))
 
     def _finish_snapshot(self, step: int, boundary: Boundary, mark: StateMark) -> None:
         """The rest of a deferred snapshot (trainer/deferred.py): the state's tensors as they were at `mark`."""
