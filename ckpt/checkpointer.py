@@ -177,6 +177,8 @@ class Checkpointer:
             if config.tier0_helper:
                 self._writer.helper = HelperClient(tier0_root)
                 self._writer.snapshot_helper = HelperClient(tier0_root)
+                if self._shared is not None:  # the replicator thread's own connection: tier 2's bytes
+                    self._shared.helper = HelperClient(tier0_root)
         self._restorer = Restorer(
             self._local, self._shared, rank=rank, identity=self.identity, config=config, pool=self._hash_pool,
             host=self._host,

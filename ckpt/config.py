@@ -209,8 +209,10 @@ class CheckpointConfig:
 
     tier0_helper: bool = True
     """Let the node's checkpoint helper process (ckpt/helper.py; elastic-run's agent starts one with the
-    tier-0 directory) checksum and publish this rank's tier-0 snapshots, off the training process. Without
-    a helper, or when it does not answer, the writer thread does it."""
+    tier-0 directory) checksum and publish this rank's tier-0 snapshots, write its tier-1 steps and upload
+    their files to tier 2, off the training process. Without a helper, or when it does not answer, the
+    writer and replicator threads do it. The helper uploads with the agent's environment (credentials from
+    the environment must be the workers' too) and `shared.storage_options` when they are JSON."""
 
     replicas: int = 1
     """Peer replicas of tier 0: every `replica_every` steps the node's helper copies a snapshot it published

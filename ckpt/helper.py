@@ -30,7 +30,11 @@ length][body]. Requests:
             it, once the slot's bytes are written (before the fsync), a frame {"released": true}: the
             worker may reuse the slot from then on (and can no longer write that step itself).
   map       header {"op", "path", "size"}: map the slot's file now and fault its pages in (at start).
-Replies: {"ok": true, ...} or {"ok": false, "error": "..."}.
+  upload    header {"op", "step", "local" (a file of a committed tier-1 rank directory), "url" and
+            "storage_options" (the shared tier's, JSON), "path" (the file's path in that file system)}:
+            the helper puts the file there (tier 2, ckpt/shared.py) and checks its size. Only the bytes
+            move here: retries, markers, COMMIT and retention stay with the worker's replicator thread.
+Replies: {"ok": true, ...} or {"ok": false, "error": "...", "error_type": "<exception class>"}.
 
 Failure: the worker gives the helper `timeout` seconds (a tier-1 write `persist_timeout`); on no
 answer, a broken connection or an error it does the work itself, as without a helper, and tries the
@@ -66,6 +70,21 @@ class HelperError(Exception):
     """The helper did not finish a request (the caller does the work itself)."""
 
 
+class HelperRequestFailed(HelperError):
+    """The helper answered: the request itself failed there (`error_type`: the exception's class name)."""
+
+    def __init__(self, message: str, error_type: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+_UPLOAD_ERRORS: dict[str, type[OSError]] = {
+    "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError,
+    "IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
+}
+"""A failed upload's error as the retry policy must see it (ckpt/retry.py: these are not retried)."""
+
+
 def socket_path(tier0_dir: str | Path) -> Path:
     return Path(tier0_dir) / SOCKET_NAME
 
@@ -79,12 +98,15 @@ class HelperClient:
     RETRY_S = 5.0
     """After a failure, the helper is tried again this much later (meanwhile the worker publishes)."""
 
-    def __init__(self, tier0_dir: str | Path, *, timeout: float = 30.0, persist_timeout: float = 600.0) -> None:
+    def __init__(self, tier0_dir: str | Path, *, timeout: float = 30.0, persist_timeout: float = 600.0,
+                 upload_timeout: float = 3600.0) -> None:
         self.path = socket_path(tier0_dir)
         self.timeout = timeout
         """Seconds a publish (a checksum of the slot in memory) may take before the worker does it itself."""
         self.persist_timeout = persist_timeout
         """Seconds a tier-1 write (the disk) may take before the worker gives up on it."""
+        self.upload_timeout = upload_timeout
+        """Seconds one file's upload to tier 2 may take before the worker uploads it itself."""
         self._sock: socket.socket | None = None
         self._templates: dict[int, int] = {}  # id(template bytes' owner) -> template id sent on this connection
         self._next_id = 0
@@ -96,6 +118,8 @@ class HelperClient:
         """Steps the helper wrote to tier 1 for this worker."""
         self.mapped = 0
         """Slots the helper mapped ahead of the loop (prepare)."""
+        self.uploaded = 0
+        """Files the helper uploaded to tier 2 for this worker."""
 
     def available(self) -> bool:
         """Whether to try the helper now: its socket exists and no failure is recent."""
@@ -143,13 +167,30 @@ class HelperClient:
         self.persisted += 1
         return reply
 
-    def _request(self, request: dict[str, Any], template_key: int, template: bytes, body: bytes, *,
-                 timeout: float | None = None, on_released: Callable[[], None] | None = None) -> dict[str, Any]:
+    def upload(self, *, local: Path, url: str, storage_options: dict[str, Any], path: str, step: int) -> None:
+        """Have the helper put the file `local` at `path` of the file system of `url` (tier 2) and check its
+        size. Raises HelperError when the helper cannot be asked (the caller then uploads the file itself),
+        and the upload's own error (an OSError; FileNotFoundError, PermissionError, ... as raised there) when
+        the helper tried and failed: the caller's retry policy decides about that one."""
+        request = {"op": "upload", "step": step, "local": str(local), "url": url,
+                   "storage_options": storage_options, "path": path}
+        try:
+            self._request(request, None, b"", b"", timeout=self.upload_timeout, remote_errors=True)
+        except HelperRequestFailed as exc:
+            raise _UPLOAD_ERRORS.get(exc.error_type, OSError)(f"{exc} (uploaded by the node's checkpoint helper)") \
+                from exc
+        self.uploaded += 1
+
+    def _request(self, request: dict[str, Any], template_key: int | None, template: bytes, body: bytes, *,
+                 timeout: float | None = None, on_released: Callable[[], None] | None = None,
+                 remote_errors: bool = False) -> dict[str, Any]:
+        """One request (after its layout's template, once per connection). `remote_errors`: a failure the helper
+        reports is raised as HelperRequestFailed and the connection kept (it is the request's, not the helper's)."""
         step = request["step"]
         try:
             sock = self._connect()
-            tid = self._templates.get(template_key)
-            if tid is None:
+            tid = None if template_key is None else self._templates.get(template_key)
+            if tid is None and template_key is not None:
                 tid = self._next_id = self._next_id + 1
                 self._call(sock, {"op": "template", "id": tid}, template)
                 self._templates = {template_key: tid}  # one layout at a time: the old one is not reused
@@ -159,6 +200,8 @@ class HelperClient:
             finally:
                 sock.settimeout(self.timeout)
         except (OSError, ValueError, HelperError) as exc:
+            if remote_errors and isinstance(exc, HelperRequestFailed):
+                raise
             self.close()
             self._retry_at = time.monotonic() + self.RETRY_S
             if not self._warned:
@@ -194,7 +237,7 @@ class HelperClient:
                 on_released()
             reply, _ = recv_frame(sock)
         if not reply.get("ok"):
-            raise HelperError(str(reply.get("error", "no reason given")))
+            raise HelperRequestFailed(str(reply.get("error", "no reason given")), str(reply.get("error_type", "")))
         return reply
 
     def close(self) -> None:

@@ -7,7 +7,8 @@ again when it dies. One thread per worker connection; the checksums run on two s
 sum64 on one, tier-1 files and replicas on the other), without the GIL. It exits when its agent is gone
 (parent death signal, and a check of the parent pid once a second). With `--replica-fd` (a listening TCP
 socket the agent made and advertises to its peers) it also keeps other nodes' replicas and sends this
-node's (ckpt/replica.py).
+node's (ckpt/replica.py). It also uploads the files of the node's committed tier-1 steps to tier 2 for the
+workers' replicators ("upload"), so those bytes do not move in the training processes either.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import fsspec
+from fsspec import AbstractFileSystem
+
 from ckpt.checksum import CHUNK_BYTES, digest_parts
 from ckpt.durable import write_atomic
 from ckpt.identity import RunIdentity
@@ -33,6 +37,7 @@ from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import Manifest, parse_manifest
 from ckpt.persist import commit_if_complete, persist_rank
 from ckpt.replica import ReplicaReceiver, ReplicaSender
+from ckpt.shared import put_file
 from ckpt.tier0 import SlotLock, snapshot_manifest
 from core.frames import recv_frame, send_frame
 
@@ -79,6 +84,8 @@ class Helper:
         self.persist_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-persist")
         self.images = _Images()
         self.sender = ReplicaSender(path.parent)
+        self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}
+        self._fs_lock = threading.Lock()
 
     def serve_replicas(self, listener: socket.socket) -> None:
         """Keep the replicas other nodes' helpers push to `listener` (a thread)."""
@@ -110,7 +117,7 @@ class Helper:
                     return
                 except Exception as exc:  # a process boundary: the worker does the work itself and logs it
                     logger.exception("request %s failed", header.get("op"))
-                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
                 try:
                     send_frame(conn, reply)
                 except OSError:
@@ -126,6 +133,9 @@ class Helper:
             return {"ok": True, "held": self.publish(header, templates[int(header["template"])], body, conn)}
         if op == "persist":
             return self.persist(header, templates[int(header["template"])], body, conn)
+        if op == "upload":
+            self.upload(header)
+            return {"ok": True}
         if op == "map":
             # Read every page once (read faults map the file's own pages; MAP_POPULATE on this writable
             # private mapping would copy them instead, and the helper would then checksum stale bytes).
@@ -133,6 +143,17 @@ class Helper:
             digest_parts([image], algorithm="sum64", chunk_bytes=CHUNK_BYTES, pool=self.pool)
             return {"ok": True}
         raise ValueError(f"unknown request {op!r}")
+
+    def upload(self, header: dict[str, Any]) -> None:
+        """Put one file of a committed tier-1 rank directory into tier 2 (the worker's replicator retries,
+        writes the rank's marker and commits: ckpt/replicator.py)."""
+        options = header["storage_options"]
+        key = (str(header["url"]), json.dumps(options, sort_keys=True))
+        with self._fs_lock:  # one file system object per store and options, as fsspec's own cache would keep
+            fs = self._filesystems.get(key)
+            if fs is None:
+                fs = self._filesystems[key] = fsspec.core.url_to_fs(key[0], **options)[0]
+        put_file(fs, Path(header["local"]), str(header["path"]))
 
     def publish(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> bool:
         """Checksum the slot and write its manifest. True: the replica sender took the slot's lock with it (the

@@ -1,6 +1,8 @@
 """The background thread that replicates published tier-1 rank directories to tier 2.
 
-Each rank runs one. Jobs are uploaded in step order. An upload whose bounded retries are spent
+Each rank runs one. Where the node's checkpoint helper runs (ckpt/helper.py), the files' bytes move in
+that process (SharedTier._put_file asks it; this thread waits on a socket); the rest stays here. Jobs
+are uploaded in step order. An upload whose bounded retries are spent
 stays at the head of the queue and is tried again after a pause of `retry.maximum`: training never
 waits for tier 2. A queued step with a newer step queued behind it is superseded and not uploaded
 (unless the shared tier keeps it forever): after an outage the backlog catches up by uploading the

@@ -26,6 +26,7 @@ the restore policy (ckpt/restore.py); uploads and tier-2 commits are the Replica
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import posixpath
@@ -33,13 +34,14 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from ckpt.commit import CommitMarker, RankMarker, parse_commit, parse_marker
@@ -51,6 +53,7 @@ from ckpt.errors import (
     CheckpointVersionError,
     SharedStorageError,
 )
+from ckpt.helper import HelperClient, HelperError
 from ckpt.identity import RUN_FILE, RunIdentity, foreign
 from ckpt.layout import (
     COMMIT_FILE,
@@ -72,6 +75,32 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _MARKER_RE = re.compile(r"rank_(\d{5,})\.done")
+
+
+def put_file(fs: AbstractFileSystem, local: Path, path: str, *, describe: Callable[[str], str] = str) -> None:
+    """Put the file `local` at `path` of `fs` (a local file system: written and fsynced) and check its size
+    there. The worker's replicator (SharedTier) and the node's helper process both upload with it."""
+    size = local.stat().st_size
+    if isinstance(fs, LocalFileSystem):
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(local, "rb") as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        fsync_dir(target.parent)
+    else:
+        fs.put_file(str(local), path)
+    found = fs.size(path)
+    if found != size:
+        raise OSError(f"{describe(path)} is {found} bytes after upload, expected {size}")
+
+
+def _as_json(options: Mapping[str, Any]) -> dict[str, Any] | None:
+    try:
+        return json.loads(json.dumps(dict(options)))
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -137,6 +166,10 @@ class SharedTier:
             self.root = base.rstrip("/") or "/"
             self.url = url.rstrip("/")
         self._stop = stop or threading.Event()
+        self.helper: HelperClient | None = None
+        """The node's checkpoint helper, when it runs: it uploads the files (ckpt/helper.py, "upload")."""
+        self._helper_options = _as_json(config.storage_options)
+        """The storage options as the helper gets them (None: not JSON, e.g. a credentials object: no helper)."""
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -189,21 +222,16 @@ class SharedTier:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def _put_file(self, local: Path, path: str) -> None:
-        size = local.stat().st_size
-        if self.is_local:
-            target = Path(path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(local, "rb") as src, open(target, "wb") as dst:
-                shutil.copyfileobj(src, dst, 16 << 20)
-                dst.flush()
-                os.fsync(dst.fileno())
-            fsync_dir(target.parent)
-        else:
-            self.fs.put_file(str(local), path)
-        found = self.fs.size(path)
-        if found != size:
-            raise OSError(f"{self.describe(path)} is {found} bytes after upload, expected {size}")
+    def _put_file(self, local: Path, path: str, step: int) -> None:
+        helper = self.helper
+        if helper is not None and self._helper_options is not None and helper.available():
+            try:  # the bytes move in the node's helper process, not beside the training thread
+                helper.upload(local=local, url=self.config.url, storage_options=self._helper_options, path=path,
+                              step=step)
+                return
+            except HelperError:
+                pass  # the helper is gone or hangs: this thread uploads, as without one (it logged why)
+        put_file(self.fs, local, path, describe=self.describe)
 
     def _ls(self, path: str) -> list[str]:
         if not self.is_local:
@@ -223,7 +251,7 @@ class SharedTier:
 
     def upload_file(self, local: Path, step: int, rank: int, name: str) -> None:
         path = f"{self.rank_path(step, rank)}/{name}"
-        self.call(f"upload of {local} to {self.describe(path)}", self._put_file, local, path)
+        self.call(f"upload of {local} to {self.describe(path)}", self._put_file, local, path, step)
 
     def write_marker(self, marker: RankMarker) -> None:
         path = self.marker_path(marker.step, marker.rank)

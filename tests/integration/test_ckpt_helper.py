@@ -19,14 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import CheckpointConfig, Checkpointer, CheckpointWriteError
+from ckpt import CheckpointConfig, Checkpointer, CheckpointWriteError, SharedConfig
 from ckpt.helper import HelperClient, socket_path
 from ckpt.helper_process import NICE
 from ckpt.tier0 import SlotLock
 from core.tier0_dir import shm_root
+from tests import s3_fixtures
 from tests.conftest import REPO
+from tests.s3_fixtures import MotoS3
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+moto_s3 = s3_fixtures.moto_s3
 
 
 class HelperProcess:
@@ -268,6 +272,38 @@ def test_a_tier1_write_the_helper_does_not_finish_in_time_is_written_by_the_work
         assert restored(tmp_path, shm) == (1, "local")
     else:  # nothing of step 1 became visible in tier 1
         assert not step_dir(tmp_path, 1).exists() or not list(step_dir(tmp_path, 1).glob("[!.]*"))
+
+
+def test_the_helper_uploads_tier2_and_the_worker_does_when_it_is_gone(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess], moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Tier 2 on S3 (moto's server, s3fs): the files of a committed tier-1 step move in the helper process; the
+    # worker's replicator writes the rank marker and COMMIT. With the helper killed, the worker uploads itself.
+    monkeypatch.setattr(HelperClient, "RETRY_S", 60.0)  # not asked again within this test once it is gone
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    shared = SharedConfig(url=f"s3://{moto_s3.make_bucket()}/ckpt", run_name="run",
+                          storage_options=moto_s3.storage_options())
+    ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, shared=shared),
+                      rank=0, world_size=1)
+    uploader = ck._shared.helper if ck._shared is not None else None
+    assert uploader is not None
+    ck.save_async(1, state(1)).wait_persisted()
+    ck.wait_uploaded()
+    assert uploader.uploaded == 2  # state.safetensors, then manifest.json
+    helpers[0].end()
+    ck.save_async(2, state(2)).wait_persisted()
+    ck.wait_uploaded()
+    assert uploader.uploaded == 2
+    ck.close()
+    # Tier 2 alone (a fresh node: no tier 0, an empty tier 1): both steps committed there, the newest bitwise.
+    fresh = Checkpointer(CheckpointConfig(local_dir=tmp_path / "fresh", shared=shared), rank=0, world_size=1)
+    try:
+        for step in (2, 1):
+            found = fresh.restore(step=step)
+            assert found is not None and (found.step, found.tier) == (step, "shared")
+            assert torch.equal(found.state["w"], state(step)["w"]) and torch.equal(found.state["b"], state(step)["b"])
+    finally:
+        fresh.close()
 
 
 def test_the_agents_helper_starts_at_begin_once_and_never_after_stop(shm: Path,

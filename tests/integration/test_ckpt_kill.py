@@ -41,7 +41,7 @@ def slow_write(fd, data, real=ckpt.persist.write_all):
         real(fd, data[start:start + (1 << 20)])
         time.sleep(0.02)
 
-def slow_put(self, local, path):
+def slow_put(self, local, path, step):
     import os
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(local, "rb") as src, open(path, "wb") as dst:
