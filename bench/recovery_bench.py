@@ -73,6 +73,11 @@ TINY = REPO / "examples" / "train_tiny.py"
 # the GPT example at 124M parameters, bf16, as in bench/goodput_bench.py).
 SCRIPTS = {
     "tiny": (TINY, ["--step-sleep", "0.02"]),
+    # FSDP2 over the nodes (examples/train_fsdp.py; trainer.run_elastic re-enters main() in place), a tier-0
+    # snapshot and a peer replica every step: a lost node's shard comes back from its replica, resharded.
+    "fsdp": (REPO / "examples" / "train_fsdp.py",
+             ["--layers", "1", "--heads", "4", "--d-model", "32", "--seq-len", "8", "--vocab", "64",
+              "--global-batch", "12", "--max-micro-batch", "6", "--dropout", "0", "--replica-every", "1"]),
     "gpt": (REPO / "examples" / "train_gpt.py",
             ["--layers", "12", "--heads", "12", "--d-model", "768", "--seq-len", "1024", "--vocab", "8192",
              "--global-batch", "64", "--max-micro-batch", "16", "--dtype", "bf16"]),
@@ -456,7 +461,8 @@ def main() -> int:
                    help="torchrun mode's backend; nccl: one GPU per simulated node. elastic-run modes run "
                         "train_tiny on gloo")
     p.add_argument("--script", choices=sorted(SCRIPTS), default="tiny",
-                   help="the elastic-run modes' job: tiny (CPU) or gpt (124M, bf16, one GPU per node)")
+                   help="the elastic-run modes' job: tiny (CPU), fsdp (sharded, CPU) or gpt (124M, bf16, one GPU "
+                        "per node)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep", type=Path, default=None, help="leave every run's node outputs and events under this dir")
     args = p.parse_args()

@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from train_gpt import GPT, ProgressionTokens, build_parser, checked_args, lr_schedule, show
 from train_gpt import setup as gpt_setup
 
-from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig
+from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, run_elastic
 
 TP_PLAN = {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "mlp.0": ColwiseParallel(),
            "mlp.2": RowwiseParallel()}
@@ -124,32 +124,39 @@ def main() -> None:
     with attention, Resumable(config, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                               mesh=mesh) as run:
         step = run.restore()
-        if rank == 0 and run.resumed_from is not None:
+        if run.reformed_in_place:  # this process re-entered main() for a new round (trainer.run_elastic)
+            show(f"reformed world={world} pid={os.getpid()} step={step}")
+        elif rank == 0 and run.resumed_from is not None:
             show(f"resumed from step {step}")
         batches = iter(sampler.loader(dataset, num_workers=args.num_workers, pin_memory=device.type == "cuda"))
         while step < args.steps:
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), device=device)
-            for tokens, weight, sync in run.accumulate(batches):
-                tokens = tokens.to(device, non_blocking=True)
-                with sync:  # FSDP reduce-scatters the gradients once per step, on the last micro-batch
-                    logits = model(tokens[:, :-1])
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * weight
-                    loss.backward()
-                loss_sum += loss.detach()
-            clip_grad_norm(model, 1.0)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            dist.all_reduce(loss_sum)  # the weighted losses of all ranks (TP peers alike) sum to world x the mean
-            mean = loss_sum.item() / world
-            if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-                show(f"step={step} loss={mean:.6f} lr={scheduler.get_last_lr()[0]:.3e}")
-            run.step_done(step, loss=mean)
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = torch.zeros((), device=device)
+                for tokens, weight, sync in run.accumulate(batches):
+                    tokens = tokens.to(device, non_blocking=True)
+                    with sync:  # FSDP reduce-scatters the gradients once per step, on the last micro-batch
+                        logits = model(tokens[:, :-1])
+                        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * weight
+                        loss.backward()
+                    loss_sum += loss.detach()
+                clip_grad_norm(model, 1.0)
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                dist.all_reduce(loss_sum)  # the weighted losses of all ranks (TP peers alike): world x the mean
+                mean = loss_sum.item() / world
+                if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+                    show(f"step={step} loss={mean:.6f} lr={scheduler.get_last_lr()[0]:.3e}")
+                run.step_done(step, loss=mean)  # (its collectives too: a sharded state's digest, with digests on)
+            except Exception as exc:  # a lost peer or a new round: run.reform re-enters main() in place
+                step = run.reform(exc)  # (raises Reentry under run_elastic, re-raises anything else)
+                batches = iter(sampler.loader(dataset, num_workers=args.num_workers,
+                                              pin_memory=device.type == "cuda"))
         digest = run.teardown(batches)  # saves the last step, closes, digest, ends the process group
     if rank == 0:
         show(f"final_digest={digest}")
 
 
 if __name__ == "__main__":
-    main()
+    run_elastic(main)  # under elastic-run, a membership change runs main() again in this process

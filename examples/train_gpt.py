@@ -227,7 +227,8 @@ def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if "RANK" in os.environ:  # under elastic-run / torchrun
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if not dist.is_initialized():  # (a run re-entered in place is in its new group already: trainer.run_elastic)
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return dist.get_rank(), dist.get_world_size(), device
     return 0, 1, device
 

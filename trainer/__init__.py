@@ -2,6 +2,7 @@
 
 Public surface: `Resumable` and `ResumeConfig` (restore at start, save every N steps, the
 micro-batch loop, teardown), `train_loop` (the same loop written once: you write the step),
+`run_elastic` (a sharded run re-formed in place by running its training function again),
 `ElasticSampler` and `DataConfig` (the global data position, the per-rank batch and gradient
 accumulation), `training_digest` / `state_digest`, `Topology`, `wrap_ddp` (DDP with one
 gradient-bucket layout, for bitwise resume at any world size), and the errors.
@@ -12,6 +13,7 @@ from trainer.data import DataConfig, ElasticSampler
 from trainer.ddp import wrap_ddp
 from trainer.digest import state_digest, training_digest
 from trainer.errors import StateMismatchError, TrainerError
+from trainer.in_place import run_elastic
 from trainer.loop import train_loop
 from trainer.resumable import Resumable
 from trainer.topology import Topology
@@ -24,6 +26,7 @@ __all__ = [
     "StateMismatchError",
     "Topology",
     "TrainerError",
+    "run_elastic",
     "state_digest",
     "train_loop",
     "training_digest",

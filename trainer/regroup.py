@@ -62,9 +62,7 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round
     none (after `error`, one that may come from the group changing, it waits the lost-peer grace for the
     agent to publish one). A newer round published while joining (a peer of this one lost too) is
     joined instead."""
-    round_ = watcher.newest()
-    if round_ is None and error is not None and may_be_peer_loss(error):
-        round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
+    round_ = next_round(watcher, error)
     if round_ is None or round_.stop:
         return round_
     if error is not None:
@@ -85,6 +83,15 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round
     return round_
 
 
+def next_round(watcher: RoundWatcher, error: BaseException | None) -> Round | None:
+    """The agent's newest round; after `error`, one that may come from the group changing, waiting the
+    lost-peer grace for the agent to publish one. None when there is none."""
+    round_ = watcher.newest()
+    if round_ is None and error is not None and may_be_peer_loss(error):
+        round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
+    return round_
+
+
 def release_frames(error: BaseException) -> None:
     """Clear the locals of the finished frames `error` (and the errors it chains) was raised through.
 
@@ -102,6 +109,27 @@ def release_frames(error: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)  # skips the frames still running (the caller's)
         pending += [e.__cause__, e.__context__]
+
+
+_watcher: RoundWatcher | None = None
+
+
+def round_watcher() -> RoundWatcher | None:
+    """This process's watcher of the agent's rounds (one for the process: a run re-entered in place,
+    trainer/in_place.py, keeps watching from the round it joined); None outside an in-process agent."""
+    global _watcher
+    if _watcher is None:
+        _watcher = RoundWatcher.start(abort_process_group)
+    return _watcher
+
+
+def stop_round_watcher() -> None:
+    """The run is over: the agent restarts this process on a membership change from now on."""
+    global _watcher
+    if _watcher is not None:
+        _watcher.withdraw()
+        _watcher.stop()
+        _watcher = None
 
 
 def abort_process_group(_round: reform.Round) -> None:

@@ -61,9 +61,10 @@ from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
 from core import faults
 from core.events import emit
-from elastic import reform, worker
+from elastic import worker
 from elastic.errors import EXIT_BELOW_MIN
-from trainer import regroup, rng, setup, sharding
+from elastic.reform import Round
+from trainer import in_place, regroup, rng, setup, sharding
 from trainer.accumulate import accumulate
 from trainer.agree import agree_on_checkpoint
 from trainer.config import ResumeConfig
@@ -165,8 +166,11 @@ class Resumable:
         self._boundary_rng: dict[str, Any] | None = None
         if optimizer is not None:
             self._hooks.append(optimizer.register_step_post_hook(self._optimizer_stepped))
-        self._rounds = (reform.RoundWatcher.start(regroup.abort_process_group)
-                        if not self.sharded and dist.is_available() and dist.is_initialized() else None)
+        # A sharded model re-forms in place only by running the training function again (trainer/in_place.py).
+        self._rounds = (regroup.round_watcher() if (not self.sharded or in_place.active()) and dist.is_available()
+                        and dist.is_initialized() else None)
+        self.reformed_in_place = False
+        """Whether this incarnation began with a re-formation in place (a sharded run re-entered: run_elastic)."""
         t = self.topology
         emit("worker_started", rank=t.rank, world=t.world_size, local_rank=t.local_rank,
              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
@@ -193,12 +197,17 @@ class Resumable:
         newest checkpoint was written by a newer elastic-train.
         """
         self._restore_started, self._prepare_s = time.monotonic(), 0.0
+        reentry = in_place.take()
         caught = self._join_group()
         if caught is not None:
             self._declare_ready()
-            return self._started(caught)
-        step = self._restore_from_checkpoints()
-        self._declare_ready()
+            step = self._started(caught)
+        else:
+            step = self._restore_from_checkpoints()
+            self._declare_ready()
+        if reentry is not None and reentry.joined is not None:
+            self.reformed_in_place = True
+            self._reformed(reentry.joined, step, reentry.started)
         return step
 
     def _join_group(self) -> int | None:
@@ -365,6 +374,8 @@ class Resumable:
         started = time.monotonic()
         if self._deferred is not None:
             self._deferred.flush()  # the state is still the boundary's: the optimizer has not stepped since
+        if self.sharded and self._rounds is not None:  # joined by run_elastic, once the old model is gone
+            self._reenter(regroup.next_round(self._rounds, error), error, started)
         if self._rounds is not None and self.ddp is not None and (self._rounds.newest() is not None or error):
             # DDP's reducer holds the old group: without it the group's sockets close when it is destroyed,
             # so a peer still waiting on this rank in a collective of the old group fails at once.
@@ -381,11 +392,29 @@ class Resumable:
         caught = self._join_group()
         step = caught if caught is not None else self._restore_from_checkpoints()
         self.telemetry.resumed(step, None)  # metrics: steps after `step` are recomputed; the next is the first
+        self._reformed(round_, step, started)
+        return step
+
+    def _reformed(self, round_: Round, step: int, started: float) -> None:
         seconds = round(time.monotonic() - started, 3)
         emit("reformed", step=step, world=round_.world_size, generation=round_.generation, pid=os.getpid(),
              reform_s=seconds)
         log.info("reformed world=%d pid=%d step=%d in %.3fs", round_.world_size, os.getpid(), step, seconds)
-        return step
+
+    def _reenter(self, round_: Round | None, error: BaseException | None, started: float) -> None:
+        """A sharded run (under run_elastic) with a new round: end this incarnation without telling the agent it
+        finished, and raise Reentry: run_elastic joins the round's group once the old model and its hold on the
+        old group are gone, and runs the training function again (trainer/in_place.py). No round: return, or
+        re-raise `error`."""
+        if round_ is None:
+            if error is not None:
+                raise error
+            return
+        if round_.stop:
+            self._stop_below_minimum(round_.stop)
+        self._closed = True
+        self._end(final=False)
+        raise in_place.Reentry(started)
 
     def _disk_behind(self, step: int) -> bool:
         """Whether the persist due at `step` waits for a later step: with tier-0 snapshots between persists, a
@@ -461,7 +490,7 @@ class Resumable:
         self._stepped = True
 
     def _declare_ready(self) -> None:
-        if self._rounds is not None:  # replicated state only (a sharded model has no watcher)
+        if self._rounds is not None:  # replicated state, or sharded under run_elastic (trainer/in_place.py)
             self._rounds.declare_ready()
 
     # -- the step --------------------------------------------------------------------------------
@@ -641,21 +670,30 @@ class Resumable:
                 self._deferred.close()
             except Exception as exc:  # noqa: BLE001 - re-raised below, once everything is closed
                 unfinished = exc
-        if self._rounds is not None:
-            self._rounds.withdraw()  # from here on a membership change restarts this process
-            self._rounds.stop()
-        worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
+        self._end(final=True)
+        self.checkpointer.check()
+        if unfinished is not None:
+            raise unfinished
+
+    def _end(self, *, final: bool) -> None:
+        """Stop the hooks, the sample log and the checkpointer (bounded). `final`: the run is over (the agent
+        restarts this process on a membership change from now on); else a re-entry in place follows."""
+        if final:
+            if self._rounds is not None:
+                regroup.stop_round_watcher()  # from here on a membership change restarts this process
+            worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
         for hook in self._hooks:
             hook.remove()
         if self.sampler is not None and self.sampler.sample_log is not None:
             self.sampler.sample_log.close()
-        if not self.checkpointer.close(timedelta(minutes=5)):
-            log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
-                        self.checkpointer.last_error)
-        self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
-        self.checkpointer.check()
-        if unfinished is not None:
-            raise unfinished
+        # A re-entry: its commits count ranks of the old world (as at a replicated re-formation, _regroup).
+        if not self.checkpointer.close(timedelta(minutes=5 if final else 2), world_over=not final):
+            log.warning("rank %d: checkpoint work left unfinished at %s: %s", self.topology.rank,
+                        "close" if final else "a re-formation", self.checkpointer.last_error)
+        if final:
+            self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
+        else:
+            self.telemetry.close()  # the next incarnation's takes over its file
 
     def final_digest(self) -> str:
         """The digest of the model's and optimizer's state (trainer.training_digest), also emitted as

@@ -136,6 +136,13 @@ class Telemetry:
         elif now >= self._next_flush:
             self.flush()
 
+    def close(self) -> None:
+        """Write the file a last time and not at exit: a run re-entered in place (trainer/in_place.py) has a new
+        Telemetry on the same file, which this one's exit flush would overwrite with older counts."""
+        self.flush()
+        if self.on:
+            atexit.unregister(self.flush)
+
     def flush(self) -> None:
         """Take in the checkpointer's finished saves and the throughput, then write the file."""
         if not self.on:

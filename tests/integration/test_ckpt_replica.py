@@ -201,7 +201,8 @@ def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
     """Two nodes of one worker each train FSDP under elastic-run (tier 0 every step, replicas every 2 steps, no
     tier-1 save after the start). Node b (its agent, worker and helper) is SIGKILLed: node a's worker
     restarts at world size 1 and restores from its own memory: its own shard and b's, from b's replica, resharded
-    2 -> 1; the state it restores is the one both ranks saved at that step (the layout-independent digest)."""
+    2 -> 1; the state it restores is the one both ranks saved at that step (the layout-independent digest).
+    Node a's worker process is kept: train_fsdp.py runs main() again in it (trainer.run_elastic, issue K)."""
     run_id = f"replica-{uuid.uuid4().hex[:8]}"
     jobs = {name: fsdp(procs, tmp_path / name, tmp_path / name / "ckpt", "--snapshot-every", "1", "--ckpt-every",
                        "100000", "--replica-every", "2", "--steps", "300", nproc=1, digests=True,
@@ -215,9 +216,16 @@ def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
         return any(e["state"] == "sent" and e["step"] >= 12 for e in b.events("ckpt_replica"))
 
     wait_until("node b's replicas on node a", replicated_to_a, [a, b], timeout=180)
+    pids, killed = {e["pid"] for e in a.events("step")}, time.time()
     procs.kill_node(b.proc)
     killed_at = max(e["step"] for e in b.events("step"))
     a.finish(timeout=240)
+
+    # Re-formed in place: the same process, main() run again in the round of one (no restart, no new worker).
+    assert {e["pid"] for e in a.events("step")} == pids and len(pids) == 1, a.out[-4000:]
+    assert not [e for e in a.events("restart") if e["ts"] > killed], a.events("restart")
+    [reformed] = a.events("reformed")
+    assert reformed["world"] == 1 and f"reformed world=1 pid={reformed['pid']} step={reformed['step']}" in a.out
 
     [restored] = a.events("restored")
     assert restored["tier"] == "memory", restored

@@ -150,10 +150,15 @@ def test_fsdp_worker_killed_mid_run_resumes_to_the_same_global_digest(runs: Runs
     job, uncut = runs.killed, list(runs.chains.values())[0][0]  # FSDP 2, the same flags, uninterrupted to step 7
     fault = job.events("fault", point="step", step=KILL_AT)
     assert [(e["rank"], e["action"]) for e in fault] == [(1, "sigkill")], job.out[-3000:]
-    assert job.resumed_from() in {2, 4}, job.out[-3000:]  # step 4's save may not have committed yet
-    # Bit for bit after the resume: the global state saved at step 6 (by the restarted workers alone) and
-    # the loss of every step the uninterrupted run made.
-    assert not [e for e in job.events("state_digest", point="save", step=6) if e.get("restart", 0) < 1]
+    # Rank 0 survives: its process runs main() again in place (trainer.run_elastic), only rank 1 restarts.
+    [reformed] = job.events("reformed", rank=0)
+    assert reformed["step"] in {2, 4}, reformed  # the newest save every rank has (step 4's may not be done yet)
+    assert {e["pid"] for e in job.events("step", rank=0)} == {reformed["pid"]}, "rank 0's process was restarted"
+    assert f"reformed world=2 pid={reformed['pid']} step={reformed['step']}" in job.out
+    assert {e["restart"] for e in job.events("worker_started", rank=1)} == {0, 1}, job.events("worker_started")
+    # Bit for bit after the resume: the global state saved at step 6 (after the kill) and the loss of every
+    # step the uninterrupted run made.
+    assert all(e["ts"] > fault[0]["ts"] for e in job.events("state_digest", point="save", step=6))
     assert one(job, "state_digest", point="save", step=6) == one(uncut, "state_digest", point="save", step=6)
     uncut_curve = uncut.losses()
     assert sorted(uncut_curve) == list(range(1, stop_after(0) + 1))
