@@ -84,6 +84,9 @@ def run_elastic(main: Callable[[], T]) -> T:
     if _state.active:
         raise RuntimeError("run_elastic is already running in this process: call it once, around the whole run")
     _state.active = True
+    # What the imports made (torch's modules: most of the heap) is never collected again: a re-entry's collection
+    # then scans only what main() made (on 2 cores with torch loaded: 0.16 s -> 0.03-0.04 s).
+    gc.freeze()
     try:
         while True:
             try:
