@@ -22,3 +22,8 @@ class InvalidStateError(TrainerError, ValueError):
 class RoundChanged(TrainerError):
     """The agent published a new rendezvous round: this worker re-forms in place (`Resumable.reform`)
     before its next step. Raised at a step boundary, caught by the loop like a failed step."""
+
+
+class StateUnreachableError(TrainerError):
+    """Some rank of a sharded run holds checkpoints, but no step can be read by every rank (a new or empty node
+    without a shared tier): starting over from step 0 would throw that state away, so the run stops instead."""

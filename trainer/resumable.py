@@ -72,7 +72,7 @@ from trainer.data import ElasticSampler
 from trainer.ddp import release_process_group
 from trainer.deferred import DeferredSnapshots
 from trainer.digest import state_digests_on, training_digest
-from trainer.errors import RoundChanged
+from trainer.errors import RoundChanged, StateUnreachableError
 from trainer.sharding import Layout
 from trainer.state_view import Boundary, StateView
 from trainer.telemetry import Telemetry
@@ -273,6 +273,8 @@ class Resumable:
                 apply_peer=lambda state: self._apply(state, own_rank=False))
             if peer is not None:
                 return self._started(self._continue_from(*peer))
+        if restored is None and self.sharded:
+            self._refuse_to_start_over()
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self._prepare()  # staging buffer allocated before the loop
@@ -298,6 +300,24 @@ class Resumable:
         log.info("resumed from step %d (%s)", restored.step, self.config.ckpt_dir)
         self._mark_live(restored.step)
         return self._started(restored.step)
+
+    def _refuse_to_start_over(self) -> None:
+        """Collective. A sharded group that can agree on no step while some rank holds one (a node that joined,
+        or replaced a lost one, with an empty tier 1 and no shared tier) must not start over from step 0: that
+        would discard the state the others hold, and its new saves would mix with the old ones. A sharded
+        state's parts are not sent over the process group (a replicated one is: regroup.peer_checkpoint)."""
+        steps = self.checkpointer.available_steps()
+        mine = steps[0] if steps else -1
+        newest = -self.topology.all_min(-mine)
+        if newest < 0:
+            return  # a fresh run
+        raise StateUnreachableError(
+            f"rank {self.topology.rank} of {self.topology.world_size}: no checkpoint step can be read by every rank "
+            f"(the newest some rank holds is step {newest}; this rank's newest is "
+            f"{'none' if mine < 0 else f'step {mine}'}, in {self.config.ckpt_dir} and this node's tier 0). A sharded "
+            "state's parts do not travel over the process group: a new or replacement node reads the other ranks' "
+            "parts from the shared tier. Configure one (ResumeConfig.at(..., shared_url=...)), or resume on the "
+            "nodes that hold the parts; nothing was deleted")
 
     def _prepare(self) -> None:
         """The staging buffer or tier-0 slots mapped (and page-locked for CUDA state) before the loop, timed."""
