@@ -38,10 +38,12 @@ import os
 import threading
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from ckpt import peer_parts
 from ckpt.config import CheckpointConfig
 from ckpt.errors import (
     CheckpointError,
@@ -61,6 +63,7 @@ from ckpt.save_policy import SaveFailures
 from ckpt.shared import SharedTier
 from ckpt.snapshot import StateMark
 from ckpt.tier0 import HostSlots, HostTier
+from ckpt.tiers import Tier
 from ckpt.tree import Flat
 from ckpt.writer import LocalWriter, PendingSave
 from core.deadline import Deadline
@@ -414,6 +417,28 @@ class Checkpointer:
         rank = self.rank if rank is None else rank
         _check_index("rank", rank, minimum=0)
         return self._local.load(step, rank, pool=self._hash_pool())
+
+    # -- a sharded step's parts between the ranks of a group (ckpt/peer_parts.py, trainer/part_transfer.py) --
+
+    def parts_held(self) -> dict[int, tuple[int, list[int]]]:
+        """step -> (its saving world size, the ranks whose parts this node's tiers 0 and 1 hold)."""
+        return peer_parts.parts_held(self._node_tiers())
+
+    def open_part(self, step: int, rank: int) -> AbstractContextManager[peer_parts.Part]:
+        """Rank `rank`'s part of `step` from this node's tier 0, else tier 1 (CheckpointNotFoundError: none)."""
+        return peer_parts.open_part(self._node_tiers(), step, rank)
+
+    def keep_part(self, step: int, rank: int, *, manifest: bytes, size: int,
+                  fill: Callable[[memoryview], None]) -> Path:
+        """Keep another node's part of `step` in tier 0 as a replica (ckpt/replica.py's checks). Needs a tier 0."""
+        root = self.config.tier0_root
+        if root is None:
+            raise CheckpointNotFoundError("no tier 0 to keep another rank's part in")
+        return peer_parts.keep_part(Path(root), receiver=self.rank, step=step, rank=rank, manifest=manifest,
+                                    size=size, fill=fill)
+
+    def _node_tiers(self) -> list[Tier]:
+        return [t for t in (self._host, self._local) if t is not None]
 
     def available_steps(self) -> list[int]:
         """Steps committed in either tier, newest first (the shared tier only if reachable)."""

@@ -42,6 +42,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,26 +252,9 @@ class ReplicaReceiver:
         node, rank, step, size = str(header["node"]), int(header["rank"]), int(header["step"]), int(header["size"])
         if not node or rank < 0 or size <= 0:
             raise ReplicaError(f"a push without a node, rank or size: {header}")
-        manifest = parse_manifest(body, path=Path(f"<replica of {node} rank {rank}>"))
-        entry = manifest.files.get(STATE_FILE)
-        if manifest.rank != rank or manifest.step != step or entry is None or entry.bytes != size:
-            raise ReplicaError(f"the manifest (rank {manifest.rank}, step {manifest.step}, "
-                               f"{entry.bytes if entry else 'no'} bytes) does not describe the push")
         with self._lock(node, rank):
-            slot = self._older_slot(node, rank)
-            (slot / MANIFEST_FILE).unlink(missing_ok=True)
-            slot.mkdir(parents=True, exist_ok=True)
-            image = _map_file(slot / STATE_FILE, size)
-            try:
-                with memoryview(image) as view:
-                    _recv_into(conn, view, size)
-                    checksum = digest_parts([view], algorithm=entry.algorithm, chunk_bytes=entry.chunk_bytes,
-                                            pool=self.pool)
-            finally:
-                image.close()
-            if checksum.digest != entry.digest:
-                raise ReplicaError(f"the bytes received do not match the manifest's {entry.algorithm} checksum")
-            write_atomic(slot / MANIFEST_FILE, body)
+            slot = keep_replica(self.tier0, node=node, rank=rank, step=step, size=size, manifest=body,
+                                fill=lambda view: _recv_into(conn, view, size), pool=self.pool)
         self.received += 1
         return slot
 
@@ -278,16 +262,44 @@ class ReplicaReceiver:
         with self._guard:
             return self._locks.setdefault((node, rank), threading.Lock())
 
-    def _older_slot(self, node: str, rank: int) -> Path:
-        """The slot to write: one without a manifest, else the one holding the older step."""
-        def step_of(index: int) -> int:
-            try:
-                return parse_manifest((peer_slot_dir(self.tier0, node, rank, index) / MANIFEST_FILE).read_bytes(),
-                                      path=Path("<replica>")).step
-            except (OSError, CheckpointError):
-                return -1
-        index = min(range(SLOTS), key=step_of)
-        return peer_slot_dir(self.tier0, node, rank, index)
+
+def keep_replica(tier0: Path, *, node: str, rank: int, step: int, size: int, manifest: bytes,
+                 fill: Callable[[memoryview], None], pool: Executor | None) -> Path:
+    """Write rank `rank`'s part of `step` (a slot's file image of `size` bytes, which `fill` writes into the view
+    it gets, and the source's `manifest`) as a replica from `node` in this node's tier 0: into the older slot, its
+    manifest removed first and written last, once the bytes match the manifest's checksum. Raises ReplicaError
+    (nothing of the part visible). The caller keeps other writers of the same (node, rank) out."""
+    parsed = parse_manifest(manifest, path=Path(f"<replica of {node} rank {rank}>"))
+    entry = parsed.files.get(STATE_FILE)
+    if parsed.rank != rank or parsed.step != step or entry is None or entry.bytes != size:
+        raise ReplicaError(f"the manifest (rank {parsed.rank}, step {parsed.step}, "
+                           f"{entry.bytes if entry else 'no'} bytes) does not describe the push")
+    slot = _older_slot(tier0, node, rank)
+    (slot / MANIFEST_FILE).unlink(missing_ok=True)
+    slot.mkdir(parents=True, exist_ok=True)
+    image = _map_file(slot / STATE_FILE, size)
+    try:
+        with memoryview(image) as view:
+            fill(view)
+            checksum = digest_parts([view], algorithm=entry.algorithm, chunk_bytes=entry.chunk_bytes, pool=pool)
+    finally:
+        image.close()
+    if checksum.digest != entry.digest:
+        raise ReplicaError(f"the bytes received do not match the manifest's {entry.algorithm} checksum")
+    write_atomic(slot / MANIFEST_FILE, manifest)
+    return slot
+
+
+def _older_slot(tier0: Path, node: str, rank: int) -> Path:
+    """The slot to write: one without a manifest, else the one holding the older step."""
+    def step_of(index: int) -> int:
+        try:
+            return parse_manifest((peer_slot_dir(tier0, node, rank, index) / MANIFEST_FILE).read_bytes(),
+                                  path=Path("<replica>")).step
+        except (OSError, CheckpointError):
+            return -1
+    index = min(range(SLOTS), key=step_of)
+    return peer_slot_dir(tier0, node, rank, index)
 
 
 def _recv_into(conn: socket.socket, view: memoryview, size: int) -> None:

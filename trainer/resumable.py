@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from functools import partial
 from types import TracebackType
 from typing import Any, NoReturn, Protocol
 
@@ -64,7 +65,7 @@ from core.events import emit
 from elastic import worker
 from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
-from trainer import in_place, regroup, rng, setup, sharding
+from trainer import in_place, part_transfer, regroup, rng, setup, sharding
 from trainer.accumulate import accumulate
 from trainer.agree import agree_on_checkpoint
 from trainer.config import ResumeConfig
@@ -258,10 +259,10 @@ class Resumable:
     def _restore_from_checkpoints(self) -> int:
         # A sharded run's own tree is the layout its DTensors are restored into.
         template = self.state() if self.sharded else None
-        restored = agree_on_checkpoint(
-            self.checkpointer, self.topology, where=self.config.ckpt_dir, into=template,
-            check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
-                                        template=template))
+        agree = partial(agree_on_checkpoint, self.checkpointer, self.topology, where=self.config.ckpt_dir,
+                        into=template, check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
+                                                                   sampler=self.sampler, template=template))
+        restored = agree()
         if restored is None and not self.sharded:
             # Not every rank can read a checkpoint (a replacement node's empty --ckpt-dir): a peer's, sent
             # over the group, rather than everyone starting over.
@@ -273,6 +274,8 @@ class Resumable:
                 apply_peer=lambda state: self._apply(state, own_rank=False))
             if peer is not None:
                 return self._started(self._continue_from(*peer))
+        if restored is None and self.sharded and part_transfer.send_missing_parts(self.checkpointer, self.topology):
+            restored = agree()  # the parts some ranks lacked are in their tier 0 now
         if restored is None and self.sharded:
             self._refuse_to_start_over()
         if restored is None:
@@ -304,8 +307,8 @@ class Resumable:
     def _refuse_to_start_over(self) -> None:
         """Collective. A sharded group that can agree on no step while some rank holds one (a node that joined,
         or replaced a lost one, with an empty tier 1 and no shared tier) must not start over from step 0: that
-        would discard the state the others hold, and its new saves would mix with the old ones. A sharded
-        state's parts are not sent over the process group (a replicated one is: regroup.peer_checkpoint)."""
+        would discard the state the others hold, and its new saves would mix with the old ones. Called once the
+        parts could not be sent over the group either (trainer/part_transfer.py)."""
         steps = self.checkpointer.available_steps()
         mine = steps[0] if steps else -1
         newest = -self.topology.all_min(-mine)
@@ -314,10 +317,11 @@ class Resumable:
         raise StateUnreachableError(
             f"rank {self.topology.rank} of {self.topology.world_size}: no checkpoint step can be read by every rank "
             f"(the newest some rank holds is step {newest}; this rank's newest is "
-            f"{'none' if mine < 0 else f'step {mine}'}, in {self.config.ckpt_dir} and this node's tier 0). A sharded "
-            "state's parts do not travel over the process group: a new or replacement node reads the other ranks' "
-            "parts from the shared tier. Configure one (ResumeConfig.at(..., shared_url=...)), or resume on the "
-            "nodes that hold the parts; nothing was deleted")
+            f"{'none' if mine < 0 else f'step {mine}'}, in {self.config.ckpt_dir} and this node's tier 0). The parts "
+            "a rank lacks go over the process group only when the group holds every part of a step between its "
+            "ranks and the ranks lacking them have a tier 0 to keep them in (elastic-run gives each node one); else "
+            "a new or replacement node reads them from the shared tier. Configure one (ResumeConfig.at(..., "
+            "shared_url=...)), or resume on the nodes that hold the parts; nothing was deleted")
 
     def _prepare(self) -> None:
         """The staging buffer or tier-0 slots mapped (and page-locked for CUDA state) before the loop, timed."""

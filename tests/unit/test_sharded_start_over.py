@@ -1,11 +1,13 @@
-"""A sharded run never starts over from step 0 while some rank holds its state (trainer/resumable.py,
-`_refuse_to_start_over`).
+"""A sharded run's restore when some ranks hold none of its parts (trainer/part_transfer.py and
+Resumable._refuse_to_start_over): the parts go over the process group, or the run stops; it never starts over.
 
-Two real gloo processes train FSDP2 (`fully_shard` over a 1-D mesh of 2), each rank with a checkpoint directory
-of its own, as two nodes have (LOCAL_WORLD_SIZE=1, no tier 0, no shared tier), and save step 2. Then rank 1's
-node is replaced by an empty one: no step can be read by both ranks, and a sharded state's parts do not travel
-over the process group. Both ranks must stop with StateUnreachableError (naming step 2), not go on from step 0,
-and rank 0's checkpoint must still be there."""
+Two real gloo processes train FSDP2 (`fully_shard` over a 1-D mesh of 2) on one node (a shared checkpoint
+directory and tier 0) and save step 2. Then rank 1 moves to an empty node of its own (LOCAL_WORLD_SIZE=1, no
+shared tier), as a replacement node would:
+- without a tier 0 there it cannot keep parts sent to it: both ranks stop with StateUnreachableError naming
+  step 2 (before, both went on from step 0), and the checkpoint is still there;
+- with a tier 0, rank 0 sends both parts over the group, rank 1 keeps them (verified) and both restore step 2:
+  the global digest right after the restore equals the one at the save."""
 
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import pytest
 pytestmark = pytest.mark.timeout(180)
 
 
-def _rank(rank: int, port: int, work: str, out: mp.Queue) -> None:
-    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", ELASTIC_TIER0_DIR="")
+def _rank(rank: int, port: int, work: str, shm: str, out: mp.Queue) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), ELASTIC_TIER0_DIR="", ELASTIC_EVENTS_DIR=f"{work}/events",
+                      TORCHELASTIC_RUN_ID=f"parts-{port}")  # one job: the two ranks share node A's directory
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -34,30 +37,36 @@ def _rank(rank: int, port: int, work: str, out: mp.Queue) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
 
-    def run(ckpt: Path) -> Resumable:
+    def run(node: str, local_world: int, tier0: bool) -> Resumable:
+        os.environ.update(LOCAL_WORLD_SIZE=str(local_world), LOCAL_RANK=str(rank if local_world == 2 else 0))
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return Resumable(ResumeConfig.at(ckpt, save_every=2), model=model, optimizer=optimizer, mesh=mesh)
+        config = ResumeConfig.at(Path(work) / node, save_every=2, tier0_dir=f"{shm}/{node}" if tier0 else "",
+                                 tier0_helper=False)
+        return Resumable(config, model=model, optimizer=optimizer, mesh=mesh)
 
     try:
-        with run(Path(work) / f"node{rank}") as first:
+        with run("nodeA", 2, True) as first:
             assert first.restore() == 0
             for step in (1, 2):
                 first.optimizer.zero_grad()  # type: ignore[union-attr]
                 first.model(torch.ones(4, 8)).sum().backward()
                 first.optimizer.step()  # type: ignore[union-attr]
                 first.step_done(step)
-        # Rank 1's node replaced by an empty one.
-        with run(Path(work) / ("node0" if rank == 0 else "fresh1")) as second:
-            try:
-                step = second.restore()
-                out.put((rank, f"went on from step {step}"))
-            except StateUnreachableError as exc:
-                out.put((rank, f"refused: {exc}"))
+            saved = first.final_digest()
+        for tier0 in (False, True):
+            with run("nodeA" if rank == 0 else f"fresh-{tier0}", 1, tier0 or rank == 0) as second:
+                try:
+                    step = second.restore()
+                    same = second.final_digest() == saved
+                    out.put((rank, tier0, f"restored step {step}, from {second.restored and second.restored.tier}, "
+                                          f"{'same' if same else 'another'} digest"))
+                except StateUnreachableError as exc:
+                    out.put((rank, tier0, f"refused: {exc}"))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
-        out.put((rank, f"error: {type(exc).__name__}: {exc}"))
+        out.put((rank, None, f"error: {type(exc).__name__}: {exc}"))
     finally:
         dist.destroy_process_group()
 
@@ -68,23 +77,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_sharded_group_that_can_agree_on_no_step_stops_rather_than_start_over(tmp_path: Path) -> None:
+def test_a_sharded_group_sends_the_parts_a_new_node_lacks_or_stops_but_never_starts_over(tmp_path: Path) -> None:
+    from core.tier0_dir import shm_root
+
+    shm = Path(shm_root()) / f"test-parts-{os.getpid()}-{tmp_path.name}"
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), out), daemon=True) for r in (0, 1)]
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), str(shm), out), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
-        results = dict(out.get(timeout=150) for _ in range(2))
+        results = {(r, t): text for r, t, text in (out.get(timeout=150) for _ in range(4))}
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
                 p.join(10)
-    for rank in (0, 1):
-        assert results[rank].startswith("refused:"), results
-        assert "the newest some rank holds is step 2" in results[rank] and "shared tier" in results[rank], results
-    assert "this rank's newest is step 2" in results[0] and "this rank's newest is none" in results[1], results
-    assert list((tmp_path / "node0").glob("step_*2/COMMIT")), "rank 0's checkpoint is gone"
+        import shutil
+        shutil.rmtree(shm, ignore_errors=True)
+    for rank in (0, 1):  # no tier 0 on the new node: stopped, not started over
+        text = results[(rank, False)]
+        assert text.startswith("refused:") and "the newest some rank holds is step 2" in text, results
+        assert "shared tier" in text, results
+    assert "this rank's newest is none" in results[(1, False)], results
+    assert list((tmp_path / "nodeA").glob("step_*2/COMMIT")), "the checkpoint is gone"
+    # With a tier 0 there: both parts sent to rank 1, both ranks on step 2, the saved state exactly.
+    assert results[(0, True)] == "restored step 2, from memory, same digest", results
+    assert results[(1, True)] == "restored step 2, from memory, same digest", results
+    events = "".join(p.read_text() for p in (tmp_path / "events").glob("*"))
+    assert '"event": "ckpt_parts_received"' in events and '"parts": 2' in events, events[-2000:]
