@@ -494,6 +494,8 @@ class Checkpointer:
         if self._replicator is not None:
             finished = self._replicator.close(deadline.remaining(), world_over=world_over) and finished
         self._stop.set()
+        if self._shared is not None and self._shared.helper is not None:
+            self._shared.helper.interrupt()  # an upload still waiting on the helper ends (the replicator gave up)
         if self._owner is not None:
             self._owner.close()
         with self._pool_lock:

@@ -78,12 +78,6 @@ class HelperRequestFailed(HelperError):
         self.error_type = error_type
 
 
-_UPLOAD_ERRORS: dict[str, type[OSError]] = {
-    "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError,
-    "IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
-}
-"""A failed upload's error as the retry policy must see it (ckpt/retry.py: these are not retried)."""
-
 
 def socket_path(tier0_dir: str | Path) -> Path:
     return Path(tier0_dir) / SOCKET_NAME
@@ -98,15 +92,12 @@ class HelperClient:
     RETRY_S = 5.0
     """After a failure, the helper is tried again this much later (meanwhile the worker publishes)."""
 
-    def __init__(self, tier0_dir: str | Path, *, timeout: float = 30.0, persist_timeout: float = 600.0,
-                 upload_timeout: float = 3600.0) -> None:
+    def __init__(self, tier0_dir: str | Path, *, timeout: float = 30.0, persist_timeout: float = 600.0) -> None:
         self.path = socket_path(tier0_dir)
         self.timeout = timeout
         """Seconds a publish (a checksum of the slot in memory) may take before the worker does it itself."""
         self.persist_timeout = persist_timeout
         """Seconds a tier-1 write (the disk) may take before the worker gives up on it."""
-        self.upload_timeout = upload_timeout
-        """Seconds one file's upload to tier 2 may take before the worker uploads it itself."""
         self._sock: socket.socket | None = None
         self._templates: dict[int, int] = {}  # id(template bytes' owner) -> template id sent on this connection
         self._next_id = 0
@@ -167,18 +158,14 @@ class HelperClient:
         self.persisted += 1
         return reply
 
-    def upload(self, *, local: Path, url: str, storage_options: dict[str, Any], path: str, step: int) -> None:
+    def upload(self, *, local: Path, url: str, storage_options: dict[str, Any], path: str, step: int,
+               timeout: float) -> None:
         """Have the helper put the file `local` at `path` of the file system of `url` (tier 2) and check its
-        size. Raises HelperError when the helper cannot be asked (the caller then uploads the file itself),
-        and the upload's own error (an OSError; FileNotFoundError, PermissionError, ... as raised there) when
-        the helper tried and failed: the caller's retry policy decides about that one."""
+        size, within `timeout` seconds. Raises HelperRequestFailed when the helper tried and failed (the
+        connection is kept), HelperError when it cannot be asked or does not answer in time."""
         request = {"op": "upload", "step": step, "local": str(local), "url": url,
                    "storage_options": storage_options, "path": path}
-        try:
-            self._request(request, None, b"", b"", timeout=self.upload_timeout, remote_errors=True)
-        except HelperRequestFailed as exc:
-            raise _UPLOAD_ERRORS.get(exc.error_type, OSError)(f"{exc} (uploaded by the node's checkpoint helper)") \
-                from exc
+        self._request(request, None, b"", b"", timeout=timeout, remote_errors=True)
         self.uploaded += 1
 
     def _request(self, request: dict[str, Any], template_key: int | None, template: bytes, body: bytes, *,
@@ -244,3 +231,13 @@ class HelperClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def interrupt(self) -> None:
+        """From another thread: end the request in flight (its wait fails at once: HelperError) and close."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()

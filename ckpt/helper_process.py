@@ -152,6 +152,8 @@ class Helper:
         with self._fs_lock:  # one file system object per store and options, as fsspec's own cache would keep
             fs = self._filesystems.get(key)
             if fs is None:
+                if len(self._filesystems) >= 8:  # options that change (rotating tokens): keep the newest few
+                    self._filesystems.pop(next(iter(self._filesystems)))
                 fs = self._filesystems[key] = fsspec.core.url_to_fs(key[0], **options)[0]
         put_file(fs, Path(header["local"]), str(header["path"]))
 

@@ -53,7 +53,7 @@ from ckpt.errors import (
     CheckpointVersionError,
     SharedStorageError,
 )
-from ckpt.helper import HelperClient, HelperError
+from ckpt.helper import HelperClient, HelperError, HelperRequestFailed
 from ckpt.identity import RUN_FILE, RunIdentity, foreign
 from ckpt.layout import (
     COMMIT_FILE,
@@ -84,16 +84,29 @@ def put_file(fs: AbstractFileSystem, local: Path, path: str, *, describe: Callab
     if isinstance(fs, LocalFileSystem):
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(local, "rb") as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst, 16 << 20)
-            dst.flush()
-            os.fsync(dst.fileno())
+        # Whole or not at all: a helper that answered too late may still write the same file (worker and helper
+        # both upload it then); renamed over, never written in place, a reader never sees it half-written.
+        tmp = target.with_name(temp_name(target.name))
+        try:
+            with open(local, "rb") as src, open(tmp, "xb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
         fsync_dir(target.parent)
     else:
         fs.put_file(str(local), path)
     found = fs.size(path)
     if found != size:
         raise OSError(f"{describe(path)} is {found} bytes after upload, expected {size}")
+
+
+def upload_timeout(nbytes: int) -> float:
+    """Seconds the node's helper gets for one file's upload before the worker uploads it itself: 2 minutes, and
+    more for a file that takes longer at 20 MiB/s."""
+    return max(120.0, nbytes / (20 << 20))
 
 
 def _as_json(options: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -223,15 +236,22 @@ class SharedTier:
             return None
 
     def _put_file(self, local: Path, path: str, step: int) -> None:
-        helper = self.helper
+        helper, failed = self.helper, None
         if helper is not None and self._helper_options is not None and helper.available():
             try:  # the bytes move in the node's helper process, not beside the training thread
                 helper.upload(local=local, url=self.config.url, storage_options=self._helper_options, path=path,
-                              step=step)
+                              step=step, timeout=upload_timeout(local.stat().st_size))
                 return
+            except HelperRequestFailed as exc:
+                failed = exc  # it tried: this thread tries too, and whether that works tells the two apart
             except HelperError:
                 pass  # the helper is gone or hangs: this thread uploads, as without one (it logged why)
         put_file(self.fs, local, path, describe=self.describe)
+        if failed is not None:
+            logger.warning("the node's checkpoint helper could not upload %s (%s) but this worker could: this worker "
+                           "uploads tier 2 itself from now on (does the agent's environment lack the store's "
+                           "credentials?)", self.describe(path), failed)
+            self._helper_options = None
 
     def _ls(self, path: str) -> list[str]:
         if not self.is_local:

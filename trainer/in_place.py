@@ -10,9 +10,10 @@
 
 A replicated (DDP) model re-forms in place by rewrapping it on the new group (trainer/regroup.py). A
 sharded one (FSDP2, tensor parallel) cannot: its parameters are laid out on the old group's mesh, and
-the new world may need another layout. Under `run_elastic`, `Resumable.reform` joins the new round's
-process group, closes its checkpointer and raises `Reentry`; `run_elastic` drops what the old
-incarnation held (its frames' locals, the CUDA cache) and calls `main` again in this process. There
+the new world may need another layout. Under `run_elastic`, `Resumable.reform` ends the incarnation
+(hooks, sample log; its checkpoint copies finished) and raises `Reentry`; `run_elastic` drops what the old
+incarnation held (its frames' locals, the CUDA cache), joins the new round's process group, closes the old
+checkpointer (writes and uploads in flight) and calls `main` again in this process. There
 the process group is already the new round's (`dist.is_initialized()`: do not init it again), the
 model is built and sharded on the new mesh, and `Resumable.restore` reshards the newest step every
 rank can read: this node's tier 0 first (own snapshots, peers' replicas: memory, no disk), then tier
@@ -30,10 +31,13 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
 
+from ckpt import Checkpointer
+from elastic import reform
 from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
 from trainer import regroup
@@ -49,9 +53,12 @@ class Reentry(BaseException):  # noqa: N818 - a control-flow signal, like System
     the training function ends here and runs again in the new round's group. A BaseException, so that a
     loop's `except Exception` (which hands a failed step to `reform`) does not catch it."""
 
-    def __init__(self, started: float) -> None:
+    def __init__(self, started: float, closing: Checkpointer | None = None) -> None:
         super().__init__("a new round: the training function runs again in this process (trainer/in_place.py)")
         self.started = started
+        self.closing = closing
+        """The old incarnation's checkpointer, closed once the new group is joined: its writes and uploads in
+        flight must not hold up the leave (the agent restarts a worker that has not left within 10 s)."""
         self.joined: Round | None = None
         """The round whose process group run_elastic joined."""
 
@@ -84,9 +91,10 @@ def run_elastic(main: Callable[[], T]) -> T:
     if _state.active:
         raise RuntimeError("run_elastic is already running in this process: call it once, around the whole run")
     _state.active = True
-    # What the imports made (torch's modules: most of the heap) is never collected again: a re-entry's collection
-    # then scans only what main() made (on 2 cores with torch loaded: 0.16 s -> 0.03-0.04 s).
-    gc.freeze()
+    if reform.enabled():
+        # What the imports made (torch's modules: most of the heap) is never collected again: a re-entry's
+        # collection then scans only what main() made (on 2 cores with torch loaded: 0.16 s -> 0.03-0.04 s).
+        gc.freeze()
     try:
         while True:
             try:
@@ -111,9 +119,13 @@ def _rejoin(reentry: Reentry) -> None:
         torch.cuda.empty_cache()
     watcher = regroup.round_watcher()
     joined = regroup.join_next_round(watcher, None) if watcher is not None else None
+    if reentry.closing is not None:  # its commits count ranks of the old world (as at a replicated re-formation)
+        if not reentry.closing.close(timedelta(minutes=2), world_over=True):
+            log.warning("checkpoint work left unfinished at a re-formation: %s", reentry.closing.last_error)
+        reentry.closing = None
     if joined is None:
         raise RuntimeError("a re-entry in place without a round to join (the agent's round file is gone)")
-    if joined.stop:  # a newer round says the job stops while this one re-entered: the snapshots are on disk
+    if joined.stop:  # a newer round says the job stops while this one re-entered: its saves in flight are written
         log.error("rank %s: %s; exiting with %d", os.environ.get("RANK", "?"), joined.stop, EXIT_BELOW_MIN)
         sys.stdout.flush()
         sys.stderr.flush()

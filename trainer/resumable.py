@@ -438,7 +438,7 @@ class Resumable:
             self._stop_below_minimum(round_.stop)
         self._closed = True
         self._end(final=False)
-        raise in_place.Reentry(started)
+        raise in_place.Reentry(started, closing=self.checkpointer)
 
     def _disk_behind(self, step: int) -> bool:
         """Whether the persist due at `step` waits for a later step: with tier-0 snapshots between persists, a
@@ -710,10 +710,15 @@ class Resumable:
             hook.remove()
         if self.sampler is not None and self.sampler.sample_log is not None:
             self.sampler.sample_log.close()
-        # A re-entry: its commits count ranks of the old world (as at a replicated re-formation, _regroup).
-        if not self.checkpointer.close(timedelta(minutes=5 if final else 2), world_over=not final):
-            log.warning("rank %d: checkpoint work left unfinished at %s: %s", self.topology.rank,
-                        "close" if final else "a re-formation", self.checkpointer.last_error)
+        if final:
+            if not self.checkpointer.close(timedelta(minutes=5)):
+                log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
+                            self.checkpointer.last_error)
+        else:  # its copies done (nothing reads the model after this); closed once the new group is joined
+            try:
+                self.checkpointer.wait_staged()
+            except CheckpointError as exc:  # that save is lost; the newest complete one is still there
+                log.warning("rank %d: a save's copy did not finish before a re-formation: %s", self.topology.rank, exc)
         if final:
             self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
         else:

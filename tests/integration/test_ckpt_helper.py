@@ -306,6 +306,36 @@ def test_the_helper_uploads_tier2_and_the_worker_does_when_it_is_gone(
         fresh.close()
 
 
+def test_when_the_helper_cannot_upload_but_the_worker_can_the_worker_uploads_from_then_on(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess], moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store's credentials are in the worker's environment only (set by the training script, say), not in the
+    # helper's (started by the agent): the helper's upload fails, the worker's own works, and it stops asking.
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup for credentials
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))  # started before the credentials are set
+    options = {k: v for k, v in moto_s3.storage_options().items() if k not in ("key", "secret")}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", moto_s3.storage_options()["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", moto_s3.storage_options()["secret"])
+    shared = SharedConfig(url=f"s3://{moto_s3.make_bucket()}/ckpt", run_name="run", storage_options=options)
+    ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, shared=shared),
+                      rank=0, world_size=1)
+    assert ck._shared is not None and ck._shared.helper is not None
+    for step in (1, 2):
+        ck.save_async(step, state(step)).wait_persisted()
+        ck.wait_uploaded()
+    assert ck._shared.helper.uploaded == 0 and ck._shared._helper_options is None
+    ck.close()
+    helpers[0].wait_for_log("upload failed")  # it was asked once, for step 1's first file
+    fresh = Checkpointer(CheckpointConfig(local_dir=tmp_path / "fresh", shared=shared), rank=0, world_size=1)
+    try:
+        found = fresh.restore()
+        assert found is not None and (found.step, found.tier) == (2, "shared")
+        assert torch.equal(found.state["w"], state(2)["w"])
+    finally:
+        fresh.close()
+    assert helpers[0].log.read_text().count("request upload failed") == 1
+
+
 def test_the_agents_helper_starts_at_begin_once_and_never_after_stop(shm: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # elastic-run's agent makes its NodeHelper at start and starts the process with the workers (begin); a
