@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ckpt.layout import temp_name
@@ -37,9 +38,24 @@ def write_new_file(path: Path, data: bytes) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` atomically: readers see the old file or the whole new one."""
+    _replace(path, lambda tmp: write_new_file(tmp, data))
+
+
+def copy_atomic(source: Path, path: Path) -> None:
+    """Replace `path` with a copy of the file `source`, atomically and fsynced, as write_atomic does."""
+    def copy(tmp: Path) -> None:
+        with open(source, "rb") as src, open(tmp, "xb") as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+
+    _replace(path, copy)
+
+
+def _replace(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(temp_name(path.name))
     try:
-        write_new_file(tmp, data)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -34,7 +34,7 @@ length][body]. Requests:
             "storage_options" (the shared tier's, JSON), "path" (the file's path in that file system)}:
             the helper puts the file there (tier 2, ckpt/shared.py) and checks its size. Only the bytes
             move here: retries, markers, COMMIT and retention stay with the worker's replicator thread.
-Replies: {"ok": true, ...} or {"ok": false, "error": "...", "error_type": "<exception class>"}.
+Replies: {"ok": true, ...} or {"ok": false, "error": "..."}.
 
 Failure: the worker gives the helper `timeout` seconds (a tier-1 write `persist_timeout`); on no
 answer, a broken connection or an error it does the work itself, as without a helper, and tries the
@@ -71,11 +71,7 @@ class HelperError(Exception):
 
 
 class HelperRequestFailed(HelperError):
-    """The helper answered: the request itself failed there (`error_type`: the exception's class name)."""
-
-    def __init__(self, message: str, error_type: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
+    """The helper answered: the request itself failed there."""
 
 
 
@@ -224,7 +220,7 @@ class HelperClient:
                 on_released()
             reply, _ = recv_frame(sock)
         if not reply.get("ok"):
-            raise HelperRequestFailed(str(reply.get("error", "no reason given")), str(reply.get("error_type", "")))
+            raise HelperRequestFailed(str(reply.get("error", "no reason given")))
         return reply
 
     def close(self) -> None:

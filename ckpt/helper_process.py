@@ -117,7 +117,7 @@ class Helper:
                     return
                 except Exception as exc:  # a process boundary: the worker does the work itself and logs it
                     logger.exception("request %s failed", header.get("op"))
-                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "error_type": type(exc).__name__}
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 try:
                     send_frame(conn, reply)
                 except OSError:

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import posixpath
 import re
-import shutil
 import threading
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -46,7 +44,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ckpt.commit import CommitMarker, RankMarker, parse_commit, parse_marker
 from ckpt.config import SharedConfig
-from ckpt.durable import fsync_dir, remove_quietly
+from ckpt.durable import copy_atomic, remove_quietly, write_atomic
 from ckpt.errors import (
     CheckpointConflictError,
     CheckpointCorruptError,
@@ -62,7 +60,6 @@ from ckpt.layout import (
     parse_step_dir_name,
     rank_dir_name,
     step_dir_name,
-    temp_name,
 )
 from ckpt.manifest import Manifest, check_file_name, parse_manifest
 from ckpt.ranges import LocalRange, RangeSource, RemoteRange
@@ -86,16 +83,7 @@ def put_file(fs: AbstractFileSystem, local: Path, path: str, *, describe: Callab
         target.parent.mkdir(parents=True, exist_ok=True)
         # Whole or not at all: a helper that answered too late may still write the same file (worker and helper
         # both upload it then); renamed over, never written in place, a reader never sees it half-written.
-        tmp = target.with_name(temp_name(target.name))
-        try:
-            with open(local, "rb") as src, open(tmp, "xb") as dst:
-                shutil.copyfileobj(src, dst, 16 << 20)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(target.parent)
+        copy_atomic(local, target)
     else:
         fs.put_file(str(local), path)
     found = fs.size(path)
@@ -214,16 +202,7 @@ class SharedTier:
         if self.is_local:
             target = Path(path)
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(temp_name(target.name))
-            try:
-                with open(tmp, "xb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
-            fsync_dir(target.parent)
+            write_atomic(target, data)
         else:
             self.fs.pipe_file(path, data)
 

@@ -437,7 +437,12 @@ class Resumable:
         if round_.stop:
             self._stop_below_minimum(round_.stop)
         self._closed = True
-        self._end(final=False)
+        self._unhook()
+        try:  # its copies done (nothing reads the model after this); run_elastic closes it once the group is joined
+            self.checkpointer.wait_staged()
+        except CheckpointError as exc:  # that save is lost; the newest complete one is still there
+            log.warning("rank %d: a save's copy did not finish before a re-formation: %s", self.topology.rank, exc)
+        self.telemetry.close()  # the next incarnation's takes over its file
         raise in_place.Reentry(started, closing=self.checkpointer)
 
     def _disk_behind(self, step: int) -> bool:
@@ -694,35 +699,23 @@ class Resumable:
                 self._deferred.close()
             except Exception as exc:  # noqa: BLE001 - re-raised below, once everything is closed
                 unfinished = exc
-        self._end(final=True)
+        if self._rounds is not None:
+            regroup.stop_round_watcher()  # from here on a membership change restarts this process
+        worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
+        self._unhook()
+        if not self.checkpointer.close(timedelta(minutes=5)):
+            log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
+                        self.checkpointer.last_error)
+        self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
         self.checkpointer.check()
         if unfinished is not None:
             raise unfinished
 
-    def _end(self, *, final: bool) -> None:
-        """Stop the hooks, the sample log and the checkpointer (bounded). `final`: the run is over (the agent
-        restarts this process on a membership change from now on); else a re-entry in place follows."""
-        if final:
-            if self._rounds is not None:
-                regroup.stop_round_watcher()  # from here on a membership change restarts this process
-            worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
+    def _unhook(self) -> None:
         for hook in self._hooks:
             hook.remove()
         if self.sampler is not None and self.sampler.sample_log is not None:
             self.sampler.sample_log.close()
-        if final:
-            if not self.checkpointer.close(timedelta(minutes=5)):
-                log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
-                            self.checkpointer.last_error)
-        else:  # its copies done (nothing reads the model after this); closed once the new group is joined
-            try:
-                self.checkpointer.wait_staged()
-            except CheckpointError as exc:  # that save is lost; the newest complete one is still there
-                log.warning("rank %d: a save's copy did not finish before a re-formation: %s", self.topology.rank, exc)
-        if final:
-            self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
-        else:
-            self.telemetry.close()  # the next incarnation's takes over its file
 
     def final_digest(self) -> str:
         """The digest of the model's and optimizer's state (trainer.training_digest), also emitted as
