@@ -13,8 +13,9 @@ Variants (bench/goodput_worker.py runs each; same model, seed, data and steps):
                           written to disk by the node's helper process, ckpt/helper.py), no snapshot between
   ours_tier0_1_tier1_10   tier 0 (host shared memory) every step + tier 1 every 10 steps
   ours_tier0_1_tier1_50   tier 0 every step + tier 1 every 50 steps
-  ours_tier0_1_tier1_10_3slots  the same as ours_tier0_1_tier1_10 with three tier-0 slots a rank
-                          (CheckpointConfig.tier0_slots: snapshots go on while a tier-1 write reads a slot)
+  ours_tier0_1_tier1_10_2slots  the same as ours_tier0_1_tier1_10 with two tier-0 slots a rank instead of the
+                          default three (CheckpointConfig.tier0_slots: with two, the snapshots are skipped
+                          while a tier-1 write reads a slot; the default before 2026-12-03)
   dcp_async_thread_10     torch.distributed.checkpoint.async_save every 10 steps, thread mode
   dcp_async_process_10    the same, AsyncCheckpointerType.PROCESS
   torch_save_50           torch.save of model + optimizer state every 50 steps
@@ -83,8 +84,9 @@ class Variant:
     save_every: int = 0
     persist_every: int = 0
     """ours with tier 0: the tier-1 cadence (0: tier 0 off)"""
-    tier0_slots: int = 2
-    """ours with tier 0: CheckpointConfig.tier0_slots"""
+    tier0_slots: int | None = None
+    """ours with tier 0: CheckpointConfig.tier0_slots (None: ResumeConfig.at's default, 3 with snapshots between
+    persists, else 2)"""
     defer: bool = True
     """ours: ResumeConfig.defer_snapshots (False: a snapshot's bookkeeping all in step_done)"""
 
@@ -99,13 +101,13 @@ VARIANTS = {
     "ours_tier0_10_tier1_10": Variant("ours", 10, 10),
     "ours_tier0_1_tier1_10": Variant("ours", 1, 10),
     "ours_tier0_1_tier1_50": Variant("ours", 1, 50),
-    "ours_tier0_1_tier1_10_3slots": Variant("ours", 1, 10, 3),
+    "ours_tier0_1_tier1_10_2slots": Variant("ours", 1, 10, 2),
     "ours_tier0_1_tier1_10_at_boundary": Variant("ours", 1, 10, defer=False),
     "dcp_async_thread_10": Variant("dcp_thread", 10),
     "dcp_async_process_10": Variant("dcp_process", 10),
     "torch_save_50": Variant("torch_save", 50),
 }
-KILL_VARIANTS = ("ours_tier1_10", "ours_tier0_1_tier1_10", "ours_tier0_1_tier1_50", "ours_tier0_1_tier1_10_3slots")
+KILL_VARIANTS = ("ours_tier1_10", "ours_tier0_1_tier1_10", "ours_tier0_1_tier1_50", "ours_tier0_1_tier1_10_2slots")
 # issue J's table: one H200, GPT 12 x 768, seq 1024, vocab 8192, bf16, global batch 64
 MODEL_DEFAULTS = {
     "cuda": {"layers": 12, "heads": 12, "d_model": 768, "seq_len": 1024, "vocab": 8192, "global_batch": 64,
@@ -286,7 +288,7 @@ def worker_argv(args: argparse.Namespace, variant: Variant, run_dir: Path, steps
         argv += ["--save-every", str(variant.save_every)]
     if variant.persist_every:
         argv += ["--persist-every", str(variant.persist_every)]
-    if variant.tier0_slots != 2:
+    if variant.tier0_slots is not None:
         argv += ["--tier0-slots", str(variant.tier0_slots)]
     if not variant.defer:
         argv += ["--no-defer"]

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--persist-every", type=int, default=0)
-    p.add_argument("--tier0-slots", type=int, default=2, help="CheckpointConfig.tier0_slots")
+    p.add_argument("--tier0-slots", type=int, default=None,
+                   help="CheckpointConfig.tier0_slots (default: ResumeConfig.at's)")
     p.add_argument("--no-defer", action="store_true", help="ResumeConfig.defer_snapshots=False")
     p.add_argument("--result", required=True)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
@@ -316,8 +317,8 @@ def ours_config(args: Any) -> ResumeConfig:
     if args.persist_every:
         if not tier0_supported():
             raise SystemExit("--persist-every needs tier 0 (CheckpointConfig.tier0_dir, ResumeConfig.persist_every)")
-        config = ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every,
-                                 tier0_slots=args.tier0_slots)
+        slots = {} if args.tier0_slots is None else {"tier0_slots": args.tier0_slots}
+        config = ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every, **slots)
         return dataclasses.replace(config, defer_snapshots=False) if args.no_defer else config
     if tier0_supported():  # today's behaviour: tier 1 only, even where the agent offers a tier-0 dir
         return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, tier0_dir="")

@@ -109,6 +109,50 @@ def read_events(directory: str) -> list[dict[str, Any]]:
     return records
 
 
+class _EventFile:
+    """The open event file of this process: one write() per event, not open + write + close (a "step" event
+    every step of a training loop: the syscalls and the directory check were most of emit's cost there).
+    Opened again after a fork (another pid: another file), when the directory changes, and when the file was
+    removed or replaced (its inode no longer the one written to)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.key: tuple[int, str] = (0, "")
+        self.inode = (0, 0)
+
+    def write(self, directory: str, data: bytes) -> None:
+        key = (os.getpid(), directory)
+        path = events_path(directory, key[0])
+        if self.fd >= 0 and (key != self.key or self._inode(path) != self.inode):
+            self.close()
+        if self.fd < 0:
+            os.makedirs(directory, exist_ok=True)
+            # O_APPEND: lines from threads and forks never interleave.
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            stat = os.fstat(self.fd)
+            self.key, self.inode = key, (stat.st_dev, stat.st_ino)
+        os.write(self.fd, data)
+
+    @staticmethod
+    def _inode(path: str) -> tuple[int, int]:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return (0, 0)
+        return (stat.st_dev, stat.st_ino)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+_event_file = _EventFile()
+
+
 def _append_to_file(line: str) -> None:
     directory = os.environ.get(EVENTS_DIR_ENV)
     if not directory:
@@ -116,14 +160,9 @@ def _append_to_file(line: str) -> None:
     data = (line + "\n").encode()
     with _file_lock:
         try:
-            os.makedirs(directory, exist_ok=True)
-            # One write() per line with O_APPEND: lines from threads and forks never interleave.
-            fd = os.open(events_path(directory), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            _event_file.write(directory, data)
         except OSError as exc:  # an event file must never take down training
+            _event_file.close()
             log.warning("cannot append to the event file under %s=%s: %s", EVENTS_DIR_ENV, directory, exc)
 
 

@@ -6,10 +6,12 @@ tier 0 too. With a tier 0, a persist that comes due while the disk still writes 
 the first step after that write (it goes to tier 0 meanwhile) instead of stalling the loop.
 Either given alone sets both (so `save_every=N` keeps its earlier meaning, a checkpoint on
 disk every N steps); left out, both are 10. Snapshots between the persisted steps need both:
-`save_every=1, persist_every=10`. They are not the default: on one H200 a snapshot every step costs 1-3%
-of the GPT example's throughput (0.970-0.986 of no checkpoint, the median step 0.99; the default 0.9997:
+`save_every=1, persist_every=10`. They are not the default: on one H200 a snapshot every step costs 1-2%
+of the GPT example's throughput (0.981-0.994 of no checkpoint; the default 0.989-1.001:
 bench/goodput_bench.py, 2026-12-02). Memory: tier 0 keeps two copies of each rank's state in the node's
-/dev/shm. Without a tier 0 (no elastic-run, or tier0_dir=""), only persisted steps are saved.
+/dev/shm, three when `ResumeConfig.at` is given snapshots between persists (`tier0_slots`, so that the
+snapshots go on while a tier-1 write reads a slot). Without a tier 0 (no elastic-run, or tier0_dir=""),
+only persisted steps are saved.
 
 The checkpointer's options are not renamed here: `ResumeConfig.ckpt` is a `ckpt.CheckpointConfig`,
 so every one of them (snapshot `mode` including "overlapped", `if_busy`, `checksum`, `keep_every`,
@@ -101,9 +103,19 @@ class ResumeConfig:
         # Resumable waits for a save's copy before the optimizer next changes the state (its hooks), so the
         # copy may overlap the next forward and backward: a snapshot every step then costs ~nothing.
         options.setdefault("mode", "overlapped")
+        if _snapshots_between_persists(save_every, persist_every):
+            # A tier-1 write reads one slot for a while and the newest snapshot holds another: with two slots the
+            # snapshots of those steps are skipped (12-33 a run of 100 steps on an H200, a killed worker then
+            # loses 2-3 steps); a third slot keeps them (1 skipped), at 1.5x the tier-0 memory.
+            options.setdefault("tier0_slots", 3)
         if shared_url is not None:
             if options.get("shared") is not None:
                 raise ValueError("ResumeConfig.at: pass shared_url or shared=SharedConfig(...), not both")
             options["shared"] = SharedConfig(url=shared_url)
         return cls(ckpt=CheckpointConfig(local_dir=os.fspath(ckpt_dir), **options), save_every=save_every,
                    persist_every=persist_every, tokens_per_sample=tokens_per_sample)
+
+
+def _snapshots_between_persists(save_every: int | None, persist_every: int | None) -> bool:
+    """Whether ResumeConfig(save_every=, persist_every=) snapshots into tier 0 on steps it does not persist."""
+    return save_every is not None and persist_every is not None and save_every < persist_every

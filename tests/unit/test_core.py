@@ -51,6 +51,29 @@ def test_read_events_merges_processes_and_skips_a_torn_line(tmp_path):
     assert all(v == list(range(50)) for v in by_pid.values())
 
 
+def test_the_kept_event_file_follows_a_removed_file_a_new_directory_and_a_fork(tmp_path, monkeypatch):
+    """emit keeps its file open between events; an event still lands where read_events looks for it."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setenv(events.EVENTS_DIR_ENV, str(first))
+    events.emit("step", step=1)
+    (first / f"events-{os.getpid()}.jsonl").unlink()  # e.g. a harness clearing its directory between runs
+    events.emit("step", step=2)
+    monkeypatch.setenv(events.EVENTS_DIR_ENV, str(second))
+    events.emit("step", step=3)
+    monkeypatch.setenv(events.EVENTS_DIR_ENV, str(first))
+    pid = os.fork()
+    if pid == 0:  # the child inherits the open file; its events must go to a file of its own pid
+        try:
+            events.emit("step", step=4)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    events.emit("step", step=5)
+    assert sorted((r["step"], r["pid"]) for r in events.read_events(str(first))) == [
+        (2, os.getpid()), (4, pid), (5, os.getpid())]
+    assert [r["step"] for r in events.read_events(str(second))] == [3]
+
+
 def test_no_directory_means_no_file(tmp_path, monkeypatch):
     monkeypatch.delenv(events.EVENTS_DIR_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
