@@ -404,6 +404,9 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
     resumed = first("resumed", 1)
     first_step = first("step", 1)
     agent_restart = first("restart")
+    # The kept warm spares' (the launcher's processes started ahead for the first workers say `spare_ready` too).
+    kept = {e["pid"] for e in events if e["event"] == "spare_started"}
+    spares_ready = [e for e in events if e["event"] == "spare_ready" and e.get("pid") in kept]
     fig: dict[str, Any] = {"kill_step": kill_step, "fault_fired": fault is not None}
     if fault is None or resumed is None:
         fig["error"] = "no fault event" if fault is None else "no resumed event from the restarted worker"
@@ -435,9 +438,8 @@ def kill_figures(events: list[dict[str, Any]], results: dict[int, dict[str, Any]
                                           if e["event"] == "spare_started" and e["ts"] < fault["ts"]), None),
         # the first spare's warm-up (from its main(), after its interpreter's start and imports) and when it was
         # ready, from the kill (negative: before it; a spare started ~7 s before the kill can still be warming)
-        spare_warm_s=next((e.get("warm_s") for e in events if e["event"] == "spare_ready"), None),
-        spare_ready_from_kill_s=next((round(e["ts"] - fault["ts"], 3) for e in events
-                                      if e["event"] == "spare_ready"), None),
+        spare_warm_s=next((e.get("warm_s") for e in spares_ready), None),
+        spare_ready_from_kill_s=next((round(e["ts"] - fault["ts"], 3) for e in spares_ready), None),
         events=events_summary(events),
     )
     return fig

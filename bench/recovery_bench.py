@@ -107,7 +107,8 @@ class Node:
     """One simulated node: an agent process (own session), its output and its event files, read as they grow."""
 
     def __init__(self, cmd: list[str], index: int, events_dir: Path | None, env_extra: dict[str, str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **env_extra}
+        log_level = os.environ.get("BENCH_LOGLEVEL", "WARNING")  # INFO: the agents' timeline in --keep's logs
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": log_level, **env_extra}
         if events_dir is not None:
             env[EVENTS_DIR_ENV] = str(events_dir)
         self.index, self.events_dir = index, events_dir
@@ -207,11 +208,18 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def warm_spares(events: list[dict[str, Any]]) -> set[int]:
+    """The pids of a node's kept warm spares that are warm (`spare_ready` also comes from the processes the
+    launcher starts ahead for its first workers, elastic/prestart.py)."""
+    kept = {e["pid"] for e in events if e["event"] == "spare_started"}
+    return {e["pid"] for e in events if e["event"] == "spare_ready" and e["pid"] in kept}
+
+
 def wait_for_spares(started: list[Node]) -> None:
     def warm() -> bool:
         for n in started:
             n.steps()  # reads the event files
-        return all(any(e["event"] == "spare_ready" for e in n.events) for n in started)
+        return all(warm_spares(n.events) for n in started)
 
     wait_for(warm, 120, "every node's warm spare")
 

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv[:split])
     _die_with_parent()
+    from elastic import prestart  # no torch
+
+    prestart.begin(argv[split + 1:])  # the workers' interpreters import torch beside us (elastic/prestart.py)
     from elastic import launcher  # torch and friends: the slow imports
 
     args.ready.touch()

@@ -54,7 +54,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _ge
 from core import events, procfs, tier0_dir
 from core.deadline import Deadline
 from core.events import emit
-from elastic import peer_loss, progress, reform
+from elastic import peer_loss, prestart, progress, reform
 from elastic.errors import BelowMinimumError
 from elastic.job_metrics import JobMetrics
 from elastic.liveness import listening_socket
@@ -169,7 +169,7 @@ class ElasticAgent(LocalElasticAgent):
         self._fell_back = False  # a kept worker was killed as stuck: the next failure restarts the node's workers
         self._spare: Spare | None = None
         self._spare_failures = 0
-        self._joiners: dict[int, Spare] = {}  # local rank -> a spare started before this node joins a running job
+        self._prestarted: dict[int, Spare] = {}  # local rank -> a process started ahead for the node's first worker
         self._started_once = False
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
@@ -203,7 +203,7 @@ class ElasticAgent(LocalElasticAgent):
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         if not self._started_once:
             self._started_once = True
-            self._prestart_joiners(worker_group)
+            self._prestart(worker_group)
         if self.ckpt_helper is not None:
             self.ckpt_helper.begin()
         super()._initialize_workers(worker_group)
@@ -214,9 +214,9 @@ class ElasticAgent(LocalElasticAgent):
         self._awaiting, self._fell_back = None, False
         info = self._round_info
         os.environ[reform.ENV_GENERATION] = str(info.generation if info is not None else 0)
-        if self._joiners:
-            pids = self._start_through(self._joiners, worker_group)
-            self._joiners = {}
+        if self._prestarted:
+            pids = self._start_through(self._prestarted, worker_group)
+            self._prestarted = {}
         else:
             pids = super()._start_workers(worker_group)
         self.metrics.update(members=worker_group.group_world_size or 0,
@@ -428,24 +428,33 @@ class ElasticAgent(LocalElasticAgent):
              warm_spare=all(warm), spare_ready=all(warmed_up), generation=generation,
              remaining_restarts=self._remaining_restarts, max_restarts=worker_group.spec.max_restarts)
 
-    def _prestart_joiners(self, worker_group: WorkerGroup) -> None:
-        """A node joining a running job starts its workers' processes first (warm spares, one per local rank) and
-        joins the round only once they are warm: the nodes already training then wait in the new process group for
-        a script's start, not for Python, torch and the device context."""
+    def _prestart(self, worker_group: WorkerGroup) -> None:
+        """The node's first workers start through processes started ahead: those the launcher spawned before its
+        own imports (elastic/prestart.py), prepared now with the workers' command line; on a node joining a running
+        job, new ones if the launcher spawned none. A joining node joins the round only once they are warm: the
+        nodes already training then wait in the new process group for a script's start, not for Python, torch
+        and the device context."""
         spec = worker_group.spec
+        usable = self.agent_config.warm_spare and self._can_reform() and can_run(spec.entrypoint, spec.args)
+        early = prestart.take(spec.local_world_size if usable else -1)
         joins = getattr(self._round_info, "joins_a_running_round", None)
-        if (not self.agent_config.warm_spare or not self._can_reform() or not can_run(spec.entrypoint, spec.args)
-                or joins is None or not joins()):
+        joining = usable and joins is not None and joins()
+        if not early and not joining:
             return
         env, args = self._spare_env(), [str(a) for a in spec.args]
-        self._joiners = {lr: Spare.start(str(spec.entrypoint), args, env) for lr in range(spec.local_world_size)}
+        for spare in early:
+            spare.prepare(args, env)
+        self._prestarted = dict(enumerate(early)) or {
+            lr: Spare.start(str(spec.entrypoint), args, env) for lr in range(spec.local_world_size)}
+        if not joining:
+            return  # a job's start: its rendezvous waits for the other nodes meanwhile
         deadline = Deadline.after(_JOINER_WARM_TIMEOUT)
-        while not all(s.warm() or not s.alive() for s in self._joiners.values()) and not deadline.expired():
+        while not all(s.warm() or not s.alive() for s in self._prestarted.values()) and not deadline.expired():
             time.sleep(0.05)
         log.info("joining a running job: %d worker process(es) started and warm before the rendezvous",
-                 len(self._joiners))
-        emit("joiner_prestarted", pids=[s.pid for s in self._joiners.values()],
-             warm=all(s.warm() for s in self._joiners.values()))
+                 len(self._prestarted))
+        emit("joiner_prestarted", pids=[s.pid for s in self._prestarted.values()],
+             warm=all(s.warm() for s in self._prestarted.values()), ahead=bool(early))
 
     def _start_through(self, spares: dict[int, Spare], worker_group: WorkerGroup) -> dict[int, Any]:
         """torch's `_start_workers` (its environment, log files and process context), each local rank's process
@@ -502,9 +511,9 @@ class ElasticAgent(LocalElasticAgent):
         return env
 
     def dismiss_spare(self) -> None:
-        for spare in [*([self._spare] if self._spare is not None else []), *self._joiners.values()]:
+        for spare in [*([self._spare] if self._spare is not None else []), *self._prestarted.values()]:
             spare.stop()
-        self._spare, self._joiners = None, {}
+        self._spare, self._prestarted = None, {}
 
     def _check_joined(self, worker_group: WorkerGroup) -> None:
         assert self._awaiting is not None

@@ -17,16 +17,23 @@ Which rendezvous a command line gets (`_plan`), following torchrun where the use
 
 Python callers use `main(argv)`, which behaves like `torch.distributed.run.main`: a bad configuration
 raises `ValueError`, a failed job `ChildFailedError`. The console script is `cli()`, which maps
-those to exit status 2 and 1.
+those to exit status 2 and 1. Run as a program (`elastic-run`, `python -m elastic.launcher`), it first
+starts its workers' interpreters, before its own slow imports (elastic/prestart.py).
 """
 
 from __future__ import annotations
+
+import sys
+
+from elastic import prestart
+
+if __name__ == "__main__":  # `python -m elastic.launcher`: the workers' torch imports overlap ours
+    prestart.begin(sys.argv[1:])
 
 import argparse
 import logging
 import os
 import signal
-import sys
 import uuid
 from argparse import ArgumentParser, Namespace
 from collections.abc import Mapping
@@ -48,8 +55,7 @@ from elastic.etcd_server import EtcdServer
 
 log = logging.getLogger("elastic.launcher")
 
-ENV_WARM_SPARE = "ELASTIC_WARM_SPARE"
-"""The default of --warm-spare where the flag is not given ("0" turns it off: test suites, tight hosts)."""
+ENV_WARM_SPARE = prestart.ENV_WARM_SPARE
 
 STATIC = "static"
 TORCHRUN_DEFAULT_RUN_ID = "none"
@@ -119,7 +125,7 @@ def build_parser() -> ArgumentParser:
     ours.add_argument(
         "--warm-spare",
         action=argparse.BooleanOptionalAction,
-        default=os.environ.get(ENV_WARM_SPARE, "1").lower() not in ("0", "off", "false", "no"),
+        default=prestart.warm_spare_default(),
         help="With --reform in-process: keep one worker process per node started ahead of need (Python, torch "
         "and the script's imports loaded) that takes a crashed worker's place, so only the crashed process "
         "restarts and the group waits about a re-formation, not a process start. Default: on "
@@ -326,10 +332,13 @@ def main(argv: list[str] | None = None) -> dict[int, Any]:
     ValueError naming the flag; a failed job raises ChildFailedError. `@record` writes a launcher-level
     error file to TORCHELASTIC_ERROR_FILE when one is set, as torchrun does.
     """
-    args = build_parser().parse_args(argv)
-    plan = _validate(args, os.environ)
-    _setup_logging()
-    return run(args, plan)
+    try:
+        args = build_parser().parse_args(argv)
+        plan = _validate(args, os.environ)
+        _setup_logging()
+        return run(args, plan)
+    finally:
+        prestart.dismiss()  # interpreters started ahead that no agent took (bad flags, a failed start)
 
 
 def cli(argv: list[str] | None = None) -> int:

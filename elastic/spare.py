@@ -20,8 +20,11 @@ node's environment; such a script should read them in its main function or run w
 the launcher's environment sets it: a script that sets another value in its own code should set it in
 the environment instead.
 
-The agent side is `Spare` (start, take, stop); the process side is this module's `main`
-(`python -m elastic.spare -- <the worker's interpreter arguments>`).
+The agent side is `Spare` (spawn, prepare, take, stop); the process side is this module's `main`
+(`python -m elastic.spare`), which imports torch, then reads two JSON lines on stdin: `prepare` (the worker's
+interpreter arguments and environment: it imports the script's modules and makes the device context) and the
+order. The launcher spawns one per local worker before its own imports (elastic/prestart.py) and the agent
+prepares them once it knows the command line, so the two torch imports overlap.
 """
 
 from __future__ import annotations
@@ -96,15 +99,34 @@ class Spare:
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
+        self.prepared = False
+
+    @staticmethod
+    def spawn(entrypoint: str, env: dict[str, str]) -> Spare:
+        """Start an interpreter that imports torch and waits for `prepare`: the launcher starts these before its
+        own imports (elastic/prestart.py), when it does not know the worker's command line yet."""
+        proc = subprocess.Popen([entrypoint, "-u", "-m", "elastic.spare"], env=env, stdin=subprocess.PIPE,
+                                start_new_session=True)  # a session like torch's workers
+        return Spare(proc)
 
     @staticmethod
     def start(entrypoint: str, interpreter_args: Sequence[str], env: dict[str, str]) -> Spare:
         """Start a spare that warms up for the worker command line `entrypoint *interpreter_args`.
         `env` is the environment it starts in (the workers' without the per-round variables)."""
-        proc = subprocess.Popen(
-            [entrypoint, "-u", "-m", "elastic.spare", "--", *interpreter_args],
-            env=env, stdin=subprocess.PIPE, start_new_session=True)  # a session like torch's workers
-        return Spare(proc)
+        spare = Spare.spawn(entrypoint, env)
+        spare.prepare(interpreter_args, env)
+        return spare
+
+    def prepare(self, interpreter_args: Sequence[str], env: dict[str, str]) -> None:
+        """Tell the spare the worker's command line and the environment to finish its warm-up in (the script's
+        imports, the device context, the tier-0 mappings). The first of its two messages; `take` sends the other."""
+        self._send({"args": [str(a) for a in interpreter_args], "env": env})
+        self.prepared = True
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(message) + "\n").encode())
+        self.proc.stdin.flush()
 
     @property
     def pid(self) -> int:
@@ -122,27 +144,31 @@ class Spare:
              stdout: str | None, stderr: str | None) -> Any:
         """Make this spare the worker `local_rank`: hand it the order. Returns the handler torch's process
         context polls and closes for that local rank (torch's SubprocessHandler, around this process)."""
-        order = {"args": list(interpreter_args), "env": env, "stdout": stdout or None, "stderr": stderr or None}
+        if not self.prepared:
+            self.prepare(interpreter_args, env)
+        self._send({"args": list(interpreter_args), "env": env, "stdout": stdout or None, "stderr": stderr or None})
         assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(order) + "\n").encode())
-        self.proc.stdin.close()  # the order is the only message; the worker's stdin is then at EOF
+        self.proc.stdin.close()  # the order is the last message; the worker's stdin is then at EOF
         return _adopt(self.proc, local_rank)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Dismiss an unused spare: end-of-file tells it to exit; a stuck one is killed."""
+        """Dismiss an unused spare: end-of-file tells it to exit; a stuck one is killed. One never prepared has run
+        no user code (it imports torch, or waits for `prepare`): it is killed at once."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
         try:
-            self.proc.wait(timeout_s)
+            self.proc.wait(timeout_s if self.prepared else 0)
+            return
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout_s)
+            pass
+        try:
+            os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(5.0)
 
 
 def _adopt(proc: subprocess.Popen[bytes], local_rank: int) -> Any:
@@ -176,13 +202,12 @@ def _top_level_imports(path: str) -> list[str]:
     return names
 
 
-def warm(target: Target) -> None:
-    """Import what the worker will import first, off the critical path: torch, torch.distributed, the
-    script's top-level imports (best effort: a module that fails here is imported again by the script,
-    which then shows the error), and the CUDA context where the agent named the device."""
+def warm_torch() -> None:
+    """What every worker imports first, before the spare knows its script: torch, torch.distributed and the
+    parts of torch that common calls load on first use."""
     import importlib
 
-    import torch
+    import torch  # noqa: F401
     import torch.distributed  # noqa: F401 - the process group machinery every worker loads
 
     for name in _LAZY_TORCH_MODULES:
@@ -190,6 +215,16 @@ def warm(target: Target) -> None:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 - an optional part of this torch build
             log.debug("spare: pre-importing %s failed (%s)", name, exc)
+
+
+def warm(target: Target) -> None:
+    """The rest of the warm-up, off the critical path: the script's top-level imports (best effort: a module that
+    fails here is imported again by the script, which then shows the error), and the CUDA context where the agent
+    named the device."""
+    import importlib
+
+    import torch
+
     if target.kind == "path":
         sys.path[0] = os.path.dirname(os.path.abspath(target.name))  # as `python script.py` sets it
         modules = _top_level_imports(target.name)
@@ -270,15 +305,28 @@ def become(order: dict[str, Any]) -> None:
         runpy.run_module(target.name, run_name="__main__", alter_sys=True)
 
 
+def _read_message() -> dict[str, Any] | None:
+    line = sys.stdin.readline()
+    return json.loads(line) if line else None  # None: dismissed, or the agent is gone
+
+
 def main(argv: Sequence[str]) -> int:
-    args = list(argv)
-    if args and args[0] == "--":
-        args.pop(0)
-    target = Target.parse(args)
-    if target is None:
-        sys.stderr.write(f"elastic.spare: cannot run the worker command line {args!r}\n")
+    """Two messages on stdin, one JSON line each: `prepare` (the worker's interpreter arguments and the environment
+    to warm up in), then the order (`become`). End-of-file before either: exit quietly."""
+    if argv:
+        sys.stderr.write(f"elastic.spare: takes no arguments (the agent sends them on stdin), got {list(argv)!r}\n")
         return 2
     started = time.monotonic()
+    warm_torch()
+    prepare = _read_message()
+    if prepare is None:
+        return 0
+    target = Target.parse(prepare["args"])
+    if target is None:
+        sys.stderr.write(f"elastic.spare: cannot run the worker command line {prepare['args']!r}\n")
+        return 2
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in prepare["env"].items()})
     warm(target)
     from core.events import emit
 
@@ -286,10 +334,9 @@ def main(argv: Sequence[str]) -> int:
     if directory := os.environ.get(ENV_PROGRESS_DIR):
         with open(os.path.join(directory, f"spare_ready_{os.getpid()}"), "w"):
             pass  # for the agent (Spare.warm)
-    line = sys.stdin.readline()
-    if not line:
-        return 0  # dismissed, or the agent is gone
-    order = json.loads(line)
+    order = _read_message()
+    if order is None:
+        return 0
     try:
         become(order)
     except SystemExit as exc:

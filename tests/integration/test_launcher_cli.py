@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -200,6 +201,39 @@ def test_console_script_rejects_bad_flags_with_exit_2(short_runs: dict[str, Shor
     assert "usage: elastic-run" in err
     assert "elastic-run: error: --nnodes '3:1'" in err
     assert out == ""
+
+
+@pytest.mark.timeout(60)
+def test_bad_flags_leave_no_interpreter_started_ahead(tmp_path: Path, noop_script: Path) -> None:
+    """The console script starts its worker's interpreter before it parses the flags (elastic/prestart.py);
+    a launcher that then exits on bad flags ends it. Output to files, not pipes: the check runs as soon as
+    the launcher has exited, while an interpreter left behind would still be importing torch."""
+    mark = uuid.uuid4().hex
+    with open(tmp_path / "out", "wb") as out:
+        proc = subprocess.Popen([str(BIN / "elastic-run"), "--warm-spare", "--nnodes", "3:1", str(noop_script)],
+                                stdout=out, stderr=out, env={**os.environ, MARK: mark})
+        assert proc.wait(timeout=50) == 2
+    left = processes_with(MARK, mark)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the interpreter started ahead outlived the launcher"
+
+
+MARK = "ELASTIC_TEST_LAUNCHER_MARK"
+
+
+def processes_with(name: str, value: str) -> list[int]:
+    """The live processes whose environment has name=value (a run's own children carry its marker)."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass  # gone, or not ours
+    return found
 
 
 @pytest.mark.timeout(90)

@@ -35,7 +35,9 @@ LOADED_BEFORE_ORDER = os.environ.get("RANK") is None
 
 
 @pytest.mark.timeout(120)
-def test_a_spare_runs_the_order_it_is_given(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["started", "spawned-then-prepared"])
+def test_a_spare_runs_the_order_it_is_given(tmp_path: Path, ahead: bool) -> None:
+    """`ahead`: spawned before the command line is known (the launcher's elastic/prestart.py), prepared later."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     (tmp_path / "helper_module_of_the_script.py").write_text(HELPER)
@@ -43,7 +45,11 @@ def test_a_spare_runs_the_order_it_is_given(tmp_path: Path) -> None:
     stdout.write_text("the dead worker's last line\n")
     warm_env = {**os.environ, "ONLY_WHILE_WARMING": "1"}
     warm_env.pop("RANK", None)
-    spare = Spare.start(sys.executable, ["-u", str(script), "--flag"], warm_env)
+    if ahead:
+        spare = Spare.spawn(sys.executable, {**warm_env, "RANK": "7"})  # what prepare's environment replaces
+        spare.prepare(["-u", str(script), "--flag"], warm_env)
+    else:
+        spare = Spare.start(sys.executable, ["-u", str(script), "--flag"], warm_env)
     order_env = {k: v for k, v in warm_env.items() if k != "ONLY_WHILE_WARMING"} | {"RANK": "5"}
     spare.take(local_rank=1, interpreter_args=["-u", str(script), "--flag", "3"], env=order_env,
                stdout=str(stdout), stderr=str(stderr))
@@ -69,3 +75,17 @@ def test_which_command_lines_a_spare_can_run(tmp_path: Path) -> None:
     script.write_text("import os\nfrom torch import nn\nfrom . import rel\ndef f():\n    import json\n")
     assert _top_level_imports(str(script)) == ["os", "torch"]  # not relative ones, not those inside functions
     assert _top_level_imports(str(tmp_path / "missing.py")) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_never_prepared_is_killed_at_once_and_one_dismissed_exits(tmp_path: Path) -> None:
+    """A launcher that exits before its agent took its interpreters (bad flags, a failed start) ends them at once;
+    a prepared spare that is dismissed reads end-of-file and exits by itself."""
+    unprepared = Spare.spawn(sys.executable, dict(os.environ))
+    unprepared.stop()
+    assert unprepared.proc.returncode == -9  # killed while importing torch: it has run no user code
+    script = tmp_path / "job.py"
+    script.write_text("raise SystemExit(9)\n")
+    prepared = Spare.start(sys.executable, ["-u", str(script)], dict(os.environ))
+    prepared.stop(timeout_s=50)
+    assert prepared.proc.returncode == 0  # end-of-file before the order: dismissed, the script never ran

@@ -1,0 +1,118 @@
+"""The node's worker interpreters, started before the launcher's own imports.
+
+`elastic-run` imports torch (its agent is torch's) before it can start a worker, and each worker then
+imports torch again: two imports of 1.5-3 s, one after the other, before a node's first step. A node
+that joins a running job pays both while it is the one everybody waits for (issue K: ≤ 3 s from the
+joiner's agent start to its first step). So the launcher's first act, before it imports torch, is to
+spawn one interpreter per local worker (elastic/spare.py: it imports torch and waits); the agent then
+prepares them with the worker's command line and starts the node's first workers through them, a
+joining node's after they are warm. The two imports overlap.
+
+This runs before argument parsing (torch's parser needs torch), so `begin` reads the few flags it needs
+from the raw command line and starts nothing where the agent could not use the processes (warm spares
+off, `--reform restart`, `--no-python`, a backend other than etcd-v3). Where it guessed wrong, the agent
+dismisses them: `take` hands them over only for the number of local workers the agent starts, and the
+launcher kills unprepared ones on its way out (`dismiss`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from elastic.spare import Spare
+
+ENV_WARM_SPARE = "ELASTIC_WARM_SPARE"
+"""The default of --warm-spare where the flag is not given ("0" turns it off: test suites, tight hosts)."""
+
+ENV_PRESTART = "ELASTIC_PRESTART"
+"""`0` keeps the launcher from starting its workers' interpreters before its own imports."""
+
+_MAX_WORKERS = 64
+_BACKEND = "etcd-v3"
+
+_spares: list[Spare] = []
+
+
+def warm_spare_default(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return environ.get(ENV_WARM_SPARE, "1").lower() not in ("0", "off", "false", "no")
+
+
+def _flags(argv: Sequence[str]) -> dict[str, str]:
+    """`--name value` and `--name=value` pairs and bare `--name` flags (value ""), underscores as dashes. Reads
+    the whole line: a script argument that looks like a launcher flag only makes a wrong guess, which `take`
+    corrects."""
+    found: dict[str, str] = {}
+    args = list(argv)
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            value = "" if nxt.startswith("-") else nxt
+        found.setdefault(name, value)
+    return found
+
+
+def planned_workers(argv: Sequence[str], environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """How many worker interpreters to start ahead for this command line; 0 where the agent would not use them.
+    Mirrors the launcher's defaults (elastic/launcher.py `_plan`) closely enough to avoid waste."""
+    flags = _flags(argv)
+    if (environ.get(ENV_PRESTART, "1") == "0" or "--help" in flags or "-h" in argv or "--no-python" in flags
+            or flags.get("--reform") == "restart" or "--no-warm-spare" in flags
+            or ("--warm-spare" not in flags and not warm_spare_default(environ))):
+        return 0
+    backend = flags.get("--rdzv-backend")
+    if backend is not None and backend != _BACKEND:
+        return 0
+    nnodes = flags.get("--nnodes", "1")
+    fixed_multi_node = ":" not in nnodes and nnodes.isdigit() and int(nnodes) > 1
+    if (backend is None and "--rdzv-endpoint" not in flags and "--standalone" not in flags
+            and (fixed_multi_node or "--master-port" in flags)):
+        return 0  # torchrun's static rendezvous: restarts only
+    nproc = flags.get("--nproc-per-node", "1")
+    if not nproc.isdigit() or not 0 < int(nproc) <= _MAX_WORKERS:
+        return 0  # "auto", "gpu", ...: the agent works it out with torch
+    return int(nproc)
+
+
+def begin(argv: Sequence[str]) -> None:
+    """Spawn the worker interpreters this command line will want (see `planned_workers`). Call it first thing,
+    before importing torch."""
+    count = planned_workers(argv)
+    if count == 0 or _spares:
+        return
+    env = dict(os.environ)
+    if count > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for its workers (read when torch loads)
+    try:
+        _spares.extend(Spare.spawn(sys.executable, env) for _ in range(count))
+    except OSError:
+        dismiss()  # the agent starts its workers itself
+
+
+def take(count: int) -> list[Spare]:
+    """The interpreters started ahead, if there are `count` of them alive; otherwise none (and those are ended)."""
+    spares = list(_spares)
+    _spares.clear()
+    if len(spares) == count and all(s.alive() for s in spares):
+        return spares
+    for spare in spares:
+        spare.stop()
+    return []
+
+
+def dismiss() -> None:
+    """End the interpreters nobody took (a launcher that failed or exited before its agent started workers)."""
+    take(-1)
+
+
+def cli() -> int:
+    """The `elastic-run` console script: the workers' interpreters first, then the launcher (which imports torch)."""
+    begin(sys.argv[1:])
+    from elastic.launcher import cli as launcher_cli
+
+    return launcher_cli()

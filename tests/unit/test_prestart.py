@@ -1,0 +1,37 @@
+"""elastic/prestart.py: which command lines get their workers' interpreters started before the launcher's imports.
+
+A wrong "yes" costs a torch import the agent then dismisses; a wrong "no" costs only the overlap. So the rule follows
+the launcher's: warm spares on, in-process re-formation, the etcd-v3 backend, a numeric --nproc-per-node.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic.prestart import ENV_PRESTART, ENV_WARM_SPARE, planned_workers
+
+ON = {ENV_WARM_SPARE: "1"}
+
+
+@pytest.mark.parametrize(("argv", "environ", "expected"), [
+    (["train.py"], ON, 1),
+    (["--nproc-per-node", "2", "train.py", "--lr", "1"], ON, 2),
+    (["--nproc_per_node=4", "--standalone", "train.py"], ON, 4),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:2379", "--nproc-per-node", "2", "train.py"], ON, 2),
+    (["--rdzv-backend", "etcd-v3", "--rdzv-endpoint", "h:2379", "train.py"], ON, 1),
+    (["--nproc-per-node", "3", "train.py"], {ENV_WARM_SPARE: "0"}, 0),  # the suite's default: no spares
+    (["--warm-spare", "--nproc-per-node", "3", "train.py"], {ENV_WARM_SPARE: "0"}, 3),  # the flag wins
+    (["--no-warm-spare", "train.py"], ON, 0),
+    (["--reform", "restart", "train.py"], ON, 0),
+    (["--reform=restart", "train.py"], ON, 0),
+    (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "train.py"], ON, 0),
+    (["--nnodes", "2", "--master-addr", "h", "train.py"], ON, 0),  # torchrun's static rendezvous
+    (["--master-port", "29500", "train.py"], ON, 0),
+    (["--nproc-per-node", "gpu", "train.py"], ON, 0),  # counted by torch, after the imports
+    (["--nproc-per-node", "0", "train.py"], ON, 0),
+    (["--no-python", "/bin/true"], ON, 0),
+    (["--help"], ON, 0),
+    (["train.py"], {**ON, ENV_PRESTART: "0"}, 0),
+])
+def test_planned_workers(argv: list[str], environ: dict[str, str], expected: int) -> None:
+    assert planned_workers(argv, environ) == expected
