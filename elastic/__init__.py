@@ -7,7 +7,19 @@ the launcher starts its workers' interpreters (elastic/prestart.py) before it im
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads them
+    from elastic.errors import (
+        ElasticError,
+        ElasticRendezvousClosedError,
+        ElasticRendezvousTimeoutError,
+        EtcdBinaryNotFoundError,
+        EtcdStartError,
+        EtcdUnavailableError,
+        NodeIdConflictError,
+    )
+    from elastic.etcd_server import EtcdServer, EtcdServerConfig
 
 _LAZY = {
     "ElasticError": "elastic.errors",
@@ -21,7 +33,17 @@ _LAZY = {
     "EtcdServerConfig": "elastic.etcd_server",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "ElasticError",
+    "ElasticRendezvousClosedError",
+    "ElasticRendezvousTimeoutError",
+    "EtcdBinaryNotFoundError",
+    "EtcdServer",
+    "EtcdServerConfig",
+    "EtcdStartError",
+    "EtcdUnavailableError",
+    "NodeIdConflictError",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -29,3 +51,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'elastic' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -61,7 +61,7 @@ from elastic.liveness import listening_socket
 from elastic.metrics import AgentMetrics
 from elastic.node_helper import ENV as NODE_HELPER_ENV
 from elastic.node_helper import NodeHelper
-from elastic.spare import ENV_CUDA_DEVICE, Spare, can_run
+from elastic.spare import ENV_CUDA_DEVICE, Spare, can_run, stop_all
 from elastic.worker import STACKS_SIGNAL
 
 log = logging.getLogger(__name__)
@@ -431,22 +431,31 @@ class ElasticAgent(LocalElasticAgent):
     def _prestart(self, worker_group: WorkerGroup) -> None:
         """The node's first workers start through processes started ahead: those the launcher spawned before its
         own imports (elastic/prestart.py), prepared now with the workers' command line; on a node joining a running
-        job, new ones if the launcher spawned none. A joining node joins the round only once they are warm: the
-        nodes already training then wait in the new process group for a script's start, not for Python, torch
-        and the device context."""
+        job, new ones if the launcher spawned none. A joining node's warm up (the script's imports, the device) and
+        it joins the round only once they are warm: the nodes already training then wait in the new process group
+        for a script's start, not for Python, torch and the device context. A job's first workers only skip the
+        torch import: they run the script as a new process would."""
         spec = worker_group.spec
-        usable = self.agent_config.warm_spare and self._can_reform() and can_run(spec.entrypoint, spec.args)
+        usable = (self.agent_config.warm_spare and self._can_reform() and can_run(spec.entrypoint, spec.args)
+                  and getattr(spec, "numa_options", None) is None)  # torch wraps a NUMA-bound worker in numactl
         early = prestart.take(spec.local_world_size if usable else -1)
         joins = getattr(self._round_info, "joins_a_running_round", None)
-        joining = usable and joins is not None and joins()
-        if not early and not joining:
-            return
+        joining = bool(usable and joins is not None and joins())
         env, args = self._spare_env(), [str(a) for a in spec.args]
-        for spare in early:
-            spare.prepare(args, env)
-        self._prestarted = dict(enumerate(early)) or {
-            lr: Spare.start(str(spec.entrypoint), args, env) for lr in range(spec.local_world_size)}
+        try:
+            for spare in early:
+                spare.prepare(args, env, warm=joining)
+        except OSError as exc:  # one died since take(): the usual processes, or new spares for a joining node
+            log.warning("a worker process started ahead is gone (%s); starting the workers the usual way", exc)
+            stop_all(early)
+            early = []
+        if early:
+            self._prestarted = dict(enumerate(early))
+        elif joining:
+            self._prestarted = {lr: Spare.start(str(spec.entrypoint), args, env) for lr in range(spec.local_world_size)}
         if not joining:
+            if early:
+                emit("workers_prestarted", pids=[s.pid for s in early])
             return  # a job's start: its rendezvous waits for the other nodes meanwhile
         deadline = Deadline.after(_JOINER_WARM_TIMEOUT)
         while not all(s.warm() or not s.alive() for s in self._prestarted.values()) and not deadline.expired():
@@ -458,18 +467,24 @@ class ElasticAgent(LocalElasticAgent):
 
     def _start_through(self, spares: dict[int, Spare], worker_group: WorkerGroup) -> dict[int, Any]:
         """torch's `_start_workers` (its environment, log files and process context), each local rank's process
-        being the spare started for it instead of a new one."""
+        being the one started ahead for it instead of a new one (torch's own where that one is gone)."""
         from torch.distributed.elastic.multiprocessing import api as mp_api
 
-        def adopt(*, entrypoint: str, args: tuple[Any, ...], env: dict[str, str], stdout: str | None,
-                  stderr: str | None, local_rank_id: int, **_: Any) -> Any:
-            spare = spares[local_rank_id]
-            if not spare.alive():  # died warming up: a process of the usual kind for this rank
-                spare = Spare.start(entrypoint, [str(a) for a in args], {**os.environ, **env})
-            return spare.take(local_rank=local_rank_id, interpreter_args=[str(a) for a in args],
-                              env={**os.environ, **env}, stdout=stdout, stderr=stderr)
-
         real = mp_api.get_subprocess_handler
+
+        def adopt(*, entrypoint: str, args: tuple[Any, ...], env: dict[str, str], stdout: str, stderr: str,
+                  local_rank_id: int, **rest: Any) -> Any:
+            spare = spares[local_rank_id]
+            if spare.alive():
+                try:
+                    return spare.take(local_rank=local_rank_id, interpreter_args=[str(a) for a in args],
+                                      env={**os.environ, **env}, stdout=stdout, stderr=stderr)
+                except OSError as exc:
+                    log.warning("the process started ahead for local rank %d is gone (%s)", local_rank_id, exc)
+            spare.stop()
+            return real(entrypoint=entrypoint, args=args, env=env, stdout=stdout, stderr=stderr,
+                        local_rank_id=local_rank_id, **rest)
+
         mp_api.get_subprocess_handler = adopt  # type: ignore[assignment]
         try:
             return super()._start_workers(worker_group)
@@ -511,8 +526,7 @@ class ElasticAgent(LocalElasticAgent):
         return env
 
     def dismiss_spare(self) -> None:
-        for spare in [*([self._spare] if self._spare is not None else []), *self._prestarted.values()]:
-            spare.stop()
+        stop_all([*([self._spare] if self._spare is not None else []), *self._prestarted.values()])
         self._spare, self._prestarted = None, {}
 
     def _check_joined(self, worker_group: WorkerGroup) -> None:

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from elastic.spare import Spare
+from elastic.spare import Spare, stop_all
 
 ENV_WARM_SPARE = "ELASTIC_WARM_SPARE"
 """The default of --warm-spare where the flag is not given ("0" turns it off: test suites, tight hosts)."""
@@ -62,6 +62,7 @@ def planned_workers(argv: Sequence[str], environ: dict[str, str] | os._Environ[s
     Mirrors the launcher's defaults (elastic/launcher.py `_plan`) closely enough to avoid waste."""
     flags = _flags(argv)
     if (environ.get(ENV_PRESTART, "1") == "0" or "--help" in flags or "-h" in argv or "--no-python" in flags
+            or "--numa-binding" in flags
             or flags.get("--reform") == "restart" or "--no-warm-spare" in flags
             or ("--warm-spare" not in flags and not warm_spare_default(environ))):
         return 0
@@ -100,8 +101,7 @@ def take(count: int) -> list[Spare]:
     _spares.clear()
     if len(spares) == count and all(s.alive() for s in spares):
         return spares
-    for spare in spares:
-        spare.stop()
+    stop_all(spares)
     return []
 
 

@@ -5,9 +5,11 @@ before it runs a line of the user's script: about 3.5 s of CPU here, about 3.6 s
 and every survivor of the job waits for it in the new process group. A *warm spare* pays that while
 nothing waits: the agent starts it once its workers run, it imports torch and the script's own
 top-level imports, creates the CUDA context where the node has one worker, and then blocks reading
-its stdin. When a worker crashes, the agent writes the order (the crashed local rank's environment
-for the new round, its arguments, its log files) on that pipe; the spare becomes that worker and
-runs the script as `python script.py` / `python -m module` would. The same path, started on demand,
+a pipe from the agent (its control pipe; its stdin stays the launcher's, as a worker's). When a worker
+crashes, the agent writes the order (the crashed local rank's environment for the new round, its
+arguments, its log files) on that pipe; the spare becomes that worker and runs the script as
+`python script.py` / `python -m module` would (its sys.path, its own packages over ours of the same
+name, its environment plus what its modules set while they were imported ahead). The same path, started on demand,
 replaces a worker when no warm spare is ready (a cold spare).
 
 The pipe is also the spare's lifeline: if the agent dies, the spare reads end-of-file and exits, so a
@@ -21,14 +23,17 @@ the launcher's environment sets it: a script that sets another value in its own 
 the environment instead.
 
 The agent side is `Spare` (spawn, prepare, take, stop); the process side is this module's `main`
-(`python -m elastic.spare`), which imports torch, then reads two JSON lines on stdin: `prepare` (the worker's
-interpreter arguments and environment: it imports the script's modules and makes the device context) and the
-order. The launcher spawns one per local worker before its own imports (elastic/prestart.py) and the agent
-prepares them once it knows the command line, so the two torch imports overlap.
+(`python -m elastic.spare --control-fd N`), which imports torch, then reads two JSON lines on the control pipe:
+`prepare` (the worker's interpreter arguments and environment, and whether to warm up: import the script's
+modules and make the device context) and the order. The launcher spawns one per local worker before its own
+imports (elastic/prestart.py) and the agent prepares them once it knows the command line, so the two torch
+imports overlap; a job's first workers are prepared without the warm-up (nothing is imported before the rank
+variables are set), a joining node's and the spares with it.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import logging
@@ -41,7 +46,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from core import premap
 from core.tier0_dir import ENV as TIER0_ENV
@@ -53,8 +58,10 @@ ENV_CUDA_DEVICE = "ELASTIC_SPARE_CUDA_DEVICE"
 """Set by the agent where it knows which device the spare's worker will use (one worker per node)."""
 
 
-# Parts of torch that common calls import on first use: torch.use_deterministic_algorithms and
-# torch.compile load dynamo and inductor's config (2.8 s of CPU here, measured after a spare's order).
+# Parts of torch that common calls import on first use: a torch.optim optimizer's constructor,
+# torch.use_deterministic_algorithms and torch.compile load dynamo and inductor's config (1.1-2.8 s of CPU
+# here). Imported ahead by every process this module starts, a job's first workers too: inductor's config
+# then reads its TORCHINDUCTOR_* variables from the launcher's environment, not from a script's own code.
 _LAZY_TORCH_MODULES = ("torch._dynamo", "torch._inductor.config", "torch.profiler")
 
 
@@ -95,19 +102,30 @@ def can_run(entrypoint: object, interpreter_args: Sequence[str]) -> bool:
 
 
 class Spare:
-    """One spare process, started by the agent; `take` turns it into a worker."""
+    """One spare process, started by the agent; `take` turns it into a worker.
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    The agent talks to it over a pipe of its own (`--control-fd`), not its stdin: the worker it becomes keeps the
+    launcher's stdin, as torch's workers do (a `breakpoint()` under one worker reads the terminal)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], control: IO[bytes]) -> None:
         self.proc = proc
+        self.control = control
         self.prepared = False
 
     @staticmethod
     def spawn(entrypoint: str, env: dict[str, str]) -> Spare:
         """Start an interpreter that imports torch and waits for `prepare`: the launcher starts these before its
         own imports (elastic/prestart.py), when it does not know the worker's command line yet."""
-        proc = subprocess.Popen([entrypoint, "-u", "-m", "elastic.spare"], env=env, stdin=subprocess.PIPE,
-                                start_new_session=True)  # a session like torch's workers
-        return Spare(proc)
+        read_end, write_end = os.pipe()
+        try:
+            proc = subprocess.Popen([entrypoint, "-u", "-m", "elastic.spare", "--control-fd", str(read_end)],
+                                    env=env, pass_fds=(read_end,), start_new_session=True)  # a session like torch's
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        return Spare(proc, os.fdopen(write_end, "wb"))
 
     @staticmethod
     def start(entrypoint: str, interpreter_args: Sequence[str], env: dict[str, str]) -> Spare:
@@ -117,16 +135,25 @@ class Spare:
         spare.prepare(interpreter_args, env)
         return spare
 
-    def prepare(self, interpreter_args: Sequence[str], env: dict[str, str]) -> None:
-        """Tell the spare the worker's command line and the environment to finish its warm-up in (the script's
-        imports, the device context, the tier-0 mappings). The first of its two messages; `take` sends the other."""
-        self._send({"args": [str(a) for a in interpreter_args], "env": env})
+    def prepare(self, interpreter_args: Sequence[str], env: dict[str, str], *, warm: bool = True) -> None:
+        """Tell the spare the worker's command line and the environment it runs in. `warm`: also import the script's
+        top-level modules, the parts of torch common calls load, the device context and the tier-0 mappings ahead
+        (a spare, a joining node's worker); without, it only waits (a job's first worker: as `python script.py`,
+        less the torch import). The first of two messages; `take` sends the other. Raises OSError if it is gone."""
+        self._send({"args": [str(a) for a in interpreter_args], "env": env, "warm": warm})
         self.prepared = True
 
     def _send(self, message: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(message) + "\n").encode())
-        self.proc.stdin.flush()
+        self.control.write((json.dumps(message) + "\n").encode())
+        self.control.flush()
+
+    def release(self) -> None:
+        """Close the control pipe: a spare waiting for a message exits (the first step of `stop`)."""
+        if not self.control.closed:
+            try:
+                self.control.close()
+            except OSError:
+                pass
 
     @property
     def pid(self) -> int:
@@ -143,22 +170,18 @@ class Spare:
     def take(self, *, local_rank: int, interpreter_args: Sequence[str], env: dict[str, str],
              stdout: str | None, stderr: str | None) -> Any:
         """Make this spare the worker `local_rank`: hand it the order. Returns the handler torch's process
-        context polls and closes for that local rank (torch's SubprocessHandler, around this process)."""
+        context polls and closes for that local rank (torch's SubprocessHandler, around this process).
+        Raises OSError if it is gone."""
         if not self.prepared:
             self.prepare(interpreter_args, env)
         self._send({"args": list(interpreter_args), "env": env, "stdout": stdout or None, "stderr": stderr or None})
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()  # the order is the last message; the worker's stdin is then at EOF
+        self.release()  # the order is the last message
         return _adopt(self.proc, local_rank)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Dismiss an unused spare: end-of-file tells it to exit; a stuck one is killed. One never prepared has run
-        no user code (it imports torch, or waits for `prepare`): it is killed at once."""
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
+        """Dismiss an unused spare: end-of-file on its control pipe tells it to exit; a stuck one is killed. One
+        never prepared has run no user code (it imports torch, or waits for `prepare`): it is killed at once."""
+        self.release()
         try:
             self.proc.wait(timeout_s if self.prepared else 0)
             return
@@ -169,6 +192,14 @@ class Spare:
         except ProcessLookupError:
             pass
         self.proc.wait(5.0)
+
+
+def stop_all(spares: Sequence[Spare], timeout_s: float = 5.0) -> None:
+    """`stop` for several, their waits overlapping (each closes its pipe first)."""
+    for spare in spares:
+        spare.release()
+    for spare in spares:
+        spare.stop(timeout_s)
 
 
 def _adopt(proc: subprocess.Popen[bytes], local_rank: int) -> Any:
@@ -203,8 +234,9 @@ def _top_level_imports(path: str) -> list[str]:
 
 
 def warm_torch() -> None:
-    """What every worker imports first, before the spare knows its script: torch, torch.distributed and the
-    parts of torch that common calls load on first use."""
+    """What every worker imports first, before the spare knows its script: torch, torch.distributed, and the parts
+    of torch that common calls load on first use (a torch.optim optimizer's constructor loads dynamo and inductor's
+    config: 1.1-1.3 s of CPU here)."""
     import importlib
 
     import torch  # noqa: F401
@@ -217,19 +249,23 @@ def warm_torch() -> None:
             log.debug("spare: pre-importing %s failed (%s)", name, exc)
 
 
+def _script_path(target: Target) -> str:
+    """sys.path[0] as `python script.py` (the script's directory) or `python -m module` (the cwd) sets it."""
+    return os.path.dirname(os.path.abspath(target.name)) if target.kind == "path" else os.getcwd()
+
+
 def warm(target: Target) -> None:
-    """The rest of the warm-up, off the critical path: the script's top-level imports (best effort: a module that
-    fails here is imported again by the script, which then shows the error), and the CUDA context where the agent
-    named the device."""
+    """The rest of a spare's warm-up, off the critical path: the script's top-level imports (best effort: a module
+    that fails here is imported again by the script, which then shows the error), and the CUDA context where the
+    agent named the device."""
     import importlib
 
     import torch
 
+    sys.path[0] = _script_path(target)
     if target.kind == "path":
-        sys.path[0] = os.path.dirname(os.path.abspath(target.name))  # as `python script.py` sets it
         modules = _top_level_imports(target.name)
     else:
-        sys.path[0] = os.getcwd()  # as `python -m module` sets it
         modules = [target.name.rpartition(".")[0]] if "." in target.name else []
     for name in modules:
         try:
@@ -286,10 +322,37 @@ def _redirect(fd: int, path: str | None) -> None:
     os.close(target)
 
 
-def become(order: dict[str, Any]) -> None:
-    """Turn this process into the worker the order describes and run its script as `__main__`."""
+# This package's top-level names: a script's own package of the same name (a `core/` beside it) must win over
+# the one this process imported for itself, as it would in `python script.py`.
+_OURS = ("core", "elastic", "ckpt", "trainer", "chaos")
+
+
+def _origin(module: Any) -> list[str]:
+    return [os.path.realpath(p) for p in (getattr(module, "__path__", None) or [getattr(module, "__file__", "")])]
+
+
+def _unshadow() -> None:
+    """Forget this package's modules where the worker's sys.path finds another module of that name first."""
+    from importlib.machinery import PathFinder
+
+    for name in _OURS:
+        module = sys.modules.get(name)
+        spec = PathFinder.find_spec(name, sys.path) if module is not None else None
+        if spec is None:
+            continue  # not ours loaded, or nothing of that name on the script's path: nothing to shadow
+        found = [os.path.realpath(p) for p in (spec.submodule_search_locations or [spec.origin or ""])]
+        if found != _origin(module):
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
+
+
+def become(order: dict[str, Any], set_by_imports: dict[str, str]) -> None:
+    """Turn this process into the worker the order describes and run its script as `__main__`. Its environment
+    is the order's, plus what the warm-up's imports of the script's modules set (as they would have in the
+    script's own process)."""
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in order["env"].items()})
+    os.environ.update(set_by_imports)
     sys.stdout.flush()
     sys.stderr.flush()
     _redirect(1, order.get("stdout"))
@@ -297,28 +360,30 @@ def become(order: dict[str, Any]) -> None:
     target = Target.parse(order["args"])
     if target is None:
         raise ValueError(f"spare: cannot run the worker command line {order['args']!r}")
+    sys.path[0] = _script_path(target)
+    _unshadow()
+    sys.argv = [target.name, *target.argv]
     if target.kind == "path":
-        sys.argv = [target.name, *target.argv]
         runpy.run_path(target.name, run_name="__main__")
     else:
-        sys.argv = [target.name, *target.argv]
         runpy.run_module(target.name, run_name="__main__", alter_sys=True)
 
 
-def _read_message() -> dict[str, Any] | None:
-    line = sys.stdin.readline()
-    return json.loads(line) if line else None  # None: dismissed, or the agent is gone
-
-
 def main(argv: Sequence[str]) -> int:
-    """Two messages on stdin, one JSON line each: `prepare` (the worker's interpreter arguments and the environment
-    to warm up in), then the order (`become`). End-of-file before either: exit quietly."""
-    if argv:
-        sys.stderr.write(f"elastic.spare: takes no arguments (the agent sends them on stdin), got {list(argv)!r}\n")
-        return 2
+    """Two messages on the control pipe, one JSON line each: `prepare` (the worker's interpreter arguments, the
+    environment, whether to warm up), then the order (`become`). End-of-file before either: exit quietly."""
+    parser = argparse.ArgumentParser(prog="python -m elastic.spare")
+    parser.add_argument("--control-fd", type=int, required=True, help="the agent's pipe (Spare.spawn)")
+    args = parser.parse_args(argv)
+    control = os.fdopen(args.control_fd, "rb")
+
+    def message() -> dict[str, Any] | None:
+        line = control.readline()
+        return json.loads(line) if line else None  # None: dismissed, or the agent is gone
+
     started = time.monotonic()
     warm_torch()
-    prepare = _read_message()
+    prepare = message()
     if prepare is None:
         return 0
     target = Target.parse(prepare["args"])
@@ -327,18 +392,24 @@ def main(argv: Sequence[str]) -> int:
         return 2
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in prepare["env"].items()})
-    warm(target)
-    from core.events import emit
+    if prepare.get("warm", True):
+        before = dict(os.environ)
+        warm(target)
+        set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
+        from core.events import emit
 
-    emit("spare_ready", warm_s=round(time.monotonic() - started, 3))  # for people and benchmarks: it is warm now
+        emit("spare_ready", warm_s=round(time.monotonic() - started, 3))  # for people and benchmarks: it is warm
+    else:
+        set_by_imports = {}
     if directory := os.environ.get(ENV_PROGRESS_DIR):
         with open(os.path.join(directory, f"spare_ready_{os.getpid()}"), "w"):
             pass  # for the agent (Spare.warm)
-    order = _read_message()
+    order = message()
+    control.close()  # not the worker's
     if order is None:
         return 0
     try:
-        become(order)
+        become(order, set_by_imports)
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)

@@ -202,8 +202,8 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_others_re_form_in_p
     assert not [pid for pid in every_spare if pid_alive(pid)], "a spare outlived its agent"
     # The first workers are the interpreters each launcher started before its own imports (elastic/prestart.py).
     for j in jobs:
-        ahead = {e["pid"] for e in j.events("spare_ready")} - {e["pid"] for e in j.events("spare_started")}
-        assert {e["pid"] for e in j.events("worker_started", restart=0)} == ahead, (j.nproc, ahead)
+        [ahead] = j.events("workers_prestarted")
+        assert {e["pid"] for e in j.events("worker_started", restart=0)} == set(ahead["pids"]), (j.nproc, ahead)
 
 
 @pytest.mark.timeout(180)

@@ -8,6 +8,7 @@ its exit status is the script's. The command-line forms a spare can and cannot r
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -21,9 +22,13 @@ pytestmark = pytest.mark.integration
 SCRIPT = '''
 import json, os, sys
 import helper_module_of_the_script  # found beside the script, as `python script.py` would find it
+from core import model_of_the_script  # the script's own `core` package, not the framework's of that name
+stdin = os.fstat(0)
 print("out:" + json.dumps({"argv": sys.argv[1:], "rank": os.environ.get("RANK"),
                            "warm_only": os.environ.get("ONLY_WHILE_WARMING"), "name": __name__,
-                           "helper_preloaded": helper_module_of_the_script.LOADED_BEFORE_ORDER}))
+                           "helper_preloaded": helper_module_of_the_script.LOADED_BEFORE_ORDER,
+                           "set_by_helper": os.environ.get("SET_BY_HELPER"), "own_core": model_of_the_script.OWN,
+                           "stdin": [stdin.st_dev, stdin.st_ino]}))
 print("err line", file=sys.stderr)
 sys.exit(int(sys.argv[-1]))
 '''
@@ -31,25 +36,30 @@ sys.exit(int(sys.argv[-1]))
 HELPER = '''
 import os
 LOADED_BEFORE_ORDER = os.environ.get("RANK") is None
+os.environ["SET_BY_HELPER"] = "yes"  # a module that sets what the script's process then runs with
 '''
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ahead", [False, True], ids=["started", "spawned-then-prepared"])
-def test_a_spare_runs_the_order_it_is_given(tmp_path: Path, ahead: bool) -> None:
-    """`ahead`: spawned before the command line is known (the launcher's elastic/prestart.py), prepared later."""
+@pytest.mark.parametrize("how", ["started", "spawned-then-prepared", "prepared-without-warm-up"])
+def test_a_spare_runs_the_order_it_is_given(tmp_path: Path, how: str) -> None:
+    """started: a warm spare; spawned-then-prepared: spawned before the command line is known (the launcher's
+    elastic/prestart.py), prepared later; prepared-without-warm-up: a job's first worker, nothing imported ahead."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     (tmp_path / "helper_module_of_the_script.py").write_text(HELPER)
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "__init__.py").write_text("")
+    (tmp_path / "core" / "model_of_the_script.py").write_text("OWN = True\n")
     stdout, stderr = tmp_path / "stdout.log", tmp_path / "stderr.log"
     stdout.write_text("the dead worker's last line\n")
     warm_env = {**os.environ, "ONLY_WHILE_WARMING": "1"}
     warm_env.pop("RANK", None)
-    if ahead:
-        spare = Spare.spawn(sys.executable, {**warm_env, "RANK": "7"})  # what prepare's environment replaces
-        spare.prepare(["-u", str(script), "--flag"], warm_env)
-    else:
+    if how == "started":
         spare = Spare.start(sys.executable, ["-u", str(script), "--flag"], warm_env)
+    else:
+        spare = Spare.spawn(sys.executable, {**warm_env, "RANK": "7"})  # what prepare's environment replaces
+        spare.prepare(["-u", str(script), "--flag"], warm_env, warm=how == "spawned-then-prepared")
     order_env = {k: v for k, v in warm_env.items() if k != "ONLY_WHILE_WARMING"} | {"RANK": "5"}
     spare.take(local_rank=1, interpreter_args=["-u", str(script), "--flag", "3"], env=order_env,
                stdout=str(stdout), stderr=str(stderr))
@@ -57,9 +67,11 @@ def test_a_spare_runs_the_order_it_is_given(tmp_path: Path, ahead: bool) -> None
 
     lines = stdout.read_text().splitlines()
     assert lines[0] == "the dead worker's last line"  # appended, like the rank's log file
-    out = next(line for line in lines if line.startswith("out:"))
-    assert out == ('out:{"argv": ["--flag", "3"], "rank": "5", "warm_only": null, "name": "__main__", '
-                   '"helper_preloaded": true}')
+    out = json.loads(next(line for line in lines if line.startswith("out:"))[4:])
+    ours = os.fstat(0)
+    assert out == {"argv": ["--flag", "3"], "rank": "5", "warm_only": None, "name": "__main__",
+                   "helper_preloaded": how != "prepared-without-warm-up", "set_by_helper": "yes", "own_core": True,
+                   "stdin": [ours.st_dev, ours.st_ino]}  # the launcher's stdin, as torch's workers have
     assert "err line" in stderr.read_text()
 
 
