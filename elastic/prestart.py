@@ -109,10 +109,3 @@ def dismiss() -> None:
     """End the interpreters nobody took (a launcher that failed or exited before its agent started workers)."""
     take(-1)
 
-
-def cli() -> int:
-    """The `elastic-run` console script: the workers' interpreters first, then the launcher (which imports torch)."""
-    begin(sys.argv[1:])
-    from elastic.launcher import cli as launcher_cli
-
-    return launcher_cli()
