@@ -20,6 +20,9 @@ class Attempt:
     steps: list[Step] = field(default_factory=list)
     in_place: bool = False
     """Re-formed in place: resumed from memory, at any step."""
+    opened_by_resume: bool = False
+    """Begun at rank 0's `resumed`, not at a worker start (rank 0 re-formed in place says `resumed`, then
+    `reformed`: one attempt)."""
 
 
 def attempts(events: list[Event]) -> list[Attempt]:
@@ -42,12 +45,15 @@ def attempts(events: list[Event]) -> list[Attempt]:
 
     for e in events:
         if isinstance(e, WorkerStart) and e.rank == 0:
-            end_attempt()
-            out.append(Attempt(e.t, e.world))
+            if out and not out[-1].steps and out[-1].opened_by_resume:
+                out[-1].world = e.world  # the `reformed` that follows the `resumed` of one in-place re-formation
+            else:
+                end_attempt()
+                out.append(Attempt(e.t, e.world))
         elif isinstance(e, Resumed):
             if not out or out[-1].steps:
                 end_attempt()
-                out.append(Attempt(e.t, out[-1].world if out else None))
+                out.append(Attempt(e.t, out[-1].world if out else None, opened_by_resume=True))
             out[-1].resumed_from = e.step
             out[-1].in_place = e.in_place
         elif isinstance(e, PeerStep):

@@ -380,6 +380,36 @@ def test_a_rank_killed_inside_a_step_its_peers_completed_counts_with_the_samples
     assert problems == ["step 12: sample records of ranks [0], expected 0..1"]
 
 
+def test_a_replacement_that_started_before_its_peer_re_formed_in_place_counts_in_that_attempt() -> None:
+    # Rank 1 (pid 101) is killed after step 10; its replacement (pid 300) starts, then rank 0 (pid 100), kept,
+    # re-forms in place: it says `resumed` (its restore), then `reformed`, a millisecond apart. Both are one
+    # attempt; the replacement, which started before either, consumed rank 1's part of steps 9-15.
+    log = Log().start().steps(1, 10)
+    log.worker(1, 2, pid=300, restart=1)
+    log.emit("resumed", "node0", dt=0.04, rank=0, step=8, pid=100)
+    log.emit("reformed", "node0", dt=0.001, rank=0, world=2, step=8, pid=100)
+    log.steps(9, 15)
+    runs = ln.attempts(log.events)
+    assert [(a.resumed_from, a.in_place, [s.step for s in a.steps][:1]) for a in runs] == [(0, False, [1]),
+                                                                                         (8, True, [9])]
+    from trainer.data import ElasticSampler
+
+    sampler = ElasticSampler(DATA, rank=0, world_size=1)
+    records = []
+    for step in range(1, 16):
+        ids = sampler.global_indices()
+        half = len(ids) // 2
+        pids = (100, 101) if step <= 10 else (100, 300)
+        if step in (9, 10):  # run twice: by the first workers, then again after the resume from 8
+            records += [smp.SampleRecord(pid, step, rank, tuple(ids[rank * half:(rank + 1) * half]))
+                        for rank, pid in enumerate((100, 300))]
+        records += [smp.SampleRecord(pid, step, rank, tuple(ids[rank * half:(rank + 1) * half]))
+                    for rank, pid in enumerate(pids)]
+        sampler.advance()
+    consumed, problems = smp.consumed_by_step(log.events, runs, ln.lineage(runs, 5), records)
+    assert problems == [] and sorted(consumed) == list(range(1, 16))
+
+
 def _job(log: Log):  # type: ignore[no-untyped-def]
     from chaos.judge import JobResult
 
