@@ -441,6 +441,8 @@ class ElasticAgent(LocalElasticAgent):
         early = prestart.take(spec.local_world_size if usable else -1)
         joins = getattr(self._round_info, "joins_a_running_round", None)
         joining = bool(usable and joins is not None and joins())
+        if not early and not joining:
+            return
         env, args = self._spare_env(), [str(a) for a in spec.args]
         try:
             for spare in early:
@@ -453,10 +455,10 @@ class ElasticAgent(LocalElasticAgent):
             self._prestarted = dict(enumerate(early))
         elif joining:
             self._prestarted = {lr: Spare.start(str(spec.entrypoint), args, env) for lr in range(spec.local_world_size)}
-        if not joining:
-            if early:
+        if not joining:  # a job's start: its rendezvous waits for the other nodes meanwhile
+            if early:  # else one died before prepare: the usual processes
                 emit("workers_prestarted", pids=[s.pid for s in early])
-            return  # a job's start: its rendezvous waits for the other nodes meanwhile
+            return
         deadline = Deadline.after(_JOINER_WARM_TIMEOUT)
         while not all(s.warm() or not s.alive() for s in self._prestarted.values()) and not deadline.expired():
             time.sleep(0.05)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from core import procfs
 from elastic import launcher
 from elastic.etcd_client import EtcdClient
 from elastic.etcd_server import EtcdServer, free_port
@@ -224,16 +225,7 @@ MARK = "ELASTIC_TEST_LAUNCHER_MARK"
 
 def processes_with(name: str, value: str) -> list[int]:
     """The live processes whose environment has name=value (a run's own children carry its marker)."""
-    needle = f"{name}={value}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-            except OSError:
-                pass  # gone, or not ours
-    return found
+    return [pid for pid in procfs.pids() if procfs.environ(pid).get(name) == value]
 
 
 @pytest.mark.timeout(90)
