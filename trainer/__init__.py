@@ -8,6 +8,13 @@ accumulation), `training_digest` / `state_digest`, `Topology`, `wrap_ddp` (DDP w
 gradient-bucket layout, for bitwise resume at any world size), and the errors.
 """
 
+# Dynamo first, before the caller creates a process group: imported afterwards (every torch.optim
+# constructor imports it), it keeps the default group alive past destroy_process_group (torch 2.13),
+# so gloo's worker threads outlive it, and one freeing a collective's tensors while the interpreter
+# shuts down aborts the process (SIGABRT at exit, after a finished run). It costs no time: the
+# optimizer would import it anyway.
+import torch._dynamo  # noqa: F401  (import order: see above)
+
 from trainer.config import ResumeConfig
 from trainer.data import DataConfig, ElasticSampler
 from trainer.ddp import wrap_ddp
