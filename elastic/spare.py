@@ -35,18 +35,21 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
+import io
 import json
 import logging
 import os
 import runpy
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from core import premap
 from core.tier0_dir import ENV as TIER0_ENV
@@ -128,6 +131,22 @@ class Spare:
         return Spare(proc, os.fdopen(write_end, "wb"))
 
     @staticmethod
+    def fork(env: dict[str, str], *, siblings: Sequence[Spare] = ()) -> Spare:
+        """A spare forked from this process once it has imported torch: it skips the interpreter start and the torch
+        import a spawned one pays (1.2-1.5 s of CPU here, per worker), which on a busy node is what a joining node
+        waits for. For the launcher, before it starts any thread or connection (the child is a copy of it; torch
+        imported, no operation run, so no thread pool exists yet). `siblings`: spares forked before this one, whose
+        control pipes the child must not hold open (each spare's pipe is its lifeline)."""
+        import torch  # noqa: F401 - the launcher's own import, made before the fork so its children share it
+
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            _forked_child(read_end, [write_end, *(s.control.fileno() for s in siblings)], env)
+        os.close(read_end)
+        return Spare(_ForkedProcess(pid), os.fdopen(write_end, "wb"))
+
+    @staticmethod
     def start(entrypoint: str, interpreter_args: Sequence[str], env: dict[str, str]) -> Spare:
         """Start a spare that warms up for the worker command line `entrypoint *interpreter_args`.
         `env` is the environment it starts in (the workers' without the per-round variables)."""
@@ -200,6 +219,21 @@ def stop_all(spares: Sequence[Spare], timeout_s: float = 5.0) -> None:
         spare.release()
     for spare in spares:
         spare.stop(timeout_s)
+
+
+class _ForkedProcess(subprocess.Popen[bytes]):
+    """A `Popen` for a child made by `os.fork`: torch's process context polls, signals, waits on and kills a
+    Popen. The attributes are those Popen's own poll/wait/send_signal use; nothing is started here."""
+
+    def __init__(self, pid: int) -> None:  # noqa: D107 - not Popen's __init__: the child exists already
+        self.args = ["elastic.spare", "--forked"]
+        self.pid = pid
+        self.returncode: Any = None
+        self.stdin = self.stdout = self.stderr = None
+        self._child_created = True
+        self._waitpid_lock = threading.Lock()
+        self._input = None
+        self._communication_started = False
 
 
 def _adopt(proc: subprocess.Popen[bytes], local_rank: int) -> Any:
@@ -369,13 +403,65 @@ def become(order: dict[str, Any], set_by_imports: dict[str, str]) -> None:
         runpy.run_module(target.name, run_name="__main__", alter_sys=True)
 
 
+def _set_threads_from_env() -> None:
+    """torch's intra-op threads as OMP_NUM_THREADS says (torchrun sets 1 for several workers a node): torch read the
+    variable when it loaded, before the worker's environment was known (in the launcher, for a forked spare)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
+
+
+def _forked_child(control_fd: int, close_fds: Sequence[int], env: dict[str, str]) -> NoReturn:
+    """The child side of `Spare.fork`: a session of its own (torch signals a worker's process group), stdio
+    unbuffered as `python -u` has it, then `serve`; it never returns into the launcher's code."""
+    code = 1
+    try:
+        for fd in close_fds:
+            os.close(fd)
+        os.setsid()
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            stream = getattr(sys, name)
+            unbuffered = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding,
+                                          errors=stream.errors, write_through=True)
+            setattr(sys, name, unbuffered)
+            setattr(sys, f"__{name}__", unbuffered)
+        os.environ.clear()
+        os.environ.update(env)
+        code = serve(control_fd)
+    except BaseException:  # noqa: BLE001 - reported as Python would, then the exit below
+        traceback.print_exc()
+    finally:
+        _exit_as_python_does(code)
+
+
+def _exit_as_python_does(code: int) -> NoReturn:
+    """What an interpreter does when its main module ends (wait for non-daemon threads, run atexit handlers, flush),
+    then leave without unwinding into the launcher's frames this process was forked from."""
+    try:
+        shutdown = getattr(threading, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()  # noqa: SLF001 - the worker's own handlers (a logger's flush, a tracker's finish)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
 def main(argv: Sequence[str]) -> int:
-    """Two messages on the control pipe, one JSON line each: `prepare` (the worker's interpreter arguments, the
-    environment, whether to warm up), then the order (`become`). End-of-file before either: exit quietly."""
+    """`python -m elastic.spare --control-fd N` (Spare.spawn): see `serve`."""
     parser = argparse.ArgumentParser(prog="python -m elastic.spare")
     parser.add_argument("--control-fd", type=int, required=True, help="the agent's pipe (Spare.spawn)")
     args = parser.parse_args(argv)
-    control = os.fdopen(args.control_fd, "rb")
+    return serve(args.control_fd)
+
+
+def serve(control_fd: int) -> int:
+    """Two messages on the control pipe, one JSON line each: `prepare` (the worker's interpreter arguments, the
+    environment, whether to warm up), then the order (`become`). End-of-file before either: exit quietly."""
+    control = os.fdopen(control_fd, "rb")
 
     def message() -> dict[str, Any] | None:
         line = control.readline()
@@ -392,6 +478,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in prepare["env"].items()})
+    _set_threads_from_env()
     if prepare.get("warm", True):
         before = dict(os.environ)
         warm(target)

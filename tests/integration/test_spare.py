@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -101,3 +102,53 @@ def test_a_spare_never_prepared_is_killed_at_once_and_one_dismissed_exits(tmp_pa
     prepared = Spare.start(sys.executable, ["-u", str(script)], dict(os.environ))
     prepared.stop(timeout_s=50)
     assert prepared.proc.returncode == 0  # end-of-file before the order: dismissed, the script never ran
+
+
+FORKED_SCRIPT = '''
+import atexit, json, os, sys, threading, time
+def at_exit():
+    open(os.environ["MARKS"] + "/atexit", "w").close()
+def late():
+    time.sleep(0.5)
+    open(os.environ["MARKS"] + "/thread", "w").close()
+atexit.register(at_exit)
+threading.Thread(target=late).start()  # not a daemon: the process waits for it, as at any exit
+print("out:" + json.dumps({"argv": sys.argv[1:], "rank": os.environ.get("RANK"), "name": __name__,
+                           "session_leader": os.getsid(0) == os.getpid()}))
+sys.exit(int(sys.argv[-1]))
+'''
+
+FORK_DRIVER = '''
+import json, os, sys
+from elastic.spare import Spare
+script, out, marks = sys.argv[1:]
+env = {**os.environ, "MARKS": marks}
+first = Spare.fork(env)
+second = Spare.fork(env, siblings=[first])
+first.release()  # dismissed: it reads end-of-file although `second` was forked while first's pipe was open
+first_code = first.proc.wait(timeout=60)
+second.prepare(["-u", script], env, warm=True)
+second.take(local_rank=0, interpreter_args=["-u", script, "--flag", "4"], env={**env, "RANK": "3"},
+            stdout=out, stderr=out)
+print(json.dumps({"first": first_code, "second": second.proc.wait(timeout=60)}))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_spare_forked_from_the_launcher_runs_its_order_and_exits_as_python_does(tmp_path: Path) -> None:
+    """elastic/prestart.py forks the node's first interpreters from the launcher (one torch import): a forked spare
+    is a session of its own (torch signals a worker's process group), runs the order's script as `__main__`, and
+    ends as an interpreter does (non-daemon threads joined, atexit handlers run, the script's exit status); a
+    sibling forked later does not keep an earlier one's control pipe open (a dismissed spare exits)."""
+    script, out, marks = tmp_path / "job.py", tmp_path / "worker.log", tmp_path / "marks"
+    script.write_text(FORKED_SCRIPT)
+    marks.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    driver = subprocess.run([sys.executable, "-c", FORK_DRIVER, str(script), str(out), str(marks)], env=env,
+                            cwd=str(repo), capture_output=True, text=True, timeout=100)
+    assert driver.returncode == 0, driver.stdout + driver.stderr
+    assert json.loads(driver.stdout.strip().splitlines()[-1]) == {"first": 0, "second": 4}
+    line = next(x for x in out.read_text().splitlines() if x.startswith("out:"))
+    assert json.loads(line[4:]) == {"argv": ["--flag", "4"], "rank": "3", "name": "__main__", "session_leader": True}
+    assert (marks / "atexit").exists() and (marks / "thread").exists()
