@@ -36,6 +36,8 @@ _MAX_WORKERS = 64
 _BACKEND = "etcd-v3"
 
 _spares: list[Spare] = []
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_spares.clear)  # a forked worker holds none of its siblings
 
 ENV_SPAWN = "ELASTIC_PRESTART_SPAWN"
 """`1`: spawn fresh interpreters (each imports torch, beside the launcher's import) instead of forking them from
@@ -93,9 +95,11 @@ def begin(argv: Sequence[str]) -> None:
     count = planned_workers(argv)
     if count == 0 or _spares:
         return
-    env = dict(os.environ)
     if count > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for its workers (read when torch loads)
+        # What torchrun sets for several workers a node (its launcher too, a moment later): here, before torch and
+        # numpy load in this process, since forked workers keep the thread settings they loaded with.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    env = dict(os.environ)
     try:
         for _ in range(count):
             _spares.append(Spare.spawn(sys.executable, env) if os.environ.get(ENV_SPAWN) == "1"

@@ -45,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,15 +133,23 @@ class Spare:
     def fork(env: dict[str, str], *, siblings: Sequence[Spare] = ()) -> Spare:
         """A spare forked from this process once it has imported torch: it skips the interpreter start and the torch
         import a spawned one pays (1.2-1.5 s of CPU here, per worker), which on a busy node is what a joining node
-        waits for. For the launcher, before it starts any thread or connection (the child is a copy of it; torch
-        imported, no operation run, so no thread pool exists yet). `siblings`: spares forked before this one, whose
+        waits for. For the launcher, before it starts any thread or connection of its own: the child is a copy of it
+        (torch imported, no operation run, so no intra-op thread pool yet; numpy's OpenBLAS thread, started by the
+        import, is stopped and restarted around a fork by OpenBLAS itself). Set the environment torch and numpy read
+        when they load (OMP_NUM_THREADS) before the first call. `siblings`: spares forked before this one, whose
         control pipes the child must not hold open (each spare's pipe is its lifeline)."""
         import torch  # noqa: F401 - the launcher's own import, made before the fork so its children share it
 
+        sys.stdout.flush()  # else what the launcher left buffered is written again by each child
+        sys.stderr.flush()
+        pipes = [s.control for s in siblings]
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
-            _forked_child(read_end, [write_end, *(s.control.fileno() for s in siblings)], env)
+            try:
+                _forked_child(read_end, write_end, pipes, env)
+            finally:
+                os._exit(1)  # never back into the launcher's frames
         os.close(read_end)
         return Spare(_ForkedProcess(pid), os.fdopen(write_end, "wb"))
 
@@ -208,8 +215,11 @@ class Spare:
             pass
         try:
             os.killpg(self.proc.pid, 9)
-        except ProcessLookupError:
-            pass
+        except ProcessLookupError:  # a forked one not yet in its own session (it calls setsid first thing)
+            try:
+                os.kill(self.proc.pid, 9)
+            except ProcessLookupError:
+                pass
         self.proc.wait(5.0)
 
 
@@ -413,32 +423,38 @@ def _set_threads_from_env() -> None:
         torch.set_num_threads(int(value))
 
 
-def _forked_child(control_fd: int, close_fds: Sequence[int], env: dict[str, str]) -> NoReturn:
-    """The child side of `Spare.fork`: a session of its own (torch signals a worker's process group), stdio
-    unbuffered as `python -u` has it, then `serve`; it never returns into the launcher's code."""
+def _forked_child(control_fd: int, write_end: int, pipes: Sequence[IO[bytes]], env: dict[str, str]) -> NoReturn:
+    """The child side of `Spare.fork`: its siblings' pipes closed, a session of its own (torch signals a worker's
+    process group), stdio unbuffered as `python -u` has it, then `serve`; it never returns into the launcher's code."""
     code = 1
     try:
-        for fd in close_fds:
-            os.close(fd)
+        os.close(write_end)
+        for pipe in pipes:
+            pipe.close()  # nothing buffered in them yet: closes this copy's descriptor
         os.setsid()
         for name, fd in (("stdout", 1), ("stderr", 2)):
             stream = getattr(sys, name)
-            unbuffered = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding,
-                                          errors=stream.errors, write_through=True)
+            raw = io.FileIO(fd, "w", closefd=False)
+            raw.name = f"<{name}>"  # as Python names its standard streams
+            unbuffered = io.TextIOWrapper(raw, encoding=stream.encoding, errors=stream.errors, write_through=True)
+            unbuffered.mode = "w"  # type: ignore[misc]
             setattr(sys, name, unbuffered)
             setattr(sys, f"__{name}__", unbuffered)
         os.environ.clear()
         os.environ.update(env)
         code = serve(control_fd)
     except BaseException:  # noqa: BLE001 - reported as Python would, then the exit below
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
     finally:
         _exit_as_python_does(code)
 
 
 def _exit_as_python_does(code: int) -> NoReturn:
     """What an interpreter does when its main module ends (wait for non-daemon threads, run atexit handlers, flush),
-    then leave without unwinding into the launcher's frames this process was forked from."""
+    then leave without unwinding into the launcher's frames this process was forked from. Unlike a spawned worker's
+    exit, the interpreter's finalization does not run: objects' finalizers at shutdown, C-level exit handlers and
+    C++ static destructors (a native profiler that writes its file from one: use a spawned worker,
+    ELASTIC_PRESTART_SPAWN=1)."""
     try:
         shutdown = getattr(threading, "_shutdown", None)
         if shutdown is not None:
@@ -499,9 +515,12 @@ def serve(control_fd: int) -> int:
         become(order, set_by_imports)
     except SystemExit as exc:
         code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+        return 1
     except BaseException:  # noqa: BLE001 - the worker's uncaught error, reported as Python would
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
         return 1
     return 0
 

@@ -113,8 +113,9 @@ def late():
     open(os.environ["MARKS"] + "/thread", "w").close()
 atexit.register(at_exit)
 threading.Thread(target=late).start()  # not a daemon: the process waits for it, as at any exit
+import torch
 print("out:" + json.dumps({"argv": sys.argv[1:], "rank": os.environ.get("RANK"), "name": __name__,
-                           "session_leader": os.getsid(0) == os.getpid()}))
+                           "session_leader": os.getsid(0) == os.getpid(), "threads": torch.get_num_threads()}))
 sys.exit(int(sys.argv[-1]))
 '''
 
@@ -125,12 +126,16 @@ script, out, marks = sys.argv[1:]
 env = {**os.environ, "MARKS": marks}
 first = Spare.fork(env)
 second = Spare.fork(env, siblings=[first])
-first.release()  # dismissed: it reads end-of-file although `second` was forked while first's pipe was open
+third = Spare.fork(env, siblings=[first, second])
+third.stop()  # never prepared: killed at once (perhaps before it has a session of its own)
+first.release()  # dismissed: it reads end-of-file although two were forked while first's pipe was open
 first_code = first.proc.wait(timeout=60)
+env["OMP_NUM_THREADS"] = "1"  # torchrun's for several workers a node; torch loaded in the driver without it
 second.prepare(["-u", script], env, warm=True)
 second.take(local_rank=0, interpreter_args=["-u", script, "--flag", "4"], env={**env, "RANK": "3"},
             stdout=out, stderr=out)
-print(json.dumps({"first": first_code, "second": second.proc.wait(timeout=60)}))
+print("driver:" + json.dumps({"first": first_code, "second": second.proc.wait(timeout=60),
+                             "third": third.proc.returncode}))
 '''
 
 
@@ -148,7 +153,10 @@ def test_a_spare_forked_from_the_launcher_runs_its_order_and_exits_as_python_doe
     driver = subprocess.run([sys.executable, "-c", FORK_DRIVER, str(script), str(out), str(marks)], env=env,
                             cwd=str(repo), capture_output=True, text=True, timeout=100)
     assert driver.returncode == 0, driver.stdout + driver.stderr
-    assert json.loads(driver.stdout.strip().splitlines()[-1]) == {"first": 0, "second": 4}
+    reports = [x for x in driver.stdout.splitlines() if x.startswith("driver:")]
+    assert len(reports) == 1, driver.stdout  # only the driver: no child came back into the code it was forked from
+    assert json.loads(reports[0][7:]) == {"first": 0, "second": 4, "third": -9}
     line = next(x for x in out.read_text().splitlines() if x.startswith("out:"))
-    assert json.loads(line[4:]) == {"argv": ["--flag", "4"], "rank": "3", "name": "__main__", "session_leader": True}
+    assert json.loads(line[4:]) == {"argv": ["--flag", "4"], "rank": "3", "name": "__main__", "session_leader": True,
+                                     "threads": 1}
     assert (marks / "atexit").exists() and (marks / "thread").exists()
