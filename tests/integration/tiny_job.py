@@ -35,13 +35,20 @@ class TinyJob:
         # Read the output as it comes: a test that runs several jobs and waits for one after another must not
         # leave the others blocked on a full pipe (their agents and workers then stop in a log write).
         self._lines: list[str] = []
+        self.log = work / "output.log"
+        """The job's whole output, also kept on disk for a failed run's post-mortem (pytest keeps the last runs'
+        tmp directories): the agents' and workers' lines, a stuck worker's stacks (elastic/worker.py)."""
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.append(line)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a", encoding="utf-8") as log:
+            for line in self.proc.stdout:
+                self._lines.append(line)
+                log.write(line)
+                log.flush()
 
     @property
     def out(self) -> str:
