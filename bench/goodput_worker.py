@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
                               "world": world, "tier0_dir_env": os.environ.get("ELASTIC_TIER0_DIR"),
                               "machine": machine(device)}
 
+    trace = StepTrace.from_env(args, restart, device)
+
     def train_step(step: int, micro_batches: list[torch.Tensor]) -> None:
         optimizer.zero_grad(set_to_none=True)
         batches = run.accumulate(micro_batches) if run is not None else accumulate(
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         scheduler.step()
         loss_sum.item()  # train_gpt.py's --log-every 1: a device sync per step
         timings.step_ended(step + 1)
+        trace.step()
 
     ckpt_dir = Path(args.ckpt_dir)
     if args.variant == "ours":
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             saver.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    trace.close()
     result.update(
         end_step=end,
         steps=timings.steps,
@@ -277,6 +281,61 @@ class StepDoneProfile:
         for order in ("cumulative", "tottime"):
             pstats.Stats(self.profiler, stream=out).sort_stats(order).print_stats(45)
         self.path.write_text(out.getvalue())
+
+
+class StepTrace:
+    """$GOODPUT_TRACE=<dir>: torch.profiler (CPU, and CUDA on a GPU) over $GOODPUT_TRACE_STEPS (default 10) steps
+    from step $GOODPUT_PROFILE_FROM (default 12) on, every variant alike: where a step's device time goes with and
+    without tier 0 (issue J: the every-step snapshot's ~1% a step). Writes <dir>/<name>.txt (key averages by own
+    device time and by own CPU time, and each traced step's length) and <dir>/<name>.trace.json (Chrome trace).
+    Like StepDoneProfile it slows what it traces: compare traced runs with each other, not with untraced ones."""
+
+    def __init__(self, path: Path | None, first: int, count: int, device: torch.device) -> None:
+        self.path, self.device = path, device
+        self.profiler: Any = None
+        if path is None:
+            return
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.profiler = profile(activities=activities, on_trace_ready=self._write,
+                                schedule=schedule(wait=max(first - 1, 0), warmup=1, active=count, repeat=1))
+        self.profiler.start()
+
+    @staticmethod
+    def from_env(args: Any, restart: int, device: torch.device) -> StepTrace:
+        where = os.environ.get("GOODPUT_TRACE")
+        if not where:
+            return StepTrace(None, 0, 0, device)
+        name = f"{args.variant}-s{args.save_every}-p{args.persist_every}-r{restart}-{os.getpid()}"
+        return StepTrace(Path(where) / name, int(os.environ.get("GOODPUT_PROFILE_FROM", "12")),
+                         int(os.environ.get("GOODPUT_TRACE_STEPS", "10")), device)
+
+    def step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
+    def _write(self, prof: Any) -> None:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        out = io.StringIO()
+        steps = [e for e in prof.events() if e.name.startswith("ProfilerStep")]
+        out.write("traced steps (ms): " + ", ".join(f"{e.cpu_time_total / 1000:.2f}" for e in steps) + "\n\n")
+        orders = (["self_device_time_total", "self_cuda_time_total"] if self.device.type == "cuda" else []) + [
+            "self_cpu_time_total"]
+        for order in orders:
+            try:
+                out.write(f"by {order}\n{averages.table(sort_by=order, row_limit=30)}\n")
+            except (AttributeError, KeyError, ValueError) as exc:  # a torch without this column's name
+                out.write(f"by {order}: not available ({exc})\n")
+        self.path.with_suffix(".txt").write_text(out.getvalue())
+        prof.export_chrome_trace(str(self.path.with_suffix(".trace.json")))
 
 
 def save_metrics(run: Resumable) -> list[dict[str, Any]]:
