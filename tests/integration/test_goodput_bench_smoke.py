@@ -68,11 +68,8 @@ def test_goodput_bench_tiny(procs: Procs, tmp_path: Path) -> None:
         assert kill["rc"] == 0 and kill["fault_fired"], (name, kill.get("log_tail"))
         assert kill["steps_lost"] == kill_step - kill["resumed_from"] >= 0, (name, kill)
         assert kill["kill_to_first_step_s"] > 0 and kill["restore_s"] >= 0, (name, kill)
-        # tier 0 every step: the restarted worker resumes from memory. A step's snapshot is finished once the next
-        # forward is queued and published in the background, so with this smoke's millisecond steps on a loaded
-        # 2-core machine the previous step's publish may still run at the kill: 2 steps lost (a CI run saw it).
-        # The <= 1 target is the bench's, on real steps (one H200: 1 step lost); test_kill_resume checks it on CPU.
-        assert kill["restored_tier"] == "memory" and kill["steps_lost"] <= 2, (name, kill)
+        # tier 0 every step: the restarted worker resumes from memory
+        assert kill["restored_tier"] == "memory" and kill["steps_lost"] <= 1, (name, kill)
     assert set(result["kills"]) == TIER0
     assert not list(tmp_path.glob("goodput-bench-*")), "the bench leaves its checkpoints behind"
     assert _tier0_dirs() <= before, "the bench leaves its tier-0 directories in /dev/shm"
