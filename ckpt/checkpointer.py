@@ -266,6 +266,13 @@ class Checkpointer:
         _check_index("step", step, minimum=0)
         return self._writer.save_async(step, state, persist=False, at=at)
 
+    def wait_snapshot(self, timeout: timedelta | None = None) -> bool:
+        """Block until the newest tier-0 snapshot is in tier 0 (checksummed and published, or given up);
+        False at the deadline (default `busy_timeout`). A loop that calls it before each snapshot never has
+        two unpublished ones: a kill at any moment loses at most the step whose snapshot is in flight."""
+        wait = self.config.busy_timeout if timeout is None else timeout
+        return self._writer.tier0_thread.wait_idle(wait.total_seconds())
+
     def save(self, step: int, state: Mapping[str, Any], timeout: timedelta = timedelta(minutes=10)) -> Path:
         """`save_async(step, state).wait_persisted()`, after waiting for the save in flight;
         return this rank's directory of `step`. Raises what those raise, and

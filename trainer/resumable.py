@@ -559,6 +559,7 @@ class Resumable:
             if self._checkpoint(step, persist=True, rng_state=self._boundary_rng):
                 self._saved_step = step
         elif self.checkpointer.has_tier0 and (due or step % self.config.snapshot_every == 0):
+            self._previous_snapshot_published(step)
             if self._deferred is not None:  # its rest once the next forward is queued (trainer/deferred.py)
                 self._emit_digest(step, "save")
                 self._deferred.defer(step, self._boundary(self._boundary_rng), self.checkpointer.mark())
@@ -566,6 +567,17 @@ class Resumable:
                 self._checkpoint(step, persist=False, rng_state=self._boundary_rng)
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
+
+    def _previous_snapshot_published(self, step: int) -> None:
+        """Wait until the snapshot before `step`'s is in tier 0, so that a kill from here to the next
+        snapshot's publication loses `step` at most. A deferred one was launched in this step's forward (its
+        copies overlap the step); one still checksumming after a step means the node cannot keep up with a
+        snapshot every step, and the loop runs at the checksum's pace rather than lose two steps to a kill."""
+        if self._deferred is not None:
+            self._deferred.flush()  # launched by now unless the step ran no forward (or a compiled one)
+        if not self.checkpointer.wait_snapshot():
+            log.warning("the tier-0 snapshot before step %d was still being checksummed after busy_timeout; "
+                        "step %d's snapshot is skipped", step, step)
 
     # -- save ------------------------------------------------------------------------------------
 
