@@ -17,7 +17,8 @@ Only where nothing but the optimizer's step changes the saved tensors between tw
 buffers (BatchNorm's running statistics change in forward), an optimizer to hook, "overlapped" mode (the
 optimizer already waits for the copies), replicated state. Elsewhere snapshots are taken at the boundary.
 A worker killed between a step's end and the next forward's has the snapshot of the step before: one step
-lost, as when a kill beats a snapshot's checksum.
+lost. For that, `Resumable.step_done(k)` waits until the snapshot of k-1 (launched in step k's forward) is
+published before it defers k's: without the wait, a checksum slower than a step (the CPU under load) lost two.
 """
 
 from __future__ import annotations
