@@ -99,3 +99,54 @@ def test_cuda_snapshot_sees_queued_work_and_not_later_mutation() -> None:
     w.add_(1.0)  # after a staged save: must not reach the snapshot
     assert torch.equal(snapshot.tensors()["w"], torch.ones(1 << 22))
     area.release()
+
+
+def test_copies_gathered_through_a_bounce_buffer_land_exactly_and_nowhere_else() -> None:
+    # A device's snapshot copies go through a small bounce buffer (ckpt/snapshot.py, _gather_pieces): runs of
+    # slots adjacent in the host buffer, split at the bounce buffer's size, one copy per dtype into it and one
+    # out. Here on CPU tensors (the streams aside, the same code): one "device" owns every slot but `other`,
+    # which lies between two of its runs and must keep its bytes; `big` exceeds the bounce buffer.
+    from ckpt.snapshot import _copy_piece, _gather_pieces, _slot_view  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(1)
+    source = {"a": torch.randn(7, 3, generator=g), "b": torch.randn(5, generator=g, dtype=torch.float64),
+              "c": torch.randint(0, 100, (9,), generator=g, dtype=torch.int32), "big": torch.randn(64, generator=g),
+              "h": torch.randn(6, generator=g).bfloat16(), "e": torch.zeros(0, 3), "other": torch.ones(4),
+              "t": torch.randn(4, 4, generator=g).t(), "s": torch.tensor(2.5)}
+    layout = StagingLayout.of(source)
+    buffer = torch.full((layout.data_bytes,), 0xAB, dtype=torch.uint8)
+    slots = [s for s in layout.slots if s.name != "other"]
+    pieces = _gather_pieces(slots, buffer, torch.empty(96, dtype=torch.uint8))
+    assert any(p.direct is not None for p in pieces) and sum(p.direct is None for p in pieces) >= 3
+    dsts = [_slot_view(buffer, s) for s in slots]
+    srcs = [source[s.name] for s in slots]
+    for piece in pieces:
+        _copy_piece(piece, dsts, srcs)
+    for slot in layout.slots:
+        if slot.name == "other":
+            assert bool((buffer[slot.begin:slot.end] == 0xAB).all())
+        else:
+            assert torch.equal(_slot_view(buffer, slot), source[slot.name]), slot.name
+
+
+@cuda
+def test_cuda_copies_through_a_small_bounce_buffer_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckpt.snapshot  # noqa: PLC0415
+
+    monkeypatch.setattr(ckpt.snapshot, "BOUNCE_BYTES", 4096)
+    area = StagingArea()
+    source = {k: v.cuda() for k, v in tensors().items() if k != "conj"}
+    source["big"] = torch.randn(1 << 20, device="cuda")
+    source["t"] = torch.randn(64, 32, device="cuda").t()
+    source["host"] = torch.arange(7, dtype=torch.int16)  # a CPU tensor among them
+    for _ in range(2):  # the second save reuses the plan's pieces
+        snapshot = area.stage(source, area.layout_for(source), overlapped=True)
+        snapshot.run_deferred_copies()
+        assert snapshot.wait(30.0)
+        staged = snapshot.tensors()
+        for name, tensor in source.items():
+            assert torch.equal(staged[name], tensor.cpu()), name
+        for t in source.values():
+            if t.is_cuda:
+                t.add_(1) if t.is_floating_point() else t.neg_()
+    area.release()
