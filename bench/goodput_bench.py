@@ -13,9 +13,6 @@ Variants (bench/goodput_worker.py runs each; same model, seed, data and steps):
                           written to disk by the node's helper process, ckpt/helper.py), no snapshot between
   ours_tier0_1_tier1_10   tier 0 (host shared memory) every step + tier 1 every 10 steps
   ours_tier0_1_tier1_50   tier 0 every step + tier 1 every 50 steps
-  ours_tier0_1_tier1_10_per_tensor  the same as ours_tier0_1_tier1_10 with one device-to-host copy per tensor
-                          ($ELASTIC_COPY_BOUNCE_MB=0) instead of gathering them through a 64 MiB device buffer
-                          (ckpt/snapshot.py; the way before 2026-12-03)
   ours_tier0_1_tier1_10_2slots  the same as ours_tier0_1_tier1_10 with two tier-0 slots a rank instead of the
                           default three (CheckpointConfig.tier0_slots: with two, the snapshots are skipped
                           while a tier-1 write reads a slot; the default before 2026-12-03)
@@ -92,8 +89,6 @@ class Variant:
     persists, else 2)"""
     defer: bool = True
     """ours: ResumeConfig.defer_snapshots (False: a snapshot's bookkeeping all in step_done)"""
-    env: tuple[tuple[str, str], ...] = ()
-    """extra environment of the worker (A/B runs of a library setting read from the environment)"""
 
     @property
     def tier0(self) -> bool:
@@ -108,7 +103,6 @@ VARIANTS = {
     "ours_tier0_1_tier1_50": Variant("ours", 1, 50),
     "ours_tier0_1_tier1_10_2slots": Variant("ours", 1, 10, 2),
     "ours_tier0_1_tier1_10_at_boundary": Variant("ours", 1, 10, defer=False),
-    "ours_tier0_1_tier1_10_per_tensor": Variant("ours", 1, 10, env=(("ELASTIC_COPY_BOUNCE_MB", "0"),)),
     "dcp_async_thread_10": Variant("dcp_thread", 10),
     "dcp_async_process_10": Variant("dcp_process", 10),
     "torch_save_50": Variant("torch_save", 50),
@@ -576,7 +570,7 @@ def events_dir_in_memory() -> Iterator[Path]:
 
 def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
-    env: dict[str, str | None] = {"ELASTIC_FAULTS": None, **dict(variant.env)}
+    env: dict[str, str | None] = {"ELASTIC_FAULTS": None}
     with events_dir_in_memory() as events_dir:
         env["ELASTIC_EVENTS_DIR"] = str(events_dir)
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, args.steps), env, restarts=0,
@@ -601,8 +595,7 @@ def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, varian
     faults = json.dumps([{"point": "step", "step": kill_step, "action": "sigkill"}])
     steps = kill_step + args.steps_after_kill
     with events_dir_in_memory() as events_dir:
-        env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults,
-                                      **dict(variant.env)}
+        env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults}
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, steps), env, restarts=1,
                            timeout=args.run_timeout)
         events = read_events(str(events_dir))

@@ -25,8 +25,7 @@ Modes (CheckpointConfig.mode):
 
 Memory cost, per rank:
 - Both modes: one host buffer of the rank's state bytes (1x), page-locked when any tensor is on
-  CUDA; on each CUDA device a bounce buffer of at most 64 MiB the copies are gathered through
-  (BOUNCE_BYTES, $ELASTIC_COPY_BOUNCE_MB). It is held from the first save until close(). Page-locked memory
+  CUDA; no extra device memory. It is held from the first save until close(). Page-locked memory
   cannot be swapped or reclaimed: budget local ranks x state bytes per node (8 ranks x 8 GiB is
   64 GiB of host RAM).
 - There is one buffer, not two: while a save persists the buffer is busy, and a new save waits
@@ -114,70 +113,18 @@ class _CopyPlan:
     cuda: dict[torch.device, tuple[list[torch.Tensor], list[str]]]
     cpu: tuple[list[torch.Tensor], list[str]]
     other: tuple[list[torch.Tensor], list[str]]
-    buffer: torch.Tensor
-    """The host buffer the views are of."""
-    cuda_slots: dict[torch.device, list[Slot]]
-    """The slots of `cuda[device]`'s tensors, in the same (layout) order."""
-    pieces: dict[torch.device, list[_Piece]]
-    """Per device, the gathered copies through its bounce buffer (made at the first copy that uses one)."""
 
     @staticmethod
-    def of(layout: StagingLayout, views: list[torch.Tensor], tensors: Mapping[str, torch.Tensor],
-           buffer: torch.Tensor) -> _CopyPlan:
+    def of(layout: StagingLayout, views: list[torch.Tensor], tensors: Mapping[str, torch.Tensor]) -> _CopyPlan:
         names = [s.name for s in layout.slots]
         seen = [tensors[n] for n in names]
-        plan = _CopyPlan(layout, names, [t.device for t in seen], seen, {}, ([], []), ([], []), buffer, {}, {})
-        for slot, dst, t in zip(layout.slots, views, seen, strict=True):
+        plan = _CopyPlan(layout, names, [t.device for t in seen], seen, {}, ([], []), ([], []))
+        for name, dst, t in zip(names, views, seen, strict=True):
             dsts, group = (plan.cuda.setdefault(t.device, ([], [])) if t.device.type == "cuda"
                            else plan.cpu if t.device.type == "cpu" else plan.other)
             dsts.append(dst)
-            group.append(slot.name)
-            if t.device.type == "cuda":
-                plan.cuda_slots.setdefault(t.device, []).append(slot)
+            group.append(name)
         return plan
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One device-to-host copy of a snapshot gathered through a bounce buffer: tensors whose slots are adjacent in
-    the host buffer are first copied into the bounce buffer at the same relative offsets (one multi-tensor
-    kernel per dtype), then its bytes go to the host in one copy. `direct`: the index of a tensor too big for
-    the bounce buffer, copied straight to the host."""
-
-    host: torch.Tensor | None
-    bounce: torch.Tensor | None
-    groups: list[tuple[list[torch.Tensor], list[int]]]
-    """(views of the bounce buffer of one dtype, the indices of their source tensors)."""
-    direct: int | None = None
-
-
-def _gather_pieces(slots: list[Slot], buffer: torch.Tensor, bounce: torch.Tensor) -> list[_Piece]:
-    """Split one device's slots (`slots[i]` of the i-th tensor on it, in layout order) into runs adjacent in the
-    host buffer (no other device's slot between them) and no longer than the bounce buffer. The layout packs the
-    slots without gaps, largest elements first, so every run's relative offsets keep each tensor aligned to its
-    element size."""
-    cap = bounce.numel()
-    pieces: list[_Piece] = []
-    k = 0
-    while k < len(slots):
-        start = slots[k].begin
-        if slots[k].end - start > cap:
-            pieces.append(_Piece(None, None, [], direct=k))
-            k += 1
-            continue
-        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
-        m = k
-        while m < len(slots) and slots[m].end - start <= cap and (m == k or slots[m].begin == slots[m - 1].end):
-            slot = slots[m]
-            if slot.end > slot.begin:
-                views, indices = groups.setdefault(slot.dtype, ([], []))
-                views.append(bounce[slot.begin - start:slot.end - start].view(slot.dtype).view(slot.shape))
-                indices.append(m)
-            m += 1
-        span = slots[m - 1].end - start
-        pieces.append(_Piece(buffer[start:start + span], bounce[:span], list(groups.values())))
-        k = m
-    return pieces
 
 
 StateMark = dict[torch.device, torch.cuda.Event]
@@ -187,12 +134,6 @@ StateMark = dict[torch.device, torch.cuda.Event]
 LAUNCH_BATCH = int(os.environ.get("ELASTIC_COPY_BATCH", "32")) or None
 """Tensors per copy call when a background thread launches a snapshot's copies (DeviceCopies.issue);
 $ELASTIC_COPY_BATCH overrides it (0: all in one call, as before; for benchmarks)."""
-
-BOUNCE_BYTES = int(float(os.environ.get("ELASTIC_COPY_BOUNCE_MB", "64")) * (1 << 20))
-"""Device memory per device through which a snapshot's device-to-host copies go (at most the state's size): a
-few tens of gather kernels and host copies instead of one host copy per tensor (~600 for a GPT and its AdamW
-state, ~10 us of driver time each, launched beside the training thread's kernels). $ELASTIC_COPY_BOUNCE_MB
-overrides it (0: one host copy per tensor, as before 2026-12-03; for benchmarks)."""
 
 
 @dataclass
@@ -204,8 +145,6 @@ class DeviceCopies:
     after: torch.cuda.Event
     dsts: list[torch.Tensor]
     srcs: list[torch.Tensor]
-    pieces: list[_Piece] | None = None
-    """The copies gathered through a bounce buffer (None: one host copy per tensor)."""
 
     def issue(self, *, batch: int | None = None) -> torch.cuda.Event:
         """Launch the copies and return the event that marks them done.
@@ -217,11 +156,6 @@ class DeviceCopies:
         step = batch or len(self.srcs) or 1
         with torch.cuda.device(self.stream.device), torch.cuda.stream(self.stream):
             self.stream.wait_event(self.after)
-            if self.pieces is not None:
-                self._gathered(self.pieces)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                return done
             for start in range(0, len(self.srcs), step):
                 if start:
                     time.sleep(0)  # lets the training thread take the GIL
@@ -229,25 +163,6 @@ class DeviceCopies:
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
-
-    def _gathered(self, pieces: list[_Piece]) -> None:
-        """Each piece: its tensors into the bounce buffer, then the bounce buffer's bytes to the host. All on the
-        side stream, so a piece's gather starts once the previous piece's host copy has read the bounce buffer."""
-        for n, piece in enumerate(pieces):
-            if n:
-                time.sleep(0)  # lets the training thread take the GIL
-            _copy_piece(piece, self.dsts, self.srcs)
-
-
-def _copy_piece(piece: _Piece, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """Copy one piece's tensors of `srcs` to their host views (`dsts`) through the bounce buffer, or directly."""
-    if piece.direct is not None:
-        dsts[piece.direct].copy_(srcs[piece.direct], non_blocking=True)
-        return
-    for views, indices in piece.groups:
-        torch._foreach_copy_(views, [srcs[i] for i in indices])
-    assert piece.host is not None and piece.bounce is not None
-    piece.host.copy_(piece.bounce, non_blocking=True)
 
 
 class HostSnapshot:
@@ -367,8 +282,6 @@ class StagingArea:
         self._registered = False
         self._pinned = False
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._bounces: dict[torch.device, torch.Tensor] = {}
-        """Per device, the device memory a snapshot's copies are gathered in (BOUNCE_BYTES; DeviceCopies)."""
         self._layout: StagingLayout | None = None
         self._seen: dict[str, torch.Tensor] = {}
         """The tensors the last layout_for() call was given (it checks only those that are not these)."""
@@ -444,8 +357,7 @@ class StagingArea:
                 if taken is None:
                     taken = torch.cuda.Event()
                     taken.record(torch.cuda.current_stream(device))
-                copies = DeviceCopies(self._stream(device), taken, dsts, list(map(tensors.__getitem__, names)),
-                                      self._pieces(plan, device))
+                copies = DeviceCopies(self._stream(device), taken, dsts, list(map(tensors.__getitem__, names)))
                 sources.extend(copies.srcs)
                 if overlapped:  # launched by the writer thread: the training thread only records an event
                     launches.append(copies)
@@ -468,28 +380,11 @@ class StagingArea:
             if all(t.device == device for t, device in new):
                 plan.seen = current  # the next check finds these objects again (tensors of each step stay new)
                 return plan
-        plan = _CopyPlan.of(layout, self._slot_views(layout, into), tensors, into)
+        plan = _CopyPlan.of(layout, self._slot_views(layout, into), tensors)
         if len(self._plans) >= 4:
             self._plans.clear()
         self._plans[into.data_ptr()] = plan
         return plan
-
-    def _pieces(self, plan: _CopyPlan, device: torch.device) -> list[_Piece] | None:
-        """`device`'s copies of `plan` gathered through the device's bounce buffer (BOUNCE_BYTES), made once
-        per plan; None without one."""
-        pieces = plan.pieces.get(device)
-        if pieces is None and BOUNCE_BYTES > 0 and device.type == "cuda":
-            slots = plan.cuda_slots[device]
-            bounce = self._bounce(device, min(BOUNCE_BYTES, sum(s.end - s.begin for s in slots)))
-            pieces = plan.pieces[device] = _gather_pieces(slots, plan.buffer, bounce)
-        return pieces
-
-    def _bounce(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        bounce = self._bounces.get(device)
-        if bounce is None or bounce.numel() < nbytes:
-            with torch.cuda.device(device), torch.cuda.stream(self._stream(device)):  # used on that stream only
-                bounce = self._bounces[device] = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
-        return bounce
 
     def mark(self) -> StateMark:
         """Where each device's training stream is now, for a `stage(at=...)` made later: an event recorded on
