@@ -29,6 +29,18 @@ from trainer import (
 )
 
 
+_made: list[Resumable] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_what_was_made() -> Iterator[None]:
+    """Close every Resumable a test made: one left open keeps its host memory page-locked (on a GPU host) until
+    it is collected, and a later test's buffer at the same address then fails to register (seen on an H200)."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def make(
     tmp_path: Path, *, hidden: int = 8, every: int = 2, device: str = "cpu", **options: Any
 ) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
@@ -39,6 +51,7 @@ def make(
     sampler = ElasticSampler(DataConfig(dataset_size=64, global_batch=8, seed=0))
     run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=every, **options), model=model, optimizer=opt,
                     scheduler=sched, sampler=sampler, extras={"note": "x"})
+    _made.append(run)
     return run, model, opt, sampler
 
 
