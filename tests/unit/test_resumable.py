@@ -28,7 +28,6 @@ from trainer import (
     training_digest,
 )
 
-
 _made: list[Resumable] = []
 
 
