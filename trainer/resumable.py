@@ -82,6 +82,9 @@ from trainer.validate import check_state, param_names
 
 log = logging.getLogger(__name__)
 
+SNAPSHOT_WAIT = timedelta(seconds=5)
+"""How long `step_done` waits for the previous tier-0 snapshot's publication before it takes the next."""
+
 
 class _Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
@@ -159,6 +162,7 @@ class Resumable:
         self._saved_step = -1
         self._persist_owed = False
         """A persist came due while the previous one was still being written: it goes at the next step."""
+        self._snapshot_stuck = False  # the last wait for a snapshot's publication timed out (see step_done)
         self._closed = False
         # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
         # has stepped past it, and the RNG streams at that step boundary.
@@ -572,12 +576,18 @@ class Resumable:
         """Wait until the snapshot before `step`'s is in tier 0, so that a kill from here to the next
         snapshot's publication loses `step` at most. A deferred one was launched in this step's forward (its
         copies overlap the step); one still checksumming after a step means the node cannot keep up with a
-        snapshot every step, and the loop runs at the checksum's pace rather than lose two steps to a kill."""
+        snapshot every step, and the loop runs at the checksum's pace rather than lose two steps to a kill.
+        Bounded: a publication not done within SNAPSHOT_WAIT (a stuck checkpoint helper: its requests time out
+        after 30 s) is not waited for again; the snapshots are skipped meanwhile, as the writer does."""
         if self._deferred is not None:
             self._deferred.flush()  # launched by now unless the step ran no forward (or a compiled one)
-        if not self.checkpointer.wait_snapshot():
-            log.warning("the tier-0 snapshot before step %d was still being checksummed after busy_timeout; "
-                        "step %d's snapshot is skipped", step, step)
+        if self.checkpointer.wait_snapshot(timedelta(0) if self._snapshot_stuck else SNAPSHOT_WAIT):
+            self._snapshot_stuck = False
+        elif not self._snapshot_stuck:
+            self._snapshot_stuck = True
+            log.warning("the tier-0 snapshot before step %d is still being published after %g s (is the node's "
+                        "checkpoint helper stuck?): snapshots are skipped until it is done",
+                        step, SNAPSHOT_WAIT.total_seconds())
 
     # -- save ------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,45 @@ def test_a_kill_after_any_step_loses_that_step_at_most_however_slow_the_snapshot
             assert step == 1 or (held and held[0] >= step - 1), (step, held)
     finally:
         run.close()
+
+
+def test_a_stuck_publication_is_waited_for_once_then_the_loop_goes_on_skipping_snapshots(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A checkpoint helper that stops answering (its requests time out after 30 s) must not hold every step:
+    # step_done waits SNAPSHOT_WAIT once, then does not wait again until the publication is done.
+    import threading  # noqa: PLC0415
+
+    import ckpt.writer  # noqa: PLC0415
+    import trainer.resumable  # noqa: PLC0415
+
+    checksum, gate = ckpt.writer.snapshot_manifest, threading.Event()
+
+    def stuck_at_step_3(*args: Any, **kwargs: Any) -> bytes:
+        if kwargs["step"] == 3:
+            assert gate.wait(60)
+        return checksum(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.writer, "snapshot_manifest", stuck_at_step_3)
+    monkeypatch.setattr(trainer.resumable, "SNAPSHOT_WAIT", timedelta(seconds=0.2))
+    run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
+    waits: list[float] = []
+    wait_snapshot = run.checkpointer.wait_snapshot
+
+    def recorded(timeout: timedelta | None = None) -> bool:
+        published = wait_snapshot(timeout)
+        waits.append(-1.0 if timeout is None else timeout.total_seconds())
+        return published
+
+    run.checkpointer.wait_snapshot = recorded  # type: ignore[method-assign]
+    try:
+        train(run, model, opt, 0, 7)  # snapshot 3 is launched in step 4's forward: step_done(4) finds it stuck
+        assert waits == [0.2] * 4 + [0.0] * 3, waits  # steps 1-4 waited (4: timed out), 5-7 did not
+        gate.set()
+        assert run.checkpointer.wait_snapshot(timedelta(seconds=30))
+        train(run, model, opt, 7, 9)
+        assert waits[-2:] == [0.0, 0.2], waits  # step 8 finds it published; step 9 waits again
+    finally:
+        gate.set()
 
 
 def test_a_persist_due_while_the_disk_is_still_writing_the_last_one_goes_to_tier_0_and_then_the_next_step(
