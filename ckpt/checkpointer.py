@@ -266,12 +266,21 @@ class Checkpointer:
         _check_index("step", step, minimum=0)
         return self._writer.save_async(step, state, persist=False, at=at)
 
-    def wait_snapshot(self, timeout: timedelta | None = None) -> bool:
-        """Block until the newest tier-0 snapshot is in tier 0 (checksummed and published, or given up);
-        False at the deadline (default `busy_timeout`). A loop that calls it before each snapshot never has
-        two unpublished ones: a kill at any moment loses at most the step whose snapshot is in flight."""
-        wait = self.config.busy_timeout if timeout is None else timeout
-        return self._writer.tier0_thread.wait_idle(wait.total_seconds())
+    @property
+    def newest_snapshot(self) -> PendingSave | None:
+        """The newest save or snapshot that went to tier 0 (the one `wait_snapshot` waits for)."""
+        return self._writer.last_tier0
+
+    def wait_snapshot(self, timeout: timedelta) -> bool:
+        """Block until the newest save or snapshot with a tier-0 slot is in tier 0 (checksummed and published,
+        or given up) and the tier-0 thread can take the next snapshot; False at the deadline. A loop that calls
+        it before each snapshot never has two unpublished ones: a kill at any moment loses at most the step
+        whose snapshot is in flight."""
+        deadline = Deadline.after(timeout)
+        newest = self._writer.last_tier0
+        if newest is not None and not newest.wait_in_tier0(deadline.remaining() or 0.0):
+            return False
+        return self._writer.tier0_thread.wait_idle(deadline.remaining() or 0.0)
 
     def save(self, step: int, state: Mapping[str, Any], timeout: timedelta = timedelta(minutes=10)) -> Path:
         """`save_async(step, state).wait_persisted()`, after waiting for the save in flight;

@@ -68,6 +68,8 @@ class PendingSave:
         self._snapshot = snapshot
         self._staged = threading.Event()
         self._persisted = threading.Event()
+        self._in_tier0 = threading.Event()
+        """Set once the save's tier-0 slot is published, or the save gave up on tier 0 (or never had a slot)."""
         self.error: CheckpointError | None = None
         """Why tier 1 failed (None while it runs or after it succeeded)."""
         self.upload: UploadJob | None = None
@@ -75,6 +77,11 @@ class PendingSave:
         if snapshot is None:  # skipped
             self._staged.set()
             self._persisted.set()
+            self._in_tier0.set()
+
+    def wait_in_tier0(self, timeout: float) -> bool:
+        """Block until this save's tier-0 snapshot is published (or given up); False at the deadline."""
+        return self._in_tier0.wait(timeout)
 
     @property
     def metrics(self) -> SaveMetrics:
@@ -178,6 +185,8 @@ class LocalWriter:
         self._entries_cache: tuple[StagingLayout, bool, dict[str, TensorEntry]] | None = None
         self.last_persist: PendingSave | None = None
         """The newest save that goes to tier 1 (wait_persisted)."""
+        self.last_tier0: PendingSave | None = None
+        """The newest save or snapshot with a tier-0 slot (Checkpointer.wait_snapshot)."""
         self._metrics = metrics
         self._failures = failures
         self._pool = pool
@@ -242,6 +251,8 @@ class LocalWriter:
         self.last = pending
         if persist:
             self.last_persist = pending
+        if slot is not None:
+            self.last_tier0 = pending
         thread = self.thread if persist else self.tier0_thread
         remap = slot is not None and self.tier0 is not None and any(
             s._size != layout.file_bytes for s in self.tier0.slots)
@@ -387,8 +398,9 @@ class LocalWriter:
             in_tier0 = False
             if slot is not None:
                 in_tier0 = self._publish_snapshot(pending, slot, entries, skeleton, shards, final=not persist)
-                if not persist:
-                    return
+            pending._in_tier0.set()
+            if slot is not None and not persist:
+                return
             started = time.monotonic()
             done = self._persist_by_helper(pending.step, slot, entries, skeleton, shards) if in_tier0 else None
             if done is not None:
@@ -445,6 +457,7 @@ class LocalWriter:
             if slot is not None:
                 self._release(slot)
             pending._staged.set()
+            pending._in_tier0.set()
             if then is not None:
                 then()
             pending._persisted.set()

@@ -45,6 +45,7 @@ import os
 import secrets
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -57,7 +58,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
+from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, PendingSave, Restored
 from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
 from core import faults
@@ -83,7 +84,7 @@ from trainer.validate import check_state, param_names
 log = logging.getLogger(__name__)
 
 SNAPSHOT_WAIT = timedelta(seconds=5)
-"""How long `step_done` waits for the previous tier-0 snapshot's publication before it takes the next."""
+"""The most `step_done` waits for the previous tier-0 snapshot's publication before it takes the next."""
 
 
 class _Stateful(Protocol):
@@ -162,7 +163,8 @@ class Resumable:
         self._saved_step = -1
         self._persist_owed = False
         """A persist came due while the previous one was still being written: it goes at the next step."""
-        self._snapshot_stuck = False  # the last wait for a snapshot's publication timed out (see step_done)
+        self._stuck_snapshot: PendingSave | None = None  # waited for in vain (_previous_snapshot_published)
+        self._snapshot_waits: deque[timedelta] = deque(maxlen=8)  # the last waits that ended in time
         self._closed = False
         # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
         # has stepped past it, and the RNG streams at that step boundary.
@@ -577,17 +579,26 @@ class Resumable:
         snapshot's publication loses `step` at most. A deferred one was launched in this step's forward (its
         copies overlap the step); one still checksumming after a step means the node cannot keep up with a
         snapshot every step, and the loop runs at the checksum's pace rather than lose two steps to a kill.
-        Bounded: a publication not done within SNAPSHOT_WAIT (a stuck checkpoint helper: its requests time out
-        after 30 s) is not waited for again; the snapshots are skipped meanwhile, as the writer does."""
+
+        Bounded: 4x the longest of the last waits (at least 1 s, at most SNAPSHOT_WAIT), so that a stuck
+        checkpoint helper (its requests time out after 30 s) costs the loop that bound once per stuck request;
+        a snapshot waited for in vain is not waited for again, and the writer skips snapshots meanwhile."""
         if self._deferred is not None:
             self._deferred.flush()  # launched by now unless the step ran no forward (or a compiled one)
-        if self.checkpointer.wait_snapshot(timedelta(0) if self._snapshot_stuck else SNAPSHOT_WAIT):
-            self._snapshot_stuck = False
-        elif not self._snapshot_stuck:
-            self._snapshot_stuck = True
-            log.warning("the tier-0 snapshot before step %d is still being published after %g s (is the node's "
+        newest = self.checkpointer.newest_snapshot
+        given_up = newest is not None and newest is self._stuck_snapshot
+        bound = timedelta(0) if given_up else min(SNAPSHOT_WAIT, max(
+            timedelta(seconds=1), 4 * max(self._snapshot_waits, default=SNAPSHOT_WAIT / 4)))
+        started = time.monotonic()
+        if self.checkpointer.wait_snapshot(bound):
+            self._stuck_snapshot = None
+            if not given_up:
+                self._snapshot_waits.append(timedelta(seconds=time.monotonic() - started))
+        elif not given_up:
+            self._stuck_snapshot = newest
+            log.warning("the tier-0 snapshot of step %s is still being published after %g s (is the node's "
                         "checkpoint helper stuck?): snapshots are skipped until it is done",
-                        step, SNAPSHOT_WAIT.total_seconds())
+                        newest.step if newest is not None else "?", bound.total_seconds())
 
     # -- save ------------------------------------------------------------------------------------
 

@@ -163,11 +163,16 @@ def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boun
     assert torch.equal(rng_now(), at_boundary[1]) and opt2.param_groups[0]["lr"] == at_boundary[2]
 
 
+@pytest.mark.parametrize("options", [{"persist_every": 100}, {"persist_every": 3},
+                                     {"persist_every": 3, "mode": "staged"}],
+                         ids=["snapshots", "with-persists", "staged-not-deferred"])
 def test_a_kill_after_any_step_loses_that_step_at_most_however_slow_the_snapshots_checksum(
-        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]) -> None:
     # A step's snapshot is launched in the next step's forward and published (checksummed) after it: a kill
     # right after step_done(k) must find step k-1 in tier 0, not k-2, even when the checksum takes longer than
-    # a step (it once did in CI, under load). The node's tier 0 is read as a restarted worker reads it.
+    # a step (it once did in CI, under load). Also after a persisted step (its tier-0 copy is published by the
+    # persist's own thread), and where snapshots are taken in step_done ("staged": nothing deferred).
+    # The node's tier 0 is read as a restarted worker reads it.
     import ckpt.writer  # noqa: PLC0415
     from ckpt.tier0 import HostTier  # noqa: PLC0415
 
@@ -178,11 +183,11 @@ def test_a_kill_after_any_step_loses_that_step_at_most_however_slow_the_snapshot
         return checksum(*args, **kwargs)
 
     monkeypatch.setattr(ckpt.writer, "snapshot_manifest", slow_checksum)
-    run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
-    assert run.restore() == 0 and run._deferred is not None
+    run, model, opt, _ = make(tmp_path, every=1, tier0_dir=shm, **options)
+    assert run.restore() == 0 and (run._deferred is None) == ("mode" in options)
     data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
     try:
-        for step in range(1, 6):
+        for step in range(1, 9):
             loss = model(data[torch.tensor(run.sampler.indices())]).pow(2).mean()  # type: ignore[union-attr]
             opt.zero_grad()
             loss.backward()
@@ -216,19 +221,23 @@ def test_a_stuck_publication_is_waited_for_once_then_the_loop_goes_on_skipping_s
     waits: list[float] = []
     wait_snapshot = run.checkpointer.wait_snapshot
 
-    def recorded(timeout: timedelta | None = None) -> bool:
+    results: list[bool] = []
+
+    def recorded(timeout: timedelta) -> bool:
         published = wait_snapshot(timeout)
-        waits.append(-1.0 if timeout is None else timeout.total_seconds())
+        waits.append(timeout.total_seconds())
+        results.append(published)
         return published
 
     run.checkpointer.wait_snapshot = recorded  # type: ignore[method-assign]
     try:
         train(run, model, opt, 0, 7)  # snapshot 3 is launched in step 4's forward: step_done(4) finds it stuck
         assert waits == [0.2] * 4 + [0.0] * 3, waits  # steps 1-4 waited (4: timed out), 5-7 did not
+        assert results == [True] * 3 + [False] * 4, results
         gate.set()
-        assert run.checkpointer.wait_snapshot(timedelta(seconds=30))
+        assert wait_snapshot(timedelta(seconds=30))
         train(run, model, opt, 7, 9)
-        assert waits[-2:] == [0.0, 0.2], waits  # step 8 finds it published; step 9 waits again
+        assert waits[-2:] == [0.2, 0.2] and results[-2:] == [True, True], (waits, results)  # waited for again
     finally:
         gate.set()
 
