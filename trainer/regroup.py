@@ -12,7 +12,10 @@ so that a freshly started worker of the new round takes part in the same exchang
 3. Otherwise, exactly if possible: the newest step of M, M-1 that every rank either holds live or
    can load its own checkpoint part of (tier 0 first: a replaced worker's snapshots outlive it).
    Own parts keep each rank's RNG streams, so the run stays bitwise equal to an uninterrupted one;
-   at most one step is recomputed.
+   at most one step is recomputed. New ranks (a joining node's: nothing live, no checkpoint part of
+   their own) do not stand in the way: they take that step's state from a rank holding it in memory,
+   as in 5, while the others stay exact (two survivors one step apart with a joiner in the round go on
+   from the step both completed, not from the newer one with the lagging survivor's RNG derived).
 4. Else, when every rank that lacks M has an own checkpoint part of some step, restore from checkpoints
    (exact, as a restart would; the steps since are recomputed).
 5. Else the lowest rank holding M sends its state to the others over the process group (replicated
@@ -198,6 +201,11 @@ def rewrap_ddp(ddp: DistributedDataParallel) -> None:
         p.grad = None  # gradients of the interrupted step
 
 
+# catch_up's vote on a step (the group's minimum wins): every rank holds it exactly (live, or its own checkpoint
+# part); some ranks are new and take it from a peer, the others hold it exactly; some rank lacks it.
+_EXACT, _FRESH, _LACKING = 2, 1, 0
+
+
 def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Restored | None],
              apply_own: Callable[[Restored], None], state: Callable[[], Mapping[str, Any]],
              apply_peer: Callable[[Mapping[str, Any]], None],
@@ -216,16 +224,23 @@ def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Re
     mine = live[topology.rank]
     if all(s == newest for s in live):
         return newest, "memory"
+    fresh = mine < 0 and not has_own()  # a new rank (a joining node's): never exact, whatever the group does
     for step in (newest, newest - 1):
         if step < 0:
             break
         loaded = load_own(step) if mine != step else None
         ok = mine == step or (loaded is not None and loaded.own and loaded.step == step)
-        if topology.all_min(int(ok)) == 1:
+        vote = topology.all_min(_EXACT if ok else _FRESH if fresh else _LACKING)
+        holders = [rank for rank, held in enumerate(live) if held == step]
+        if vote == _EXACT or (vote == _FRESH and holders):
             if loaded is not None:
                 apply_own(loaded)
-                return step, "own"
-            return step, "memory"
+            if vote == _FRESH:  # the new ranks take the state of `step` from a rank holding it in memory
+                received = broadcast_state(state() if topology.rank == holders[0] else None, holders[0], topology)
+                if not ok:
+                    apply_peer(received)
+                    return step, "peer"
+            return step, "own" if loaded is not None else "memory"
     if topology.all_min(int(mine == newest or has_own())) == 1:
         return None  # every rank can resume exactly from a checkpoint of its own: go back to it
     source = live.index(newest)
