@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(json.dumps(result))
 
 
+def run_name(args: Any, restart: int) -> str:
+    """This worker's name in the files of $GOODPUT_PROFILE and $GOODPUT_TRACE: variant, cadences, restart, pid."""
+    return f"{args.variant}-s{args.save_every}-p{args.persist_every}-r{restart}-{os.getpid()}"
+
+
 class StepDoneProfile:
     """$GOODPUT_PROFILE=<dir>: cProfile of `Resumable.step_done` from step $GOODPUT_PROFILE_FROM (default 12) on,
     written to <dir>/<variant>-s<save_every>-p<persist_every>-r<restart>-<pid>.txt (cumulative and own time).
@@ -257,8 +262,8 @@ class StepDoneProfile:
         where = os.environ.get("GOODPUT_PROFILE")
         if not where:
             return StepDoneProfile(None, 0)
-        name = f"{args.variant}-s{args.save_every}-p{args.persist_every}-r{restart}-{os.getpid()}.txt"
-        return StepDoneProfile(Path(where) / name, int(os.environ.get("GOODPUT_PROFILE_FROM", "12")))
+        return StepDoneProfile(Path(where) / f"{run_name(args, restart)}.txt",
+                               int(os.environ.get("GOODPUT_PROFILE_FROM", "12")))
 
     @contextmanager
     def around(self, step: int) -> Iterator[None]:
@@ -307,8 +312,7 @@ class StepTrace:
         where = os.environ.get("GOODPUT_TRACE")
         if not where:
             return StepTrace(None, 0, 0, device)
-        name = f"{args.variant}-s{args.save_every}-p{args.persist_every}-r{restart}-{os.getpid()}"
-        return StepTrace(Path(where) / name, int(os.environ.get("GOODPUT_PROFILE_FROM", "12")),
+        return StepTrace(Path(where) / run_name(args, restart), int(os.environ.get("GOODPUT_PROFILE_FROM", "12")),
                          int(os.environ.get("GOODPUT_TRACE_STEPS", "10")), device)
 
     def step(self) -> None:

@@ -29,6 +29,7 @@ step some rank can read, instead of the group starting over from step 0.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -224,12 +225,13 @@ def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Re
     mine = live[topology.rank]
     if all(s == newest for s in live):
         return newest, "memory"
-    fresh = mine < 0 and not has_own()  # a new rank (a joining node's): never exact, whatever the group does
+    own_part = functools.cache(has_own)  # a restore: once at most, and only on a rank that needs the answer
     for step in (newest, newest - 1):
         if step < 0:
             break
         loaded = load_own(step) if mine != step else None
         ok = mine == step or (loaded is not None and loaded.own and loaded.step == step)
+        fresh = not ok and mine < 0 and not own_part()  # a new rank (a joining node's): never exact
         vote = topology.all_min(_EXACT if ok else _FRESH if fresh else _LACKING)
         holders = [rank for rank, held in enumerate(live) if held == step]
         if vote == _EXACT or (vote == _FRESH and holders):
@@ -241,7 +243,7 @@ def catch_up(topology: Topology, live_step: int, *, load_own: Callable[[int], Re
                     apply_peer(received)
                     return step, "peer"
             return step, "own" if loaded is not None else "memory"
-    if topology.all_min(int(mine == newest or has_own())) == 1:
+    if topology.all_min(int(mine == newest or own_part())) == 1:
         return None  # every rank can resume exactly from a checkpoint of its own: go back to it
     source = live.index(newest)
     received = broadcast_state(state() if topology.rank == source else None, source, topology)

@@ -587,8 +587,8 @@ class Resumable:
             self._deferred.flush()  # launched by now unless the step ran no forward (or a compiled one)
         newest = self.checkpointer.newest_snapshot
         given_up = newest is not None and newest is self._stuck_snapshot
-        bound = timedelta(0) if given_up else min(SNAPSHOT_WAIT, max(
-            timedelta(seconds=1), 4 * max(self._snapshot_waits, default=SNAPSHOT_WAIT / 4)))
+        longest = max(self._snapshot_waits, default=SNAPSHOT_WAIT / 4)  # no wait measured yet: SNAPSHOT_WAIT
+        bound = timedelta(0) if given_up else min(SNAPSHOT_WAIT, max(timedelta(seconds=1), 4 * longest))
         started = time.monotonic()
         if self.checkpointer.wait_snapshot(bound):
             self._stuck_snapshot = None
