@@ -19,6 +19,12 @@ Variants (bench/goodput_worker.py runs each; same model, seed, data and steps):
   dcp_async_thread_10     torch.distributed.checkpoint.async_save every 10 steps, thread mode
   dcp_async_process_10    the same, AsyncCheckpointerType.PROCESS
   torch_save_50           torch.save of model + optimizer state every 50 steps
+Probes (not in the issue's table): ours_tier0_1_tier1_10_at_boundary (ResumeConfig.defer_snapshots=False);
+  ours_tier0_1_tier1_10_gil100us and none_gil100us (sys.setswitchinterval(1e-4) in the worker: how much
+  Python's 5 ms GIL hand-over costs the training thread when other threads run Python);
+  ours_tier0_1_tier1_10_restart_mode (elastic-run --reform restart: no round watcher, no warm spare).
+Per step of every variant, `between_steps_s`: from the end of a step (after its device sync) to the start of
+the next step's train_step, the loop's own time while the device waits (step_done, the data, the loop).
 Each variant runs in a fresh process per round, under `--launcher`: elastic-run (--standalone,
 --nproc-per-node 1, as a user runs it: tier 0 is the agent's directory), torchrun where no etcd
 binary is found (the bench then makes the tier-0 directory in /dev/shm and removes it), or fork
@@ -89,6 +95,10 @@ class Variant:
     persists, else 2)"""
     defer: bool = True
     """ours: ResumeConfig.defer_snapshots (False: a snapshot's bookkeeping all in step_done)"""
+    switch_interval: float = 0.0
+    """the worker's sys.setswitchinterval (0: Python's 5 ms)"""
+    launcher_args: tuple[str, ...] = ()
+    """more elastic-run flags (the other launchers ignore them)"""
 
     @property
     def tier0(self) -> bool:
@@ -103,6 +113,9 @@ VARIANTS = {
     "ours_tier0_1_tier1_50": Variant("ours", 1, 50),
     "ours_tier0_1_tier1_10_2slots": Variant("ours", 1, 10, 2),
     "ours_tier0_1_tier1_10_at_boundary": Variant("ours", 1, 10, defer=False),
+    "ours_tier0_1_tier1_10_gil100us": Variant("ours", 1, 10, switch_interval=1e-4),
+    "none_gil100us": Variant("none", switch_interval=1e-4),
+    "ours_tier0_1_tier1_10_restart_mode": Variant("ours", 1, 10, launcher_args=("--reform", "restart")),
     "dcp_async_thread_10": Variant("dcp_thread", 10),
     "dcp_async_process_10": Variant("dcp_process", 10),
     "torch_save_50": Variant("torch_save", 50),
@@ -209,7 +222,7 @@ class Launcher:
             self._ctx = ctx
 
     def run(self, run_dir: Path, argv: list[str], env: dict[str, str | None], *, restarts: int,
-            timeout: float) -> dict[str, Any]:
+            timeout: float, launcher_args: tuple[str, ...] = ()) -> dict[str, Any]:
         """Run the worker (restarted up to `restarts` times after a failure); rc, seconds, log tail."""
         tier0 = Path(tempfile.mkdtemp(prefix="goodput-tier0-", dir=SHM if SHM.is_dir() else None)) \
             if self.bench_tier0 else None
@@ -220,7 +233,7 @@ class Launcher:
             if self.kind == "fork":
                 rc = self._fork(argv, env, log, restarts=restarts, timeout=timeout)
             else:
-                rc = self._launch(argv, env, log, restarts=restarts, timeout=timeout)
+                rc = self._launch(argv, env, log, restarts=restarts, timeout=timeout, launcher_args=launcher_args)
         finally:
             if tier0 is not None:
                 shutil.rmtree(tier0, ignore_errors=True)
@@ -228,10 +241,11 @@ class Launcher:
         return {"rc": rc, "wall_s": round(time.perf_counter() - started, 2), "log_tail": tail if rc else None}
 
     def _launch(self, argv: list[str], env: dict[str, str | None], log: Path, *, restarts: int,
-                timeout: float) -> int:
+                timeout: float, launcher_args: tuple[str, ...]) -> int:
         module = "elastic.launcher" if self.kind == "elastic-run" else "torch.distributed.run"
+        ours = list(launcher_args) if self.kind == "elastic-run" else []
         cmd = [sys.executable, "-m", module, "--standalone", "--nproc-per-node", "1", "--max-restarts",
-               str(restarts), str(WORKER), *argv]
+               str(restarts), *ours, str(WORKER), *argv]
         full = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         for key, value in env.items():
@@ -292,6 +306,8 @@ def worker_argv(args: argparse.Namespace, variant: Variant, run_dir: Path, steps
         argv += ["--tier0-slots", str(variant.tier0_slots)]
     if not variant.defer:
         argv += ["--no-defer"]
+    if variant.switch_interval:
+        argv += ["--switch-interval", str(variant.switch_interval)]
     return argv
 
 
@@ -343,6 +359,8 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
         "blocked_per_save_s": dist_of(blocked),
         "save_call_s": dist_of([save_s[k] for k in saves]),
         "wait_before_optimizer_step_s": dist_of([wait_s.get(k + 1, 0.0) for k in saves]),
+        "between_steps_s": dist_of([v for k, v in ((int(k), v) for k, v in result.get("between_s", {}).items())
+                                    if warmup <= k < last]),
         "blocked_total_s": round(sum(blocked), 4),
         "blocked_share_of_window": round(sum(blocked) / window, 4),
         "first_save_s": round(save_s[min(k for k in save_s if every and k % every == 0)], 4) if saves else None,
@@ -574,7 +592,7 @@ def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant
     with events_dir_in_memory() as events_dir:
         env["ELASTIC_EVENTS_DIR"] = str(events_dir)
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, args.steps), env, restarts=0,
-                           timeout=args.run_timeout)
+                           timeout=args.run_timeout, launcher_args=variant.launcher_args)
         events = read_events(str(events_dir))
     results = read_results(run_dir)
     figures: dict[str, Any] = {"rc": run["rc"], "wall_s": run["wall_s"]}

@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--tier0-slots", type=int, default=None,
                    help="CheckpointConfig.tier0_slots (default: ResumeConfig.at's)")
     p.add_argument("--no-defer", action="store_true", help="ResumeConfig.defer_snapshots=False")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="sys.setswitchinterval for this worker (0: Python's default, 5 ms): a probe of how much "
+                        "the checkpointer's threads delay the training thread's taking the GIL back")
     p.add_argument("--result", required=True)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     return train_gpt.checked_args(p, p.parse_args(argv))
@@ -88,6 +91,9 @@ class Timings:
         self.t0 = time.perf_counter()
         self.steps: list[int] = []
         self.step_end: list[float] = []
+        self.between: dict[int, float] = {}
+        """From the end of step k (after its device sync) to the start of step k+1's train_step: the loop's own
+        time while the device waits for the next step's first kernel (step_done, data, the loop)."""
         self.save: dict[int, float] = {}
         self.wait: dict[int, float] = {}
         self.optimizer = optimizer
@@ -111,6 +117,10 @@ class Timings:
             self._last.remove()
         self._last = self.optimizer.register_step_pre_hook(self._after_all)
 
+    def step_started(self, step: int) -> None:
+        if self.steps and self.steps[-1] == step:
+            self.between[step] = time.perf_counter() - self.t0 - self.step_end[-1]
+
     def step_ended(self, step: int) -> None:
         self.steps.append(step)
         self.step_end.append(time.perf_counter() - self.t0)
@@ -131,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     marks = {"imports": time.perf_counter()}  # where a (restarted) worker's start goes, before its loop
     rank, world, device = train_gpt.setup(args)
     marks["setup"] = time.perf_counter()
@@ -160,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     trace = StepTrace.from_env(args, restart, device)
 
     def train_step(step: int, micro_batches: list[torch.Tensor]) -> None:
+        timings.step_started(step)
         optimizer.zero_grad(set_to_none=True)
         batches = run.accumulate(micro_batches) if run is not None else accumulate(
             micro_batches, sampler, ddp if isinstance(ddp, DDP) else None)
@@ -230,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         step_end_s=[round(t, 6) for t in timings.step_end],
         save_s={str(k): round(v, 6) for k, v in timings.save.items()},
         wait_s={str(k): round(v, 6) for k, v in timings.wait.items() if v > 0},
+        between_s={str(k): round(v, 6) for k, v in timings.between.items()},
         tokens_per_step=args.global_batch * args.seq_len,
         main_started_unix=round(started, 3),
         loop_ready_s=round(timings.t0 - started_perf, 3),
