@@ -1,19 +1,22 @@
-"""A tier-0 snapshot's bookkeeping, taken off the step boundary (issue J).
+"""Work of `Resumable.step_done` taken off the step boundary (issue J).
 
 A loop that waits for the device at the end of each step (`loss.item()`) leaves the GPU idle while
-`Resumable.step_done` runs: every millisecond there is a millisecond of every step. A snapshot has two parts:
+`Resumable.step_done` runs: every millisecond there is a millisecond of every step. What need not happen at
+the boundary waits in `NextForward` until the next forward is queued and the device is busy with it (a
+forward hook); at the latest until the next step_done, the optimizer's next step (in "overlapped" mode), a
+save, a re-formation or close. That is the progress beat and the metrics file's periodic write, and most of a
+tier-0 snapshot, which has two parts:
 - what the next step changes, taken at the boundary: the step, the RNG streams, the data position, the
-  schedules, the optimizer's param_groups (StateView.boundary), and an event on each device's training stream
+  schedules, the extras, the optimizer's param_groups, and an event on each device's training stream
   (Checkpointer.mark: the copies read the state as it was there);
-- the rest, which only the optimizer's next step would make wrong: checking that the model's and optimizer's
-  tensors are the cached ones, the staging layout, a tier-0 slot, the copies' plan and their launch (~1.3 ms of
-  the training thread for a 124M GPT with AdamW on an H200 host; bench/goodput_bench.py).
+- the rest, which only the optimizer's next step would make wrong: flattening the first part into the
+  checkpoint's tree, checking that the model's and optimizer's tensors are the cached ones, the staging layout,
+  a tier-0 slot, the copies' plan and their launch (~1.3 ms of the training thread for a 124M GPT with AdamW on
+  an H200 host; bench/goodput_bench.py).
 
-`DeferredSnapshots` holds the first part and finishes the snapshot from a forward hook, once the next forward
-is queued and the device is busy with it; at the latest before the optimizer's next step (Resumable's wait
-hook calls `flush`), or at the next save, re-formation or close.
+`DeferredSnapshots` holds the first part and finishes the snapshot through `NextForward`.
 
-Only where nothing but the optimizer's step changes the saved tensors between two steps: a model without
+Snapshots wait only where nothing but the optimizer's step changes the saved tensors between two steps: a model without
 buffers (BatchNorm's running statistics change in forward), an optimizer to hook, "overlapped" mode (the
 optimizer already waits for the copies), replicated state. Elsewhere snapshots are taken at the boundary.
 A worker killed between a step's end and the next forward's has the snapshot of the step before: one step
@@ -32,13 +35,50 @@ from ckpt.snapshot import StateMark
 from trainer.state_view import Boundary
 
 
+class NextForward:
+    """Work that waits until the next forward is queued (see the module); `flush` runs it now."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._work: list[Callable[[], None]] = []
+        self._hook = model.register_forward_hook(self._on_forward)
+
+    def later(self, work: Callable[[], None]) -> None:
+        self._work.append(work)
+
+    def flush(self) -> None:
+        """Run the waiting work in order; every piece runs, then the first error is raised."""
+        error: Exception | None = None
+        while self._work:
+            work, self._work = self._work, []
+            for fn in work:
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - raised below, once the rest has run
+                    error = error or exc
+        if error is not None:
+            raise error
+
+    def _on_forward(self, *_: Any) -> None:
+        # A compiled forward traces its hooks: there this one is a no-op (no graph break, `fullgraph=True` works),
+        # and the next flush point runs the work instead.
+        if torch.compiler.is_compiling():
+            return
+        if self._work:
+            self.flush()
+
+    def close(self) -> None:
+        """Remove the hook, then run the waiting work (which may raise: the hook is gone either way)."""
+        self._hook.remove()
+        self.flush()
+
+
 class DeferredSnapshots:
     """The snapshot whose boundary part is taken and whose rest waits for the next forward (see the module)."""
 
-    def __init__(self, model: torch.nn.Module, finish: Callable[[int, Boundary, StateMark], None]) -> None:
+    def __init__(self, later: NextForward, finish: Callable[[int, Boundary, StateMark], None]) -> None:
+        self._later = later
         self._finish = finish
-        self._pending: tuple[int, Boundary, StateMark] | None = None
-        self._hook = model.register_forward_hook(self._on_forward)
+        self._pending: tuple[int, Callable[[], Boundary], StateMark] | None = None
 
     @staticmethod
     def applies(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, mode: str, sharded: bool,
@@ -46,9 +86,11 @@ class DeferredSnapshots:
         return (tier0 and optimizer is not None and mode == "overlapped" and not sharded
                 and not any(True for _ in model.buffers()))
 
-    def defer(self, step: int, boundary: Boundary, mark: StateMark) -> None:
+    def defer(self, step: int, boundary: Callable[[], Boundary], mark: StateMark) -> None:
+        """`boundary()` flattens the boundary part taken at `step`'s end (Resumable._take_boundary)."""
         self.flush()
         self._pending = (step, boundary, mark)
+        self._later.later(self.flush)
 
     @property
     def pending(self) -> int | None:
@@ -64,17 +106,5 @@ class DeferredSnapshots:
         """Finish the waiting snapshot now (its errors are the snapshot's: see Resumable.snapshot)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._finish(*pending)
-
-    def _on_forward(self, *_: Any) -> None:
-        # A compiled forward traces its hooks: there this one is a no-op (no graph break, `fullgraph=True` works),
-        # and the optimizer's pre-hook finishes the snapshot instead.
-        if torch.compiler.is_compiling():
-            return
-        if self._pending is not None:
-            self.flush()
-
-    def close(self) -> None:
-        """Remove the hook, then finish the waiting snapshot (which may raise: the hook is gone either way)."""
-        self._hook.remove()
-        self.flush()
+            step, boundary, mark = pending
+            self._finish(step, boundary(), mark)

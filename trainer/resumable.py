@@ -39,6 +39,7 @@ after each completed step (and after the restore), `save` once this rank's files
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -72,7 +73,7 @@ from trainer.agree import agree_on_checkpoint
 from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
 from trainer.ddp import release_process_group
-from trainer.deferred import DeferredSnapshots
+from trainer.deferred import DeferredSnapshots, NextForward
 from trainer.digest import state_digests_on, training_digest
 from trainer.errors import RoundChanged, StateUnreachableError
 from trainer.sharding import Layout
@@ -148,7 +149,9 @@ class Resumable:
         self.checkpointer = Checkpointer(ckpt_config, rank=self.topology.rank, world_size=self.topology.world_size,
                                          on_written=_save_hook())
         self._view = StateView(self.state, self.model, self.optimizer)
-        self._deferred = (DeferredSnapshots(self.model, self._finish_snapshot) if config.defer_snapshots and
+        self._later = NextForward(self.model)
+        """What step_done leaves until the next forward is queued (trainer/deferred.py)."""
+        self._deferred = (DeferredSnapshots(self._later, self._finish_snapshot) if config.defer_snapshots and
                           DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded,
                                                     tier0=self.checkpointer.has_tier0) else None)
         """Snapshots from step_done finished once the next forward is queued (trainer/deferred.py)."""
@@ -402,8 +405,7 @@ class Resumable:
         the sampler and agrees with the group on the step (the interrupted step is discarded). Make a
         new data iterator afterwards: `iter(sampler.loader(...))`."""
         started = time.monotonic()
-        if self._deferred is not None:
-            self._deferred.flush()  # the state is still the boundary's: the optimizer has not stepped since
+        self._later.flush()  # a snapshot's rest: the state is still the boundary's (the optimizer has not stepped)
         if self.sharded and self._rounds is not None:  # joined by run_elastic, once the old model is gone
             self._reenter(regroup.next_round(self._rounds, error), error, started)
         if self._rounds is not None and self.ddp is not None and (self._rounds.newest() is not None or error):
@@ -548,9 +550,12 @@ class Resumable:
         that write persists (the loop does not wait for a slow disk). Returns True if it persisted.
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
-        self.telemetry.step(step)
+        self._later.flush()  # what the step before left, if no forward ran since (a compiled one runs no hook)
+        if self.telemetry.step(step):
+            self._later.later(self.telemetry.flush)
         self.step = step
-        worker.beat(step)  # lets elastic-run's agent tell a hung worker from a slow one
+        # Lets elastic-run's agent tell a hung worker from a slow one (a file write now and then: off the boundary).
+        self._later.later(partial(worker.beat, step))
         if self.sampler is not None:
             self.sampler.advance(step)
         self._mark_live(step)
@@ -568,7 +573,7 @@ class Resumable:
             self._previous_snapshot_published(step)
             if self._deferred is not None:  # its rest once the next forward is queued (trainer/deferred.py)
                 self._emit_digest(step, "save")
-                self._deferred.defer(step, self._boundary(self._boundary_rng), self.checkpointer.mark())
+                self._deferred.defer(step, self._take_boundary(self._boundary_rng), self.checkpointer.mark())
             else:
                 self._checkpoint(step, persist=False, rng_state=self._boundary_rng)
         faults.fire("step", step)  # before the loop runs step `step + 1`
@@ -583,8 +588,7 @@ class Resumable:
         Bounded: 4x the longest of the last waits (at least 1 s, at most SNAPSHOT_WAIT), so that a stuck
         checkpoint helper (its requests time out after 30 s) costs the loop that bound once per stuck request;
         a snapshot waited for in vain is not waited for again, and the writer skips snapshots meanwhile."""
-        if self._deferred is not None:
-            self._deferred.flush()  # launched by now unless the step ran no forward (or a compiled one)
+        self._later.flush()  # launched by now unless the step ran no forward (or a compiled one)
         newest = self.checkpointer.newest_snapshot
         given_up = newest is not None and newest is self._stuck_snapshot
         longest = max(self._snapshot_waits, default=SNAPSHOT_WAIT / 4)  # no wait measured yet: SNAPSHOT_WAIT
@@ -641,9 +645,23 @@ class Resumable:
 
     def _boundary(self, rng_state: dict[str, Any] | None = None) -> Boundary:
         """The part of the (replicated) state the next step changes, taken now (trainer/state_view.py)."""
+        return self._take_boundary(rng_state)()
+
+    def _take_boundary(self, rng_state: dict[str, Any] | None = None) -> Callable[[], Boundary]:
+        """`_boundary`, its values taken now and flattened when called: a deferred snapshot flattens them once
+        the next forward is queued (trainer/deferred.py). What the loop may change in between is copied: the
+        extras (the caller's dict) and the param_groups (their lr); the rest is made anew here."""
         setup.check_json_able(self.extras)
-        names = self._param_names() if self.optimizer is not None else None
-        return self._view.boundary(self._tree(None, None, names, rng_state))
+        rest = self._tree(None, None, None, rng_state)
+        rest["extras"] = copy.deepcopy(self.extras)
+        groups = self._view.param_groups()
+
+        def flattened() -> Boundary:
+            if self.optimizer is not None:
+                rest["param_names"] = self._param_names()
+            return self._view.boundary(rest, groups)
+
+        return flattened
 
     def _param_names(self) -> list[list[str | None]]:
         """param_names(model, optimizer), walked again only when the optimizer's parameters change: a
@@ -671,10 +689,9 @@ class Resumable:
         self._checkpoint(step, persist=False)
 
     def _checkpoint(self, step: int, *, persist: bool, rng_state: dict[str, Any] | None = None) -> bool:
-        if self._deferred is not None:
-            if persist:  # the last step saved at teardown or below the minimum: one copy of it, not two
-                self._deferred.drop(step)
-            self._deferred.flush()  # the snapshot of the step before first
+        if self._deferred is not None and persist:  # the last step saved at teardown or below the minimum: once
+            self._deferred.drop(step)
+        self._later.flush()  # the snapshot of the step before first
         self._emit_digest(step, "save")
         save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
         return self._guarded(step, persist, lambda: save(step, self._checkpoint_state(rng_state)))
@@ -707,8 +724,7 @@ class Resumable:
     def _wait_for_copy_hooks(self) -> list[Any]:
         # "overlapped" mode: the state must not change until the save's copy of it is consistent.
         def wait(*_: Any) -> None:
-            if self._deferred is not None:
-                self._deferred.flush()  # a snapshot whose copies are not launched yet: launch them first
+            self._later.flush()  # a snapshot whose copies are not launched yet: launch them first
             self.checkpointer.wait_staged()
 
         hooks = [self.optimizer.register_step_pre_hook(wait)] if self.optimizer is not None else []
@@ -727,11 +743,10 @@ class Resumable:
             return
         self._closed = True
         unfinished: BaseException | None = None
-        if self._deferred is not None:
-            try:  # a snapshot waiting for its rest; the close goes on either way, its error raised at the end
-                self._deferred.close()
-            except Exception as exc:  # noqa: BLE001 - re-raised below, once everything is closed
-                unfinished = exc
+        try:  # a snapshot waiting for its rest; the close goes on either way, its error raised at the end
+            self._later.close()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once everything is closed
+            unfinished = exc
         if self._rounds is not None:
             regroup.stop_round_watcher()  # from here on a membership change restarts this process
         worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
@@ -745,6 +760,10 @@ class Resumable:
             raise unfinished
 
     def _unhook(self) -> None:
+        try:
+            self._later.close()  # after close()'s own, nothing is left to run
+        except Exception as exc:  # noqa: BLE001 - a re-entry goes on without that snapshot
+            log.warning("rank %d: work left from the last step failed: %s", self.topology.rank, exc)
         for hook in self._hooks:
             hook.remove()
         if self.sampler is not None and self.sampler.sample_log is not None:

@@ -35,6 +35,13 @@ from ckpt.tree import Flat, flatten
 _DYNAMIC_MODEL = ("_state_dict_hooks", "_state_dict_pre_hooks")
 
 
+class _Now:
+    """`StateView.boundary`'s default: the param_groups as they are when it is called."""
+
+
+NOW = _Now()
+
+
 class StateView:
     """See the module docstring. `full()` is `Resumable.state()`; `model`/`optimizer` are what it saves."""
 
@@ -47,11 +54,13 @@ class StateView:
         self.rebuilds = 0
         """Full walks (for tests: 1 while nothing changes)."""
 
-    def boundary(self, rest: dict[str, Any]) -> Boundary:
-        """What of the state the next step changes, taken now: `rest` is the state without "model" and
-        "optimizer" (in its key order, with placeholders None for those two)."""
+    def boundary(self, rest: dict[str, Any], groups: list[dict[str, Any]] | None | _Now = NOW) -> Boundary:
+        """What of the state the next step changes, flattened: `rest` is the state without "model" and
+        "optimizer" (in its key order, with placeholders None for those two); `groups` the optimizer's
+        param_groups as `param_groups()` took them at the boundary (default: taken now)."""
         tensors, skeleton = flatten({k: v for k, v in rest.items() if k not in ("model", "optimizer")})
-        groups = self._param_groups()
+        if isinstance(groups, _Now):
+            groups = self.param_groups()
         group_tensors, group_skeleton = ({}, None) if groups is None else flatten(
             {"optimizer": {"param_groups": groups}})
         return Boundary(list(rest), tensors, skeleton, groups, group_tensors,
@@ -79,9 +88,10 @@ class StateView:
         tensors.update(at.tensors)
         return Flat(tensors, skeleton)
 
-    def _param_groups(self) -> list[dict[str, Any]] | None:
+    def param_groups(self) -> list[dict[str, Any]] | None:
         """The optimizer's param_groups as its state_dict() has them (params as indices), read directly from
-        a plain optimizer while its parameters are the ones indexed; else from state_dict()."""
+        a plain optimizer while its parameters are the ones indexed; else from state_dict(). New dicts: a
+        later change of a group's lr is not in them."""
         optimizer = self._optimizer
         if optimizer is None:
             return None

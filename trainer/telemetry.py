@@ -108,10 +108,11 @@ class Telemetry:
         self._wait = 0.0
         self.flush()
 
-    def step(self, step: int) -> None:
-        """Step `step` completed (called first thing in Resumable.step_done)."""
+    def step(self, step: int) -> bool:
+        """Step `step` completed (called first thing in Resumable.step_done). True: the file is due to be
+        written (`flush`; Resumable does it off the step boundary, trainer/deferred.py)."""
         if not self.on:
-            return
+            return False
         # The hot path, kept to a clock read and a few attribute updates (bench/metrics_overhead.py).
         now = self._clock()
         seconds, self._last = now - self._last, now
@@ -132,9 +133,8 @@ class Telemetry:
         if self._first_pending:
             self._first_pending = False
             self.recorder.meta["first_step_at"] = self.recorder.wall()  # the agent's failure-to-first-step time
-            self.flush()
-        elif now >= self._next_flush:
-            self.flush()
+            return True
+        return now >= self._next_flush
 
     def close(self) -> None:
         """Write the file a last time and not at exit: a run re-entered in place (trainer/in_place.py) has a new

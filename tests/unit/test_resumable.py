@@ -144,9 +144,12 @@ def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boun
     train(run, model, opt, 0, 3)
     assert run._deferred is not None and run._deferred.pending == 3
     rng_now = (lambda: torch.cuda.get_rng_state()) if device == "cuda" else torch.get_rng_state
-    at_boundary = (training_digest(model, opt), rng_now(), opt.param_groups[0]["lr"])
+    at_boundary = (training_digest(model, opt), rng_now(), opt.param_groups[0]["lr"], dict(run.extras))
     torch.rand(5, device=device)
     run.scheduler.step()  # type: ignore[union-attr]
+    opt.param_groups[0]["lr"] *= 3  # a loop that sets the lr itself before the next forward
+    run.extras["note"] = "changed after the boundary"
+    run.extras["added"] = [1]
     settled(run)
     if then == "forward":
         model(torch.randn(2, 4, device=device))
@@ -161,6 +164,7 @@ def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boun
     assert run2.restore() == 3 and run2.restored is not None and run2.restored.tier == "memory"
     assert training_digest(model2, opt2) == at_boundary[0]
     assert torch.equal(rng_now(), at_boundary[1]) and opt2.param_groups[0]["lr"] == at_boundary[2]
+    assert run2.extras == at_boundary[3]
 
 
 @pytest.mark.parametrize("options", [{"persist_every": 100}, {"persist_every": 3},
