@@ -40,7 +40,9 @@ class NextForward:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._work: list[Callable[[], None]] = []
-        self._hook = model.register_forward_hook(self._on_forward)
+        # A TorchScript module takes no hooks: its work waits for the other flush points.
+        self._hook = None if isinstance(model, torch.jit.ScriptModule) else model.register_forward_hook(
+            self._on_forward)
 
     def later(self, work: Callable[[], None]) -> None:
         self._work.append(work)
@@ -64,11 +66,14 @@ class NextForward:
         if torch.compiler.is_compiling():
             return
         if self._work:
-            self.flush()
+            with torch.inference_mode(False):  # an evaluation's forward: what a snapshot makes must be normal tensors
+                self.flush()
 
     def close(self) -> None:
         """Remove the hook, then run the waiting work (which may raise: the hook is gone either way)."""
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self.flush()
 
 

@@ -150,6 +150,7 @@ class Resumable:
                                          on_written=_save_hook())
         self._view = StateView(self.state, self.model, self.optimizer)
         self._later = NextForward(self.model)
+        self._beaten = False  # whether this process reported progress to its agent yet (step_done)
         """What step_done leaves until the next forward is queued (trainer/deferred.py)."""
         self._deferred = (DeferredSnapshots(self._later, self._finish_snapshot) if config.defer_snapshots and
                           DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded,
@@ -550,15 +551,21 @@ class Resumable:
         that write persists (the loop does not wait for a slow disk). Returns True if it persisted.
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
-        self._later.flush()  # what the step before left, if no forward ran since (a compiled one runs no hook)
-        if self.telemetry.step(step):
-            self._later.later(self.telemetry.flush)
+        flush_metrics = self.telemetry.step(step)
         self.step = step
-        # Lets elastic-run's agent tell a hung worker from a slow one (a file write now and then: off the boundary).
-        self._later.later(partial(worker.beat, step))
         if self.sampler is not None:
             self.sampler.advance(step)
         self._mark_live(step)
+        self._later.flush()  # what the step before left, if no forward ran since (a compiled one runs no hook)
+        if flush_metrics:
+            self._later.later(self.telemetry.flush)
+        # Lets elastic-run's agent tell a hung worker from a slow one: the first beat at once (until then the agent
+        # cannot judge this worker), the later ones (a file write now and then) off the boundary.
+        if self._beaten:
+            self._later.later(partial(worker.beat, step))
+        else:
+            self._beaten = True
+            worker.beat(step)
         fields: dict[str, Any] = {"step": step}
         if loss is not None:
             fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
@@ -588,8 +595,7 @@ class Resumable:
         Bounded: 4x the longest of the last waits (at least 1 s, at most SNAPSHOT_WAIT), so that a stuck
         checkpoint helper (its requests time out after 30 s) costs the loop that bound once per stuck request;
         a snapshot waited for in vain is not waited for again, and the writer skips snapshots meanwhile."""
-        self._later.flush()  # launched by now unless the step ran no forward (or a compiled one)
-        newest = self.checkpointer.newest_snapshot
+        newest = self.checkpointer.newest_snapshot  # step_done ran what the step before left, its snapshot too
         given_up = newest is not None and newest is self._stuck_snapshot
         longest = max(self._snapshot_waits, default=SNAPSHOT_WAIT / 4)  # no wait measured yet: SNAPSHOT_WAIT
         bound = timedelta(0) if given_up else min(SNAPSHOT_WAIT, max(timedelta(seconds=1), 4 * longest))
@@ -650,15 +656,16 @@ class Resumable:
     def _take_boundary(self, rng_state: dict[str, Any] | None = None) -> Callable[[], Boundary]:
         """`_boundary`, its values taken now and flattened when called: a deferred snapshot flattens them once
         the next forward is queued (trainer/deferred.py). What the loop may change in between is copied: the
-        extras (the caller's dict) and the param_groups (their lr); the rest is made anew here."""
+        extras (the caller's dict), the scheduler's and scaler's state (a user's object may return its own live
+        dict) and the param_groups (their lr); the RNG streams, the data position and the names are made anew."""
         setup.check_json_able(self.extras)
-        rest = self._tree(None, None, None, rng_state)
-        rest["extras"] = copy.deepcopy(self.extras)
+        names = self._param_names() if self.optimizer is not None else None
+        rest = self._tree(None, None, names, rng_state)
+        for key in ("scheduler", "scaler", "extras"):
+            rest[key] = copy.deepcopy(rest[key])
         groups = self._view.param_groups()
 
         def flattened() -> Boundary:
-            if self.optimizer is not None:
-                rest["param_names"] = self._param_names()
             return self._view.boundary(rest, groups)
 
         return flattened
@@ -689,9 +696,10 @@ class Resumable:
         self._checkpoint(step, persist=False)
 
     def _checkpoint(self, step: int, *, persist: bool, rng_state: dict[str, Any] | None = None) -> bool:
-        if self._deferred is not None and persist:  # the last step saved at teardown or below the minimum: once
-            self._deferred.drop(step)
-        self._later.flush()  # the snapshot of the step before first
+        if self._deferred is not None:
+            if persist:  # the last step saved at teardown or below the minimum: one copy of it, not two
+                self._deferred.drop(step)
+            self._deferred.flush()  # the snapshot of the step before first
         self._emit_digest(step, "save")
         save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
         return self._guarded(step, persist, lambda: save(step, self._checkpoint_state(rng_state)))

@@ -35,6 +35,11 @@ from ckpt.tree import Flat, flatten
 _DYNAMIC_MODEL = ("_state_dict_hooks", "_state_dict_pre_hooks")
 
 
+def _own(value: Any) -> Any:
+    """A group's value as it is now: a tensor (an lr a scheduler changes in place) is copied."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
 class _Now:
     """`StateView.boundary`'s default: the param_groups as they are when it is called."""
 
@@ -99,10 +104,10 @@ class StateView:
         if cache is not None and cache.plain_optimizer and _plain_optimizer(optimizer):
             groups = optimizer.param_groups
             if _param_key(groups) == cache.param_key:
-                return [{**{k: v for k, v in g.items() if k != "params"}, "params": indices}
+                return [{**{k: _own(v) for k, v in g.items() if k != "params"}, "params": indices}
                         for g, indices in zip(groups, cache.group_indices, strict=True)]
         groups_sd: list[dict[str, Any]] = optimizer.state_dict()["param_groups"]
-        return groups_sd
+        return [{k: _own(v) for k, v in g.items()} for g in groups_sd]
 
     def _rebuild(self, at: Boundary) -> Flat:
         """The full walk: the model's and optimizer's parts from `state()` now, the rest as `at` took it."""
@@ -272,6 +277,8 @@ def _plain(model: torch.nn.Module) -> bool:
     """Whether every module's state_dict() entries are its own parameters and persistent buffers, as they are."""
     base_save = torch.nn.Module._save_to_state_dict
     base_extra = torch.nn.Module.get_extra_state
+    if isinstance(model, torch.jit.ScriptModule):
+        return False  # its modules' parameters are C++ objects behind wrappers: always the full walk
     for module in model.modules():
         if type(module)._save_to_state_dict is not base_save or type(module).get_extra_state is not base_extra:
             return False

@@ -110,7 +110,8 @@ class Telemetry:
 
     def step(self, step: int) -> bool:
         """Step `step` completed (called first thing in Resumable.step_done). True: the file is due to be
-        written (`flush`; Resumable does it off the step boundary, trainer/deferred.py)."""
+        written (`flush`; Resumable does it off the step boundary, trainer/deferred.py); after the first step of a
+        (re)start it is written here."""
         if not self.on:
             return False
         # The hot path, kept to a clock read and a few attribute updates (bench/metrics_overhead.py).
@@ -130,10 +131,11 @@ class Telemetry:
             self.marks.append([step, self.productive])
             if len(self.marks) > _MAX_MARKS:
                 del self.marks[0]
-        if self._first_pending:
+        if self._first_pending:  # written at once: the agent's failure-to-first-step time
             self._first_pending = False
-            self.recorder.meta["first_step_at"] = self.recorder.wall()  # the agent's failure-to-first-step time
-            return True
+            self.recorder.meta["first_step_at"] = self.recorder.wall()
+            self.flush()
+            return False
         return now >= self._next_flush
 
     def close(self) -> None:

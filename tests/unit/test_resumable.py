@@ -167,6 +167,89 @@ def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boun
     assert run2.extras == at_boundary[3]
 
 
+class _Curriculum:
+    """A user's schedule whose state_dict() is its own live dict (a Resumable `scheduler`)."""
+
+    def __init__(self) -> None:
+        self.s: dict[str, Any] = {"seq_len": 128, "history": []}
+
+    def step(self) -> None:
+        self.s["seq_len"] += 128
+        self.s["history"].append(self.s["seq_len"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.s
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.s = dict(state)
+
+
+def test_a_deferred_snapshot_holds_the_boundarys_live_schedule_and_tensor_lr_and_survives_an_inference_forward(
+        tmp_path: Path, shm: Path) -> None:
+    # What the loop changes between step_done and the next forward, where a snapshot's rest runs: a schedule whose
+    # state_dict() is its live dict, an lr tensor changed in place; and that forward an evaluation's, under
+    # inference_mode (what the snapshot makes there must not be inference tensors: its writes failed).
+    def build() -> tuple[Resumable, nn.Module, torch.optim.Optimizer, _Curriculum]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1))
+        schedule = _Curriculum()
+        run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=1, persist_every=100, tier0_dir=shm),
+                        model=model, optimizer=opt, scheduler=schedule)  # type: ignore[arg-type]
+        _made.append(run)
+        return run, model, opt, schedule
+
+    run, model, opt, schedule = build()
+    run.restore()
+    for step in range(1, 4):
+        schedule.step()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        run.step_done(step)
+        settled(run)
+    at_boundary = (training_digest(model, opt), json.loads(json.dumps(schedule.s)), float(opt.param_groups[0]["lr"]))
+    schedule.step()
+    opt.param_groups[0]["lr"].mul_(3)
+    with torch.inference_mode():
+        model(torch.randn(2, 4))  # finishes step 3's snapshot
+    assert run._deferred is not None and run._deferred.pending is None
+    settled(run)
+    run.close()
+    assert run.checkpointer.last_error is None
+    run2, model2, opt2, schedule2 = build()
+    assert run2.restore() == 3 and run2.restored is not None and run2.restored.tier == "memory"
+    assert training_digest(model2, opt2) == at_boundary[0]
+    assert schedule2.s == at_boundary[1] and float(opt2.param_groups[0]["lr"]) == at_boundary[2]
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("mode", ["overlapped", "staged"])
+def test_a_torchscript_model_trains_snapshots_and_resumes(tmp_path: Path, shm: Path, mode: str) -> None:
+    # A ScriptModule takes no forward hook: step_done's deferred work waits for the other flush points.
+    def build() -> tuple[Resumable, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.jit.script(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1)))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=1, persist_every=100, tier0_dir=shm,
+                                        mode=mode), model=model, optimizer=opt)
+        _made.append(run)
+        return run, model, opt
+
+    run, model, opt = build()
+    run.restore()
+    for step in range(1, 4):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        run.step_done(step)
+        settled(run)
+    digest = training_digest(model, opt)
+    run.close()
+    run2, model2, opt2 = build()
+    assert run2.restore() == 3 and training_digest(model2, opt2) == digest
+
+
 @pytest.mark.parametrize("options", [{"persist_every": 100}, {"persist_every": 3},
                                      {"persist_every": 3, "mode": "staged"}],
                          ids=["snapshots", "with-persists", "staged-not-deferred"])
