@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ckpt import Checkpointer, CheckpointError
 from ckpt.peer_parts import Part
 from core.events import emit
+from trainer.errors import StateUnreachableError
 from trainer.topology import Topology, collective_device
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,26 @@ def send_missing_parts(checkpointer: Checkpointer, topology: Topology) -> bool:
         log.info("rank %d: kept %d part(s) of step %d sent by other ranks (tier 0)", topology.rank, kept, step)
         emit("ckpt_parts_received", step=step, parts=kept)
     return True
+
+
+def refuse_to_start_over(checkpointer: Checkpointer, topology: Topology, where: str) -> None:
+    """Collective. A sharded group that can agree on no step while some rank holds one (a node that joined,
+    or replaced a lost one, with an empty tier 1 and no shared tier) must not start over from step 0: that
+    would discard the state the others hold, and its new saves would mix with the old ones. Called once the
+    parts could not be sent over the group either (send_missing_parts). `where`: the checkpoint directory."""
+    steps = checkpointer.available_steps()
+    mine = steps[0] if steps else -1
+    newest = -topology.all_min(-mine)
+    if newest < 0:
+        return  # a fresh run
+    raise StateUnreachableError(
+        f"rank {topology.rank} of {topology.world_size}: no checkpoint step can be read by every rank "
+        f"(the newest some rank holds is step {newest}; this rank's newest is "
+        f"{'none' if mine < 0 else f'step {mine}'}, in {where} and this node's tier 0). The parts "
+        "a rank lacks go over the process group only when the group holds every part of a step between its "
+        "ranks and the ranks lacking them have a tier 0 to keep them in (elastic-run gives each node one); else "
+        "a new or replacement node reads them from the shared tier. Configure one (ResumeConfig.at(..., "
+        "shared_url=...)), or resume on the nodes that hold the parts; nothing was deleted")
 
 
 def _send(checkpointer: Checkpointer, me: int, step: int, send: Send) -> int:

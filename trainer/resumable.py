@@ -46,20 +46,19 @@ import os
 import secrets
 import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from functools import partial
 from types import TracebackType
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, PendingSave, Restored
+from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
 from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
 from core import faults
@@ -67,15 +66,17 @@ from core.events import emit
 from elastic import worker
 from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
-from trainer import in_place, part_transfer, regroup, rng, setup, sharding
+from trainer import apply_state, in_place, part_transfer, regroup, rng, setup, sharding
 from trainer.accumulate import accumulate
 from trainer.agree import agree_on_checkpoint
+from trainer.apply_state import Stateful
+from trainer.cadence import Cadence
 from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
 from trainer.ddp import release_process_group
 from trainer.deferred import DeferredSnapshots, NextForward
 from trainer.digest import state_digests_on, training_digest
-from trainer.errors import RoundChanged, StateUnreachableError
+from trainer.errors import RoundChanged
 from trainer.sharding import Layout
 from trainer.state_view import Boundary, StateView
 from trainer.telemetry import Telemetry
@@ -84,13 +85,6 @@ from trainer.validate import check_state, param_names
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_WAIT = timedelta(seconds=5)
-"""The most `step_done` waits for the previous tier-0 snapshot's publication before it takes the next."""
-
-
-class _Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
 class Resumable:
@@ -122,8 +116,8 @@ class Resumable:
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        scheduler: _Stateful | None = None,
-        scaler: _Stateful | None = None,
+        scheduler: Stateful | None = None,
+        scaler: Stateful | None = None,
         sampler: ElasticSampler | None = None,
         extras: dict[str, Any] | None = None,
         topology: Topology | None = None,
@@ -165,10 +159,7 @@ class Resumable:
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
         self._saved_step = -1
-        self._persist_owed = False
-        """A persist came due while the previous one was still being written: it goes at the next step."""
-        self._stuck_snapshot: PendingSave | None = None  # waited for in vain (_previous_snapshot_published)
-        self._snapshot_waits: deque[timedelta] = deque(maxlen=8)  # the last waits that ended in time
+        self._cadence = Cadence(config)  # which steps persist or snapshot (trainer/cadence.py)
         self._closed = False
         # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
         # has stepped past it, and the RNG streams at that step boundary.
@@ -233,8 +224,8 @@ class Resumable:
 
         caught = regroup.catch_up(
             self.topology, -1 if self._stepped else self._live_step, load_own=load_own,
-            apply_own=lambda r: self._apply(r.state, own_rank=True), state=self.state,
-            apply_peer=lambda state: self._apply(state, own_rank=False), has_own=self._has_own_checkpoint)
+            apply_own=lambda r: apply_state.whole(self, r.state, own_rank=True), state=self.state,
+            apply_peer=lambda state: apply_state.whole(self, state, own_rank=False), has_own=self._has_own_checkpoint)
         # One token per incarnation: commits never count a rank directory a crashed earlier
         # incarnation left behind (all_min of random numbers is a random number all ranks share).
         self.checkpointer.set_generation(f"{self.topology.all_min(secrets.randbits(62)):x}")
@@ -280,14 +271,14 @@ class Resumable:
                 self.topology, self.checkpointer.restore(),
                 check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
                                             sampler=self.sampler),
-                apply_own=lambda r: self._apply(r.state, own_rank=True),
-                apply_peer=lambda state: self._apply(state, own_rank=False))
+                apply_own=lambda r: apply_state.whole(self, r.state, own_rank=True),
+                apply_peer=lambda state: apply_state.whole(self, state, own_rank=False))
             if peer is not None:
                 return self._started(self._continue_from(*peer))
         if restored is None and self.sharded and part_transfer.send_missing_parts(self.checkpointer, self.topology):
             restored = agree()  # the parts some ranks lacked are in their tier 0 now
         if restored is None and self.sharded:
-            self._refuse_to_start_over()
+            part_transfer.refuse_to_start_over(self.checkpointer, self.topology, self.config.ckpt_dir)
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self._prepare()  # staging buffer allocated before the loop
@@ -296,9 +287,9 @@ class Resumable:
             self._mark_live(0)
             return self._started(0)
         if template is not None:
-            self._apply_sharded(restored)
+            apply_state.sharded(self, restored)
         else:
-            self._apply(restored.state, own_rank=restored.own)
+            apply_state.whole(self, restored.state, own_rank=restored.own)
         self.restored = restored
         emit("restored", step=restored.step, tier=restored.tier, source_rank=restored.rank, path=restored.path)
         self._prepare()
@@ -314,25 +305,6 @@ class Resumable:
         self._mark_live(restored.step)
         return self._started(restored.step)
 
-    def _refuse_to_start_over(self) -> None:
-        """Collective. A sharded group that can agree on no step while some rank holds one (a node that joined,
-        or replaced a lost one, with an empty tier 1 and no shared tier) must not start over from step 0: that
-        would discard the state the others hold, and its new saves would mix with the old ones. Called once the
-        parts could not be sent over the group either (trainer/part_transfer.py)."""
-        steps = self.checkpointer.available_steps()
-        mine = steps[0] if steps else -1
-        newest = -self.topology.all_min(-mine)
-        if newest < 0:
-            return  # a fresh run
-        raise StateUnreachableError(
-            f"rank {self.topology.rank} of {self.topology.world_size}: no checkpoint step can be read by every rank "
-            f"(the newest some rank holds is step {newest}; this rank's newest is "
-            f"{'none' if mine < 0 else f'step {mine}'}, in {self.config.ckpt_dir} and this node's tier 0). The parts "
-            "a rank lacks go over the process group only when the group holds every part of a step between its "
-            "ranks and the ranks lacking them have a tier 0 to keep them in (elastic-run gives each node one); else "
-            "a new or replacement node reads them from the shared tier. Configure one (ResumeConfig.at(..., "
-            "shared_url=...)), or resume on the nodes that hold the parts; nothing was deleted")
-
     def _prepare(self) -> None:
         """The staging buffer or tier-0 slots mapped (and page-locked for CUDA state) before the loop, timed."""
         started = time.monotonic()
@@ -346,53 +318,6 @@ class Resumable:
         self.telemetry.resumed(step, self.restored)
         faults.fire("step", step)  # the fault point before the first step this incarnation runs
         return step
-
-    def _apply(self, state: Mapping[str, Any], *, own_rank: bool) -> None:
-        # `state` passed check_state (in the agreement): nothing below is expected to fail half-way.
-        self.model.load_state_dict(state["model"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            _own_cpu_tensors(self.optimizer)
-        self._apply_rest(state)
-        if own_rank:
-            rng.restore(state["rng"])
-        else:
-            rng.derive(state["rng"], self.topology.rank)
-            log.info("rank %d has no checkpoint file of its own in %s (the world size grew, or it moved to "
-                     "another node); its RNG streams are derived from rank 0's and its rank",
-                     self.topology.rank, self.config.ckpt_dir)
-
-    def _apply_sharded(self, restored: Restored) -> None:
-        state = restored.state
-        sharding.load(self.model, self.optimizer, state)
-        if self.optimizer is not None:
-            _own_cpu_tensors(self.optimizer)
-        self._apply_rest(state)
-        saved = state.get("layout")
-        # The TP peers of one data-parallel rank must keep drawing alike: all ranks decide together.
-        if self.topology.all_min(int(restored.own and saved == self.layout.record())):
-            rng.restore(state["rng"])
-            return
-        t = self.topology
-        shared = t.all_min(rng.fingerprint(state["rng"]) if t.rank == 0 else 2**63 - 1)  # rank 0's, to all
-        rng.derive_from(shared, self.layout.dp_rank)
-        if t.rank == 0:
-            log.info("layout %s -> %s: RNG streams derived per data-parallel rank from rank 0's saved state",
-                     saved, self.layout.record())
-
-    def _apply_rest(self, state: Mapping[str, Any]) -> None:
-        if self.sampler is not None:
-            self.sampler.load_state_dict(state["data"])
-        for name, obj in (("scheduler", self.scheduler), ("scaler", self.scaler)):
-            saved = state.get(name)
-            if obj is None:
-                continue
-            if not saved:  # absent, or a disabled GradScaler's empty state
-                if obj.state_dict():
-                    log.warning("the checkpoint has no %s state; this run's %s starts fresh", name, name)
-                continue
-            obj.load_state_dict(saved)
-        self.extras.update(state.get("extras") or {})  # in place: the caller's dict
 
     # -- in-process re-formation (trainer/regroup.py, elastic/reform.py) ----------------------------
 
@@ -421,7 +346,7 @@ class Resumable:
         if round_.stop:
             self._stop_below_minimum(round_.stop)
         self._regroup(round_.rank, round_.world_size)
-        self._persist_owed = False  # as a new worker of the round starts: every rank calls _disk_behind alike
+        self._cadence.persist_owed = False  # as a new worker of the round starts: every rank decides alike
         caught = self._join_group()
         step = caught if caught is not None else self._restore_from_checkpoints()
         self.telemetry.resumed(step, None)  # metrics: steps after `step` are recomputed; the next is the first
@@ -453,27 +378,6 @@ class Resumable:
             log.warning("rank %d: a save's copy did not finish before a re-formation: %s", self.topology.rank, exc)
         self.telemetry.close()  # the next incarnation's takes over its file
         raise in_place.Reentry(started, closing=self.checkpointer)
-
-    def _disk_behind(self, step: int) -> bool:
-        """Whether the persist due at `step` waits for a later step: with tier-0 snapshots between persists, a
-        loop does not stall for a disk slower than its cadence (the previous tier-1 write still going); the step
-        is snapshotted instead and the first step after that write persists. Every rank decides alike (one
-        small all-reduce on these steps only): a step commits once every rank has written it."""
-        if self.config.snapshot_every >= self.config.persist_interval:
-            return False  # no snapshots between persists (the same on every rank): a persist as before
-        busy = int(self.checkpointer.has_tier0 and self.checkpointer.persisting)
-        try:
-            behind = -self.topology.all_min(-busy) == 1
-        except RuntimeError as exc:  # the group is failing (a peer lost): the next step's collective re-forms it
-            log.warning("rank %d: could not agree on postponing step %d's persist (%s); persisting it",
-                        self.topology.rank, step, exc)
-            return False
-        if behind and not self._persist_owed:
-            log.info("rank %d: step %d is due on disk while a tier-1 write still runs; it goes to tier 0 now and "
-                     "the first step after that write is persisted", self.topology.rank, step)
-            emit("persist_postponed", step=step)
-            self._persist_owed = True  # cleared by the persist that pays it
-        return behind
 
     def _stop_below_minimum(self, why: str) -> NoReturn:
         """The job stops: too few nodes are left (the agent's round says why). Persist the step held in memory
@@ -570,14 +474,16 @@ class Resumable:
         if loss is not None:
             fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
         emit("step", **fields)
-        due = step % self.config.persist_interval == 0
-        saved = (due or self._persist_owed) and not self._disk_behind(step)
+        saved = self._cadence.persists(step, self.checkpointer, self.topology)
         if saved:
-            self._persist_owed = False
+            self._cadence.persist_owed = False
             if self._checkpoint(step, persist=True, rng_state=self._boundary_rng):
                 self._saved_step = step
-        elif self.checkpointer.has_tier0 and (due or step % self.config.snapshot_every == 0):
-            self._previous_snapshot_published(step)
+        elif self._cadence.snapshots(step, self.checkpointer):
+            # The snapshot before published first: a kill from here on loses `step` at most (trainer/cadence.py).
+            # A deferred one was launched in this step's forward (its copies overlap the step); one still
+            # checksumming after a step means the node cannot keep up, and the loop runs at the checksum's pace.
+            self._cadence.wait_for_previous_snapshot(self.checkpointer)
             if self._deferred is not None:  # its rest once the next forward is queued (trainer/deferred.py)
                 self._emit_digest(step, "save")
                 self._deferred.defer(step, self._take_boundary(self._boundary_rng), self.checkpointer.mark())
@@ -585,30 +491,6 @@ class Resumable:
                 self._checkpoint(step, persist=False, rng_state=self._boundary_rng)
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
-
-    def _previous_snapshot_published(self, step: int) -> None:
-        """Wait until the snapshot before `step`'s is in tier 0, so that a kill from here to the next
-        snapshot's publication loses `step` at most. A deferred one was launched in this step's forward (its
-        copies overlap the step); one still checksumming after a step means the node cannot keep up with a
-        snapshot every step, and the loop runs at the checksum's pace rather than lose two steps to a kill.
-
-        Bounded: 4x the longest of the last waits (at least 1 s, at most SNAPSHOT_WAIT), so that a stuck
-        checkpoint helper (its requests time out after 30 s) costs the loop that bound once per stuck request;
-        a snapshot waited for in vain is not waited for again, and the writer skips snapshots meanwhile."""
-        newest = self.checkpointer.newest_snapshot  # step_done ran what the step before left, its snapshot too
-        given_up = newest is not None and newest is self._stuck_snapshot
-        longest = max(self._snapshot_waits, default=SNAPSHOT_WAIT / 4)  # no wait measured yet: SNAPSHOT_WAIT
-        bound = timedelta(0) if given_up else min(SNAPSHOT_WAIT, max(timedelta(seconds=1), 4 * longest))
-        started = time.monotonic()
-        if self.checkpointer.wait_snapshot(bound):
-            self._stuck_snapshot = None
-            if not given_up:
-                self._snapshot_waits.append(timedelta(seconds=time.monotonic() - started))
-        elif not given_up:
-            self._stuck_snapshot = newest
-            log.warning("the tier-0 snapshot of step %s is still being published after %g s (is the node's "
-                        "checkpoint helper stuck?): snapshots are skipped until it is done",
-                        newest.step if newest is not None else "?", bound.total_seconds())
 
     # -- save ------------------------------------------------------------------------------------
 
@@ -688,7 +570,7 @@ class Resumable:
         then CheckpointSaveError (naming the directory and the cause) stops the job."""
         if self._checkpoint(step, persist=True):
             self._saved_step = step
-            self._persist_owed = False
+            self._cadence.persist_owed = False
 
     def snapshot(self, step: int) -> None:
         """Snapshot this rank's state for `step` into tier 0 only (host memory; ckpt/tier0.py); failures
@@ -816,14 +698,3 @@ def _save_hook() -> Callable[[int], None] | None:
 def _rank_saved(step: int) -> None:
     # On the writer thread, once this rank's files of `step` are written, before the commit.
     faults.fire("save", step)
-
-
-def _own_cpu_tensors(optimizer: torch.optim.Optimizer) -> None:
-    """Give the optimizer's CPU state tensors memory of their own. A restore hands the state over without
-    copying it out of tier 0 (`detach=False`: the slot's read-only mapping, rewritten by this rank's second
-    save after it); the model's load copies, and so does the optimizer's for a GPU parameter, but it keeps
-    a CPU tensor as loaded (a CPU model's moments; AdamW's step counts)."""
-    for per_param in optimizer.state.values():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-                per_param[key] = value.clone()

@@ -112,7 +112,7 @@ def test_a_restore_from_tier_0_without_a_copy_resumes_bitwise_through_the_saves_
         tmp_path: Path, shm: Path) -> None:
     # The trainer restores from host memory without copying the state out of the slot (a copy-on-write
     # mapping of it); the second save after the restore rewrites that slot. The optimizer's CPU state, which
-    # its load keeps as given, gets memory of its own (Resumable._apply).
+    # its load keeps as given, gets memory of its own (trainer/apply_state.py).
     ref_run, ref_model, ref_opt, _ = make(tmp_path / "ref")
     ref_losses = train(ref_run, ref_model, ref_opt, 0, 8)
     run, model, opt, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
@@ -293,7 +293,7 @@ def test_a_stuck_publication_is_waited_for_once_then_the_loop_goes_on_skipping_s
     import threading  # noqa: PLC0415
 
     import ckpt.writer  # noqa: PLC0415
-    import trainer.resumable  # noqa: PLC0415
+    import trainer.cadence  # noqa: PLC0415
 
     checksum, gate = ckpt.writer.snapshot_manifest, threading.Event()
 
@@ -303,7 +303,7 @@ def test_a_stuck_publication_is_waited_for_once_then_the_loop_goes_on_skipping_s
         return checksum(*args, **kwargs)
 
     monkeypatch.setattr(ckpt.writer, "snapshot_manifest", stuck_at_step_3)
-    monkeypatch.setattr(trainer.resumable, "SNAPSHOT_WAIT", timedelta(seconds=0.2))
+    monkeypatch.setattr(trainer.cadence, "SNAPSHOT_WAIT", timedelta(seconds=0.2))
     run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
     waits: list[float] = []
     wait_snapshot = run.checkpointer.wait_snapshot
@@ -377,7 +377,7 @@ def test_a_persist_is_postponed_on_every_rank_when_any_rank_s_disk_is_behind(tmp
         opt.step()
         assert run.step_done(step) is False, step  # 2 due, 3 owed: the other rank's disk is still behind
         assert not run.checkpointer.persisting  # this rank's own disk is idle
-    assert run._persist_owed
+    assert run._cadence.persist_owed
     run.close()
     assert not list((tmp_path / "ckpt").glob("step_*"))
 
