@@ -167,6 +167,31 @@ def test_a_snapshot_finished_after_the_step_boundary_holds_the_state_of_the_boun
     assert run2.extras == at_boundary[3]
 
 
+def test_the_first_beat_is_at_once_a_later_one_waits_for_the_next_forward_and_finish_comes_last(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # step_done leaves the progress beat (a file write) until the next forward is queued (trainer/deferred.py),
+    # except the first: until a worker beats once, its agent cannot judge it hung.
+    from elastic import progress  # noqa: PLC0415
+
+    monkeypatch.setenv(progress.ENV_DIR, str(tmp_path / "progress"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(progress, "_last_beat", 0.0)
+    monkeypatch.setattr(progress, "_MIN_INTERVAL_S", 0.0)
+    (tmp_path / "progress").mkdir()
+    beat_file = tmp_path / "progress" / "local_rank_0"
+    run, model, opt, _ = make(tmp_path, every=100)
+    run.restore()
+    train(run, model, opt, 0, 1)
+    assert beat_file.read_text() == "1"  # the first: at once
+    train(run, model, opt, 1, 2)
+    assert beat_file.read_text() == "1"  # step 2's waits ...
+    model(torch.randn(2, 4))
+    assert beat_file.read_text() == "2"  # ... for the next forward
+    train(run, model, opt, 2, 3)
+    run.close()
+    assert beat_file.read_text() == "finished"  # step 3's beat ran before it
+
+
 class _Curriculum:
     """A user's schedule whose state_dict() is its own live dict (a Resumable `scheduler`)."""
 
