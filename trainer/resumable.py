@@ -144,8 +144,8 @@ class Resumable:
                                          on_written=_save_hook())
         self._view = StateView(self.state, self.model, self.optimizer)
         self._later = NextForward(self.model)
-        self._beaten = False  # whether this process reported progress to its agent yet (step_done)
         """What step_done leaves until the next forward is queued (trainer/deferred.py)."""
+        self._beaten = False  # whether this process reported progress to its agent yet (step_done)
         self._deferred = (DeferredSnapshots(self._later, self._finish_snapshot) if config.defer_snapshots and
                           DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded,
                                                     tier0=self.checkpointer.has_tier0) else None)
