@@ -41,9 +41,13 @@ class Cadence:
         self._waits: deque[timedelta] = deque(maxlen=8)  # the last waits that ended in time
 
     def persists(self, step: int, checkpointer: Checkpointer, topology: Topology) -> bool:
-        """Whether `step` persists (collective on the steps where a persist is due or owed)."""
+        """Whether `step` persists (collective on the steps where a persist is due or owed); a persist owed is
+        paid by it."""
         due = step % self._persist_every == 0
-        return (due or self.persist_owed) and not self._disk_behind(step, checkpointer, topology)
+        if (due or self.persist_owed) and not self._disk_behind(step, checkpointer, topology):
+            self.persist_owed = False
+            return True
+        return False
 
     def snapshots(self, step: int, checkpointer: Checkpointer) -> bool:
         """Whether `step`, not persisted, goes to tier 0."""

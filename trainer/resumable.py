@@ -86,7 +86,6 @@ from trainer.validate import check_state, param_names
 log = logging.getLogger(__name__)
 
 
-
 class Resumable:
     """Restores the newest good checkpoint at start and saves every `save_every` steps.
 
@@ -371,6 +370,7 @@ class Resumable:
         if round_.stop:
             self._stop_below_minimum(round_.stop)
         self._closed = True
+        self._later.close()  # its hook off the old model (reform ran what the last step left)
         self._unhook()
         try:  # its copies done (nothing reads the model after this); run_elastic closes it once the group is joined
             self.checkpointer.wait_staged()
@@ -476,7 +476,6 @@ class Resumable:
         emit("step", **fields)
         saved = self._cadence.persists(step, self.checkpointer, self.topology)
         if saved:
-            self._cadence.persist_owed = False
             if self._checkpoint(step, persist=True, rng_state=self._boundary_rng):
                 self._saved_step = step
         elif self._cadence.snapshots(step, self.checkpointer):
@@ -650,10 +649,6 @@ class Resumable:
             raise unfinished
 
     def _unhook(self) -> None:
-        try:
-            self._later.close()  # after close()'s own, nothing is left to run
-        except Exception as exc:  # noqa: BLE001 - a re-entry goes on without that snapshot
-            log.warning("rank %d: work left from the last step failed: %s", self.topology.rank, exc)
         for hook in self._hooks:
             hook.remove()
         if self.sampler is not None and self.sampler.sample_log is not None:
