@@ -22,7 +22,13 @@ Variants (bench/goodput_worker.py runs each; same model, seed, data and steps):
 Probes (not in the issue's table): ours_tier0_1_tier1_10_at_boundary (ResumeConfig.defer_snapshots=False);
   ours_tier0_1_tier1_10_gil100us and none_gil100us (sys.setswitchinterval(1e-4) in the worker: how much
   Python's 5 ms GIL hand-over costs the training thread when other threads run Python);
-  ours_tier0_1_tier1_10_restart_mode (elastic-run --reform restart: no round watcher, no warm spare).
+  ours_tier0_1_tier1_10_restart_mode (elastic-run --reform restart: no round watcher, no warm spare);
+  ours_tier0_1_no_tier1 (tier 0 every step, tier 1 every 1000 steps: within a run's 111 only at its end, so the
+  every-step snapshot's cost without the tier-1 writes).
+Floors (CUDA only; skipped on CPU): floor_tensors_1, floor_graph_1 and floor_gather_1 copy the model's and
+  optimizer's device tensors into page-locked host memory after every step on a side stream, nothing else
+  (goodput_worker.Floor): one copy per tensor, the same copies replayed from a CUDA graph, or one
+  device-to-device gather then one copy; the floor the issue's 0.995 came from, measured beside the others.
 Per step of every variant, `between_steps_s`: from the end of a step (after its device sync) to the start of
 the next step's train_step, the loop's own time while the device waits (step_done, the data, the loop).
 Each variant runs in a fresh process per round, under `--launcher`: elastic-run (--standalone,
@@ -116,6 +122,10 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_gil100us": Variant("ours", 1, 10, switch_interval=1e-4),
     "none_gil100us": Variant("none", switch_interval=1e-4),
     "ours_tier0_1_tier1_10_restart_mode": Variant("ours", 1, 10, launcher_args=("--reform", "restart")),
+    "ours_tier0_1_no_tier1": Variant("ours", 1, 1000),
+    "floor_tensors_1": Variant("floor_tensors", 1),
+    "floor_gather_1": Variant("floor_gather", 1),
+    "floor_graph_1": Variant("floor_graph", 1),
     "dcp_async_thread_10": Variant("dcp_thread", 10),
     "dcp_async_process_10": Variant("dcp_process", 10),
     "torch_save_50": Variant("torch_save", 50),
