@@ -24,7 +24,8 @@ Probes (not in the issue's table): ours_tier0_1_tier1_10_at_boundary (ResumeConf
   Python's 5 ms GIL hand-over costs the training thread when other threads run Python);
   ours_tier0_1_tier1_10_restart_mode (elastic-run --reform restart: no round watcher, no warm spare);
   ours_tier0_1_no_tier1 (tier 0 every step, tier 1 every 1000 steps: within a run's 111 only at its end, so the
-  every-step snapshot's cost without the tier-1 writes).
+  every-step snapshot's cost without the tier-1 writes); ours_tier0_1_tier1_10_persist2 (the node helper's
+  tier-1 pool with 2 threads instead of the snapshot pool's 4-8: gentler beside the every-step checksums).
 Floors (CUDA only; skipped on CPU): floor_tensors_1, floor_graph_1 and floor_gather_1 copy the model's and
   optimizer's device tensors into page-locked host memory after every step on a side stream, nothing else
   (goodput_worker.Floor): one copy per tensor, the same copies replayed from a CUDA graph, or one
@@ -105,6 +106,8 @@ class Variant:
     """the worker's sys.setswitchinterval (0: Python's 5 ms)"""
     launcher_args: tuple[str, ...] = ()
     """more elastic-run flags (the other launchers ignore them)"""
+    env: tuple[tuple[str, str], ...] = ()
+    """more environment for the launcher and the worker (a probe of a setting that has no flag)"""
 
     @property
     def tier0(self) -> bool:
@@ -123,6 +126,7 @@ VARIANTS = {
     "none_gil100us": Variant("none", switch_interval=1e-4),
     "ours_tier0_1_tier1_10_restart_mode": Variant("ours", 1, 10, launcher_args=("--reform", "restart")),
     "ours_tier0_1_no_tier1": Variant("ours", 1, 1000),
+    "ours_tier0_1_tier1_10_persist2": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_THREADS", "2"),)),
     "floor_tensors_1": Variant("floor_tensors", 1),
     "floor_gather_1": Variant("floor_gather", 1),
     "floor_graph_1": Variant("floor_graph", 1),
@@ -598,7 +602,7 @@ def events_dir_in_memory() -> Iterator[Path]:
 
 def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
-    env: dict[str, str | None] = {"ELASTIC_FAULTS": None}
+    env: dict[str, str | None] = {"ELASTIC_FAULTS": None, **dict(variant.env)}
     with events_dir_in_memory() as events_dir:
         env["ELASTIC_EVENTS_DIR"] = str(events_dir)
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, args.steps), env, restarts=0,
@@ -623,7 +627,8 @@ def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, varian
     faults = json.dumps([{"point": "step", "step": kill_step, "action": "sigkill"}])
     steps = kill_step + args.steps_after_kill
     with events_dir_in_memory() as events_dir:
-        env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults}
+        env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults,
+                                      **dict(variant.env)}
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, steps), env, restarts=1,
                            timeout=args.run_timeout)
         events = read_events(str(events_dir))

@@ -81,7 +81,8 @@ class Helper:
         # Two pools: a snapshot's publish (the next snapshot and any tier-1 save wait for it) never queues
         # behind a tier-1 file's sha256 or a replica's verification.
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-sum")
-        self.persist_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-persist")
+        self.persist_pool = ThreadPoolExecutor(max_workers=persist_threads(threads),
+                                               thread_name_prefix="helper-persist")
         self.images = _Images()
         self.sender = ReplicaSender(path.parent)
         self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}
@@ -224,6 +225,13 @@ def default_threads() -> int:
     """Checksum threads per pool: 4, and up to 8 on hosts with the cores (a 1.2 GB snapshot's sum64 took
     45 ms with 4 and 30 ms with 8 on an H200 host's 16 cores; it runs every step, beside training)."""
     return max(4, min(8, (os.cpu_count() or 1) // 2))
+
+
+def persist_threads(threads: int) -> int:
+    """Threads of the tier-1 and replica pool: $ELASTIC_HELPER_PERSIST_THREADS, else `threads` (a probe of
+    bench/goodput_bench.py: a tier-1 write has the steps until the next persist to finish)."""
+    value = os.environ.get("ELASTIC_HELPER_PERSIST_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else threads
 
 
 class _GaveUp(Exception):

@@ -109,3 +109,17 @@ def test_check_compatible_lists_every_offending_key() -> None:
     assert "b: checkpoint (4,) torch.float16, model (4,) torch.float32" in text
     assert isinstance(err, ValueError)
     check_compatible({"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)})  # fits: no error
+
+
+def test_helper_persist_pool_size_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$ELASTIC_HELPER_PERSIST_THREADS sizes the node helper's tier-1 pool (a goodput probe); unset or not a
+    positive number, it is the snapshot pool's size."""
+    from ckpt.helper_process import persist_threads
+
+    monkeypatch.delenv("ELASTIC_HELPER_PERSIST_THREADS", raising=False)
+    assert persist_threads(6) == 6
+    for bad in ("", "0", "-2", "two"):
+        monkeypatch.setenv("ELASTIC_HELPER_PERSIST_THREADS", bad)
+        assert persist_threads(6) == 6, bad
+    monkeypatch.setenv("ELASTIC_HELPER_PERSIST_THREADS", "2")
+    assert persist_threads(6) == 2
