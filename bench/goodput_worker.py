@@ -481,7 +481,7 @@ class Floor:
     dtype), then one device-to-host copy of it (the optimizer waits only for the first)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, how: str) -> None:
-        self.model, self.optimizer, self.gather, self.how = model, optimizer, how == "gather", how
+        self.model, self.optimizer, self.how = model, optimizer, how
         self.graph: torch.cuda.CUDAGraph | None = None
         self.srcs: list[torch.Tensor] = []
         self.stream = torch.cuda.Stream()
@@ -497,8 +497,9 @@ class Floor:
             offsets.append(total)
             total += -(-t.numel() * t.element_size() // 16) * 16
         self.host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        self.bounce = torch.empty(total, dtype=torch.uint8, device=self.srcs[0].device) if self.gather else None
-        into = self.bounce if self.gather else self.host
+        self.bounce = (torch.empty(total, dtype=torch.uint8, device=self.srcs[0].device) if self.how == "gather"
+                       else None)
+        into = self.bounce if self.bounce is not None else self.host
         views = [into[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                  for o, t in zip(offsets, self.srcs, strict=True)]
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
