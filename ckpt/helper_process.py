@@ -227,11 +227,18 @@ def default_threads() -> int:
     return max(4, min(8, (os.cpu_count() or 1) // 2))
 
 
+def env_count(name: str, default: int) -> int:
+    """$name when it is a positive whole number, else `default`: the probes of bench/goodput_bench.py
+    ($ELASTIC_HELPER_THREADS, $ELASTIC_HELPER_PERSIST_THREADS, $ELASTIC_HELPER_NICE) reach the helper through
+    the agent's environment."""
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() and int(value) > 0 else default
+
+
 def persist_threads(threads: int) -> int:
-    """Threads of the tier-1 and replica pool: $ELASTIC_HELPER_PERSIST_THREADS, else `threads` (a probe of
-    bench/goodput_bench.py: a tier-1 write has the steps until the next persist to finish)."""
-    value = os.environ.get("ELASTIC_HELPER_PERSIST_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else threads
+    """Threads of the tier-1 and replica pool: $ELASTIC_HELPER_PERSIST_THREADS, else `threads` (a tier-1 write has
+    the steps until the next persist to finish)."""
+    return env_count("ELASTIC_HELPER_PERSIST_THREADS", threads)
 
 
 class _GaveUp(Exception):
@@ -266,10 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckpt.helper_process", description=__doc__.split("\n")[0])
     parser.add_argument("--socket", type=Path, required=True, help="the socket to listen on")
     parser.add_argument("--parent", type=int, default=None, help="exit when this process is no longer our parent")
-    parser.add_argument("--threads", type=int, default=None, help="checksum threads per pool (default: 4-8 by cores)")
+    parser.add_argument("--threads", type=int, default=env_count("ELASTIC_HELPER_THREADS", 0) or None,
+                        help="checksum threads per pool (default: $ELASTIC_HELPER_THREADS, else 4-8 by cores)")
     parser.add_argument("--replica-fd", type=int, default=None,
                         help="an inherited listening TCP socket for other nodes' replicas (ckpt/replica.py)")
-    parser.add_argument("--nice", type=int, default=NICE, help=f"added to the CPU niceness (default {NICE})")
+    parser.add_argument("--nice", type=int, default=env_count("ELASTIC_HELPER_NICE", NICE),
+                        help=f"added to the CPU niceness (default: $ELASTIC_HELPER_NICE, else {NICE})")
     args = parser.parse_args(argv)
     if args.nice > 0:
         os.nice(args.nice)

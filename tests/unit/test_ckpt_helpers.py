@@ -113,8 +113,8 @@ def test_check_compatible_lists_every_offending_key() -> None:
 
 def test_helper_persist_pool_size_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """$ELASTIC_HELPER_PERSIST_THREADS sizes the node helper's tier-1 pool (a goodput probe); unset or not a
-    positive number, it is the snapshot pool's size."""
-    from ckpt.helper_process import persist_threads
+    positive number, it is the snapshot pool's size. The other settings' variables read alike (env_count)."""
+    from ckpt.helper_process import env_count, persist_threads
 
     monkeypatch.delenv("ELASTIC_HELPER_PERSIST_THREADS", raising=False)
     assert persist_threads(6) == 6
@@ -123,3 +123,5 @@ def test_helper_persist_pool_size_from_the_environment(monkeypatch: pytest.Monke
         assert persist_threads(6) == 6, bad
     monkeypatch.setenv("ELASTIC_HELPER_PERSIST_THREADS", "2")
     assert persist_threads(6) == 2
+    monkeypatch.setenv("ELASTIC_HELPER_NICE", "19")
+    assert env_count("ELASTIC_HELPER_NICE", 10) == 19
