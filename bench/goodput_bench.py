@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in names:
         spec = VARIANTS[name]
         variants[name] = {"kind": spec.kind, "save_every": spec.save_every, "persist_every": spec.persist_every or None,
-                          "rounds": []}
+                          **({"env": dict(spec.env)} if spec.env else {}), "rounds": []}
         if spec.tier0 and no_tier0:
             variants[name]["skipped"] = no_tier0
     started = time.perf_counter()
