@@ -227,12 +227,12 @@ def default_threads() -> int:
     return max(4, min(8, (os.cpu_count() or 1) // 2))
 
 
-def env_count(name: str, default: int) -> int:
-    """$name when it is a positive whole number, else `default`: the probes of bench/goodput_bench.py
+def env_count(name: str, default: int, *, minimum: int = 1) -> int:
+    """$name when it is a whole number >= `minimum`, else `default`: the probes of bench/goodput_bench.py
     ($ELASTIC_HELPER_THREADS, $ELASTIC_HELPER_PERSIST_THREADS, $ELASTIC_HELPER_NICE) reach the helper through
     the agent's environment."""
     value = os.environ.get(name, "")
-    return int(value) if value.isdigit() and int(value) > 0 else default
+    return int(value) if value.isdigit() and int(value) >= minimum else default
 
 
 def persist_threads(threads: int) -> int:
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="checksum threads per pool (default: $ELASTIC_HELPER_THREADS, else 4-8 by cores)")
     parser.add_argument("--replica-fd", type=int, default=None,
                         help="an inherited listening TCP socket for other nodes' replicas (ckpt/replica.py)")
-    parser.add_argument("--nice", type=int, default=env_count("ELASTIC_HELPER_NICE", NICE),
+    parser.add_argument("--nice", type=int, default=env_count("ELASTIC_HELPER_NICE", NICE, minimum=0),
                         help=f"added to the CPU niceness (default: $ELASTIC_HELPER_NICE, else {NICE})")
     args = parser.parse_args(argv)
     if args.nice > 0:

@@ -124,4 +124,6 @@ def test_helper_persist_pool_size_from_the_environment(monkeypatch: pytest.Monke
     monkeypatch.setenv("ELASTIC_HELPER_PERSIST_THREADS", "2")
     assert persist_threads(6) == 2
     monkeypatch.setenv("ELASTIC_HELPER_NICE", "19")
-    assert env_count("ELASTIC_HELPER_NICE", 10) == 19
+    assert env_count("ELASTIC_HELPER_NICE", 10, minimum=0) == 19
+    monkeypatch.setenv("ELASTIC_HELPER_NICE", "0")
+    assert env_count("ELASTIC_HELPER_NICE", 10, minimum=0) == 0
