@@ -455,12 +455,14 @@ class Resumable:
         that write persists (the loop does not wait for a slow disk). Returns True if it persisted.
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
+        # What the step before left, if no forward ran since (a compiled or scripted one runs no hook); first, so
+        # that a metrics write it holds is done before the telemetry judges the next one due.
+        self._later.flush()
         flush_metrics = self.telemetry.step(step)
         self.step = step
         if self.sampler is not None:
             self.sampler.advance(step)
         self._mark_live(step)
-        self._later.flush()  # what the step before left, if no forward ran since (a compiled one runs no hook)
         if flush_metrics:
             self._later.later(self.telemetry.flush)
         # Lets elastic-run's agent tell a hung worker from a slow one: the first beat at once (until then the agent

@@ -40,13 +40,6 @@ def _own(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-class _Now:
-    """`StateView.boundary`'s default: the param_groups as they are when it is called."""
-
-
-NOW = _Now()
-
-
 class StateView:
     """See the module docstring. `full()` is `Resumable.state()`; `model`/`optimizer` are what it saves."""
 
@@ -59,13 +52,11 @@ class StateView:
         self.rebuilds = 0
         """Full walks (for tests: 1 while nothing changes)."""
 
-    def boundary(self, rest: dict[str, Any], groups: list[dict[str, Any]] | None | _Now = NOW) -> Boundary:
+    def boundary(self, rest: dict[str, Any], groups: list[dict[str, Any]] | None) -> Boundary:
         """What of the state the next step changes, flattened: `rest` is the state without "model" and
         "optimizer" (in its key order, with placeholders None for those two); `groups` the optimizer's
-        param_groups as `param_groups()` took them at the boundary (default: taken now)."""
+        param_groups as `param_groups()` took them at the boundary."""
         tensors, skeleton = flatten({k: v for k, v in rest.items() if k not in ("model", "optimizer")})
-        if isinstance(groups, _Now):
-            groups = self.param_groups()
         group_tensors, group_skeleton = ({}, None) if groups is None else flatten(
             {"optimizer": {"param_groups": groups}})
         return Boundary(list(rest), tensors, skeleton, groups, group_tensors,
@@ -74,7 +65,7 @@ class StateView:
     def flat(self, rest: dict[str, Any] | Boundary) -> Flat:
         """The flattened state; `rest` as for `boundary`, or what `boundary` took earlier (then the model's and
         the optimizer's tensors are taken now: nothing but the optimizer's step may have changed them)."""
-        at = rest if isinstance(rest, Boundary) else self.boundary(rest)
+        at = rest if isinstance(rest, Boundary) else self.boundary(rest, self.param_groups())
         optimizer = self._optimizer
         cache = self._cache
         if cache is None or not cache.holds(self._model, optimizer):

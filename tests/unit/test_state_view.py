@@ -107,7 +107,7 @@ def test_the_boundary_taken_before_a_scheduler_step_and_rng_draws_is_what_flat_g
         job.train()
         job.check()
     before = torch.get_rng_state()
-    at = job.view.boundary(job.tree(None, None))
+    at = job.view.boundary(job.tree(None, None), job.view.param_groups())
     expected = flatten(job.state())
     torch.rand(3)
     job.scheduler.step()  # changes param_groups' lr after the boundary
@@ -142,7 +142,7 @@ def test_a_full_walk_after_the_boundary_keeps_the_boundary_s_rest() -> None:
     job = Job(model())
     job.train()
     extras = {"note": "at the boundary"}
-    at = job.view.boundary({**job.tree(None, None), "extras": extras})
+    at = job.view.boundary({**job.tree(None, None), "extras": extras}, job.view.param_groups())
     extras["note"] = "later"
     got = job.view.flat(at)
     assert job.view.rebuilds == 1 and got.skeleton["extras"] == {"note": "at the boundary"}
