@@ -355,6 +355,24 @@ def dist_of(values: list[float]) -> dict[str, Any]:
             "max": round(max(values), 6) if values else None}
 
 
+def device_split(split: dict[int, dict[str, float]], duration: dict[int, float]) -> dict[str, Any]:
+    """Where the steps' time went on the device (bench/goodput_worker.py, Timings): each part's median over the
+    window, and its mean over the slow steps (3 ms or more above the median step) against the others: the part
+    that grows in the slow steps is where they lose their time."""
+    parts = sorted({name for v in split.values() for name in v})
+    median = statistics.median(duration.values()) if duration else 0.0
+    slow = [s for s, d in duration.items() if d >= median + 0.003]
+    rest = [s for s in duration if s not in slow]
+
+    def mean(steps: list[int], name: str) -> float | None:
+        return round(statistics.fmean(split[s][name] for s in steps), 6) if steps else None
+
+    return {"median": {n: round(statistics.median(v[n] for v in split.values()), 6) for n in parts},
+            "slow_steps": slow, "mean_slow": {n: mean(slow, n) for n in parts},
+            "mean_others": {n: mean(rest, n) for n in parts},
+            "raw": {n: [round(split[s][n], 5) for s in sorted(split)] for n in parts}}
+
+
 def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, Any]:
     """Figures of one run's steady window: from the end of step `warmup` to the end of the last step."""
     steps, ends = result["steps"], result["step_end_s"]
@@ -408,6 +426,9 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
                 fig[f"ckpt_{key}"] = dist_of(values)
     if variant.kind == "ours" and every > 1:  # step_done without a save: the trainer's own per-step cost
         fig["step_done_no_save_s"] = dist_of([v for k, v in save_s.items() if k % every and warmup <= k < last])
+    split = {int(k): v for k, v in result.get("split_s", {}).items() if warmup < int(k) <= last}
+    if split:
+        fig["split_s"] = device_split(split, {s: end_of[s] - end_of[s - 1] for s in split if s - 1 in end_of})
     fig["raw"] = {  # per step of the window: its time, the save call after it, the wait inside its optimizer step
         "step_s": [round(x, 5) for x in durations],
         "save_s": {str(k): round(v, 5) for k, v in sorted(save_s.items()) if warmup <= k < last},

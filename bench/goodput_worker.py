@@ -21,6 +21,14 @@ What is timed (time.perf_counter, seconds):
   wait[i]      inside the optimizer's step of step i+1, from its first pre-hook to its last: the
                time spent waiting for a snapshot's copy before the state is mutated (ours, when
                tier 0 or overlapped mode waits there; 0 for the others)
+On CUDA, per step, where its time goes on the device (CUDA events on the training stream; the stream is idle
+at a step's start, after the sync that ended the step before), `split[i]`:
+  cpu_fb     the loop's own time from the step's start to the optimizer's first pre-hook (the CPU's forward and
+             backward: launching them, the data, the hooks that run there)
+  gpu_fb     the device's time from the step's start to the same point in its stream (the end of backward
+             and clipping); above cpu_fb when the device is the bound
+  gpu_wait   the device's time across the optimizer's pre-hooks: a stream wait for a snapshot's copies shows here
+  gpu_rest   the optimizer's step, the scaler and the scheduler on the device, to the step's end
 """
 
 from __future__ import annotations
@@ -102,12 +110,28 @@ class Timings:
         # Global pre-hooks run before every optimizer's own ones: the first mark.
         self._global = register_optimizer_step_pre_hook(self._first)
         self._last: Any = None
+        self.split: dict[int, dict[str, float]] = {}
+        self._cuda = torch.cuda.is_available() and any(
+            p.is_cuda for g in optimizer.param_groups for p in g["params"])
+        self._events: list[Any] = []
+        self._started = 0.0
+        self._cpu_fb = 0.0
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _first(self, *_: Any) -> None:
         self._pre = time.perf_counter()
+        self._cpu_fb = self._pre - self._started
+        if self._cuda:
+            self._events.append(self._event())
 
     def _after_all(self, *_: Any) -> None:
         self.wait[self._step] = time.perf_counter() - self._pre
+        if self._cuda:
+            self._events.append(self._event())
 
     def before_optimizer_step(self, step: int) -> None:
         """Re-register the closing hook, so that it runs after every pre-hook registered so far
@@ -118,12 +142,25 @@ class Timings:
         self._last = self.optimizer.register_step_pre_hook(self._after_all)
 
     def step_started(self, step: int) -> None:
+        self._started = time.perf_counter()
         if self.steps and self.steps[-1] == step:
-            self.between[step] = time.perf_counter() - self.t0 - self.step_end[-1]
+            self.between[step] = self._started - self.t0 - self.step_end[-1]
+        if self._cuda:
+            self._events = [self._event()]
+
+    def before_sync(self) -> None:
+        """After the step's last kernel is queued, before the sync that ends it."""
+        if self._cuda:
+            self._events.append(self._event())
 
     def step_ended(self, step: int) -> None:
         self.steps.append(step)
         self.step_end.append(time.perf_counter() - self.t0)
+        if self._cuda and len(self._events) == 4:  # the step's end was a sync: every event has completed
+            start, first, last, end = self._events
+            self.split[step] = {"cpu_fb": self._cpu_fb, "gpu_fb": start.elapsed_time(first) / 1e3,
+                                "gpu_wait": first.elapsed_time(last) / 1e3, "gpu_rest": last.elapsed_time(end) / 1e3}
+        self._events = []
 
     def timed(self, step: int, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -187,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
+        timings.before_sync()
         loss_sum.item()  # train_gpt.py's --log-every 1: a device sync per step
         timings.step_ended(step + 1)
         trace.step()
@@ -248,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
         save_s={str(k): round(v, 6) for k, v in timings.save.items()},
         wait_s={str(k): round(v, 6) for k, v in timings.wait.items() if v > 0},
         between_s={str(k): round(v, 6) for k, v in timings.between.items()},
+        split_s={str(k): {n: round(v, 6) for n, v in parts.items()} for k, parts in timings.split.items()},
         tokens_per_step=args.global_batch * args.seq_len,
         main_started_unix=round(started, 3),
         loop_ready_s=round(timings.t0 - started_perf, 3),
