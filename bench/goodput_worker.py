@@ -29,6 +29,9 @@ at a step's start, after the sync that ended the step before), `split[i]`:
              and clipping); above cpu_fb when the device is the bound
   gpu_wait   the device's time across the optimizer's pre-hooks: a stream wait for a snapshot's copies shows here
   gpu_rest   the optimizer's step, the scaler and the scheduler on the device, to the step's end
+  and over the same span as cpu_fb, the training thread's own (getrusage(RUSAGE_THREAD)): cpu_fb_run (its CPU
+  time: below cpu_fb when it waited, for the GIL, a lock, or the CPU), minflt (page faults), nvcsw (voluntary
+  context switches: waits) and nivcsw (involuntary: preempted)
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ class Timings:
         self._events: list[Any] = []
         self._started = 0.0
         self._cpu_fb = 0.0
+        self._usage: dict[str, float] = {}
+        self._usage_fb: dict[str, float] = {}
 
     def _event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
@@ -125,6 +130,8 @@ class Timings:
     def _first(self, *_: Any) -> None:
         self._pre = time.perf_counter()
         self._cpu_fb = self._pre - self._started
+        if self._cuda:
+            self._usage_fb = _thread_usage(self._usage)
         if self._cuda:
             self._events.append(self._event())
 
@@ -143,6 +150,8 @@ class Timings:
 
     def step_started(self, step: int) -> None:
         self._started = time.perf_counter()
+        if self._cuda:
+            self._usage = _thread_usage()
         if self.steps and self.steps[-1] == step:
             self.between[step] = self._started - self.t0 - self.step_end[-1]
         if self._cuda:
@@ -159,7 +168,8 @@ class Timings:
         if self._cuda and len(self._events) == 4:  # the step's end was a sync: every event has completed
             start, first, last, end = self._events
             self.split[step] = {"cpu_fb": self._cpu_fb, "gpu_fb": start.elapsed_time(first) / 1e3,
-                                "gpu_wait": first.elapsed_time(last) / 1e3, "gpu_rest": last.elapsed_time(end) / 1e3}
+                                "gpu_wait": first.elapsed_time(last) / 1e3, "gpu_rest": last.elapsed_time(end) / 1e3,
+                                **self._usage_fb}
         self._events = []
 
     def timed(self, step: int, fn: Callable[[], Any]) -> Any:
@@ -167,6 +177,14 @@ class Timings:
         out = fn()
         self.save[step] = time.perf_counter() - start
         return out
+
+
+def _thread_usage(since: dict[str, float] | None = None) -> dict[str, float]:
+    """The calling thread's CPU time, page faults and context switches; with `since`, the change from it."""
+    u = resource.getrusage(resource.RUSAGE_THREAD)
+    now = {"cpu_fb_run": u.ru_utime + u.ru_stime, "minflt": float(u.ru_minflt), "nvcsw": float(u.ru_nvcsw),
+           "nivcsw": float(u.ru_nivcsw)}
+    return now if since is None else {k: v - since.get(k, 0.0) for k, v in now.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -386,8 +404,10 @@ class StepTrace:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
         out = io.StringIO()
-        steps = [e for e in prof.events() if e.name.startswith("ProfilerStep")]
+        events = prof.events()
+        steps = [e for e in events if e.name.startswith("ProfilerStep")]
         out.write("traced steps (ms): " + ", ".join(f"{e.cpu_time_total / 1000:.2f}" for e in steps) + "\n\n")
+        out.write(per_step_cpu(steps, events))
         orders = (["self_device_time_total", "self_cuda_time_total"] if self.device.type == "cuda" else []) + [
             "self_cpu_time_total"]
         for order in orders:
@@ -397,6 +417,29 @@ class StepTrace:
                 out.write(f"by {order}: not available ({exc})\n")
         self.path.with_suffix(".txt").write_text(out.getvalue())
         prof.export_chrome_trace(str(self.path.with_suffix(".trace.json")))
+
+
+def per_step_cpu(steps: list[Any], events: list[Any]) -> str:
+    """Each traced step's own CPU time by thread and, on the step's thread, by op (the top ones): a slow step
+    next to a normal one shows which thread or op took the difference."""
+    out = io.StringIO()
+    for step in steps:
+        begin, end = step.time_range.start, step.time_range.end
+        inside = [e for e in events if e is not step and begin <= e.time_range.start < end]
+        by_thread: dict[int, float] = {}
+        by_op: dict[str, list[float]] = {}
+        for e in inside:
+            by_thread[e.thread] = by_thread.get(e.thread, 0.0) + e.self_cpu_time_total
+            if e.thread == step.thread:
+                row = by_op.setdefault(e.name, [0.0, 0])
+                row[0] += e.self_cpu_time_total
+                row[1] += 1
+        out.write(f"{step.name}: {(end - begin) / 1000:.2f} ms; own CPU ms by thread: "
+                  + ", ".join(f"{t}{'*' if t == step.thread else ''}={v / 1000:.2f}"
+                              for t, v in sorted(by_thread.items(), key=lambda kv: -kv[1])) + "\n")
+        top = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:12]
+        out.write("  " + "; ".join(f"{name} {v[0] / 1000:.2f} ms x{int(v[1])}" for name, v in top) + "\n")
+    return out.getvalue() + "\n"
 
 
 def save_metrics(run: Resumable) -> list[dict[str, Any]]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 
+from core.heap import imports_without_gc
 from elastic import prestart
 
 
 def elastic_run() -> int:
     prestart.begin(sys.argv[1:])
-    from elastic.launcher import cli
+    with imports_without_gc():  # the launcher's (core/heap.py), on the same cores as the workers' warm-up
+        from elastic.launcher import cli
 
     return cli()

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import sys
 
+from core.heap import imports_without_gc
 from elastic import prestart
 
 if __name__ == "__main__":  # `python -m elastic.launcher`: the workers' torch imports overlap ours
     prestart.begin(sys.argv[1:])
+    _imports = imports_without_gc()  # ours below (core/heap.py), on the same cores as the workers' warm-up
+    _imports.__enter__()
 
 import argparse
 import logging
@@ -368,4 +371,5 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    _imports.__exit__(None, None, None)
     sys.exit(cli())

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from core import premap
+from core.heap import imports_without_gc
 from core.tier0_dir import ENV as TIER0_ENV
 from elastic.progress import ENV_DIR as ENV_PROGRESS_DIR
 
@@ -138,7 +139,8 @@ class Spare:
         import, is stopped and restarted around a fork by OpenBLAS itself). Set the environment torch and numpy read
         when they load (OMP_NUM_THREADS) before the first call. `siblings`: spares forked before this one, whose
         control pipes the child must not hold open (each spare's pipe is its lifeline)."""
-        import torch  # noqa: F401 - the launcher's own import, made before the fork so its children share it
+        with imports_without_gc():
+            import torch  # noqa: F401 - the launcher's own import, made before the fork so its children share it
 
         sys.stdout.flush()  # else what the launcher left buffered is written again by each child
         sys.stderr.flush()
@@ -484,7 +486,8 @@ def serve(control_fd: int) -> int:
         return json.loads(line) if line else None  # None: dismissed, or the agent is gone
 
     started = time.monotonic()
-    warm_torch()
+    with imports_without_gc():
+        warm_torch()
     prepare = message()
     if prepare is None:
         return 0
@@ -497,7 +500,8 @@ def serve(control_fd: int) -> int:
     _set_threads_from_env()
     if prepare.get("warm", True):
         before = dict(os.environ)
-        warm(target)
+        with imports_without_gc():
+            warm(target)
         set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
         from core.events import emit
 
