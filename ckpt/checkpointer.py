@@ -224,7 +224,7 @@ class Checkpointer:
 
     # -- saving --------------------------------------------------------------------------
 
-    def save_async(self, step: int, state: Mapping[str, Any] | Flat) -> PendingSave:
+    def save_async(self, step: int, state: Mapping[str, Any] | Flat, *, at: StateMark | None = None) -> PendingSave:
         """Snapshot `state` for `step` and persist it in the background (ckpt/writer.py).
 
         Returns once the copy is consistent ("staged" mode) or at once ("overlapped" mode: call
@@ -232,10 +232,11 @@ class Checkpointer:
         cannot be stored, before anything is copied. Background failures do not raise here:
         they are logged, kept in `metrics`, and raised by wait_persisted()/wait_uploaded().
         If the previous save still persists, this one waits or is skipped (config.if_busy).
+        `at`: as for `snapshot`, the state as it was at that `mark()`.
         """
         self._check_open()
         _check_index("step", step, minimum=0)
-        return self._writer.save_async(step, state)
+        return self._writer.save_async(step, state, at=at)
 
     @property
     def has_tier0(self) -> bool:

@@ -14,7 +14,10 @@ tier-0 snapshot, which has two parts:
   a tier-0 slot, the copies' plan and their launch (~1.3 ms of the training thread for a 124M GPT with AdamW on
   an H200 host; bench/goodput_bench.py).
 
-`DeferredSnapshots` holds the first part and finishes the snapshot through `NextForward`.
+`DeferredSnapshots` holds the first part and finishes the snapshot through `NextForward`. A persist (tier 1,
+written from its tier-0 slot) goes the same way: taken at the boundary, its copies launched by the writer
+thread there held up the next step's first kernels while the GPU waited for them (on one H200 the step after
+each tier-1 save was 10-15 ms slower, `bench/results/goodput_session36_usage/`).
 
 Snapshots wait only where nothing but the optimizer's step changes the saved tensors between two steps: a model without
 buffers (BatchNorm's running statistics change in forward), an optimizer to hook, "overlapped" mode (the
@@ -80,10 +83,10 @@ class NextForward:
 class DeferredSnapshots:
     """The snapshot whose boundary part is taken and whose rest waits for the next forward (see the module)."""
 
-    def __init__(self, later: NextForward, finish: Callable[[int, Boundary, StateMark], None]) -> None:
+    def __init__(self, later: NextForward, finish: Callable[[int, Boundary, StateMark, bool], None]) -> None:
         self._later = later
         self._finish = finish
-        self._pending: tuple[int, Callable[[], Boundary], StateMark] | None = None
+        self._pending: tuple[int, Callable[[], Boundary], StateMark, bool] | None = None
 
     @staticmethod
     def applies(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, mode: str, sharded: bool,
@@ -91,10 +94,11 @@ class DeferredSnapshots:
         return (tier0 and optimizer is not None and mode == "overlapped" and not sharded
                 and not any(True for _ in model.buffers()))
 
-    def defer(self, step: int, boundary: Callable[[], Boundary], mark: StateMark) -> None:
-        """`boundary()` flattens the boundary part taken at `step`'s end (Resumable._take_boundary)."""
+    def defer(self, step: int, boundary: Callable[[], Boundary], mark: StateMark, *, persist: bool = False) -> None:
+        """`boundary()` flattens the boundary part taken at `step`'s end (Resumable._take_boundary). `persist`: a
+        save to tier 1 (from tier 0), else a tier-0 snapshot."""
         self.flush()
-        self._pending = (step, boundary, mark)
+        self._pending = (step, boundary, mark, persist)
         self._later.later(self.flush)
 
     @property
@@ -103,13 +107,13 @@ class DeferredSnapshots:
         return self._pending[0] if self._pending is not None else None
 
     def drop(self, step: int) -> None:
-        """Forget the waiting snapshot if it is of `step` (a save of that same step is about to take its place)."""
+        """Forget the waiting save if it is of `step` (a save of that same step is about to take its place)."""
         if self._pending is not None and self._pending[0] == step:
             self._pending = None
 
     def flush(self) -> None:
-        """Finish the waiting snapshot now (its errors are the snapshot's: see Resumable.snapshot)."""
+        """Finish the waiting save now (its errors are the save's: see Resumable.save and snapshot)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            step, boundary, mark = pending
-            self._finish(step, boundary(), mark)
+            step, boundary, mark, persist = pending
+            self._finish(step, boundary(), mark, persist)

@@ -145,7 +145,7 @@ class Resumable:
         self._later = NextForward(self.model)
         """What step_done leaves until the next forward is queued (trainer/deferred.py)."""
         self._beaten = False  # whether this process reported progress to its agent yet (step_done)
-        self._deferred = (DeferredSnapshots(self._later, self._finish_snapshot) if config.defer_snapshots and
+        self._deferred = (DeferredSnapshots(self._later, self._finish_deferred) if config.defer_snapshots and
                           DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded,
                                                     tier0=self.checkpointer.has_tier0) else None)
         """Snapshots from step_done finished once the next forward is queued (trainer/deferred.py)."""
@@ -452,7 +452,9 @@ class Resumable:
         Advances the data position; persists when `step` is a multiple of `persist_every`, else snapshots
         into tier 0 when it is a multiple of `save_every` (and there is a tier 0). With a tier 0, a persist
         due while the previous one is still being written is snapshotted instead and the first step after
-        that write persists (the loop does not wait for a slow disk). Returns True if it persisted.
+        that write persists (the loop does not wait for a slow disk). Returns True if it persists. Where snapshots
+        are deferred (trainer/deferred.py) a persist is too: its state is taken here, its copies are launched once
+        the next forward is queued (or at the next save, re-formation or close).
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
         # What the step before left, if no forward ran since (a compiled or scripted one runs no hook); first, so
@@ -477,19 +479,22 @@ class Resumable:
             fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
         emit("step", **fields)
         saved = self._cadence.persists(step, self.checkpointer, self.topology)
-        if saved:
-            if self._checkpoint(step, persist=True, rng_state=self._boundary_rng):
-                self._saved_step = step
-        elif self._cadence.snapshots(step, self.checkpointer):
-            # The snapshot before published first: a kill from here on loses `step` at most (trainer/cadence.py).
-            # A deferred one was launched in this step's forward (its copies overlap the step); one still
-            # checksumming after a step means the node cannot keep up, and the loop runs at the checksum's pace.
-            self._cadence.wait_for_previous_snapshot(self.checkpointer)
-            if self._deferred is not None:  # its rest once the next forward is queued (trainer/deferred.py)
+        if saved or self._cadence.snapshots(step, self.checkpointer):
+            if not saved or self._deferred is not None:
+                # The snapshot before published first: a kill from here on loses `step` at most
+                # (trainer/cadence.py). A deferred one was launched in this step's forward (its copies overlap the
+                # step); one still checksumming after a step means the node cannot keep up, and the loop runs at
+                # the checksum's pace.
+                self._cadence.wait_for_previous_snapshot(self.checkpointer)
+            if self._deferred is not None:
+                # The rest once the next forward is queued (trainer/deferred.py), a persist's too: launched here,
+                # its copies held up the next step's first kernels on an idle GPU (the step after each tier-1
+                # save was the slow one on an H200).
                 self._emit_digest(step, "save")
-                self._deferred.defer(step, self._take_boundary(self._boundary_rng), self.checkpointer.mark())
-            else:
-                self._checkpoint(step, persist=False, rng_state=self._boundary_rng)
+                self._deferred.defer(step, self._take_boundary(self._boundary_rng), self.checkpointer.mark(),
+                                     persist=saved)
+            elif self._checkpoint(step, persist=saved, rng_state=self._boundary_rng) and saved:
+                self._saved_step = step
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
 
@@ -582,14 +587,16 @@ class Resumable:
         if self._deferred is not None:
             if persist:  # the last step saved at teardown or below the minimum: one copy of it, not two
                 self._deferred.drop(step)
-            self._deferred.flush()  # the snapshot of the step before first
+            self._deferred.flush()  # the save of the step before first
         self._emit_digest(step, "save")
         save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
         return self._guarded(step, persist, lambda: save(step, self._checkpoint_state(rng_state)))
 
-    def _finish_snapshot(self, step: int, boundary: Boundary, mark: StateMark) -> None:
-        """The rest of a deferred snapshot (trainer/deferred.py): the state's tensors as they were at `mark`."""
-        self._guarded(step, False, lambda: self.checkpointer.snapshot(step, self._view.flat(boundary), at=mark))
+    def _finish_deferred(self, step: int, boundary: Boundary, mark: StateMark, persist: bool) -> None:
+        """The rest of a deferred snapshot or persist (trainer/deferred.py): the state's tensors as at `mark`."""
+        save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
+        if self._guarded(step, persist, lambda: save(step, self._view.flat(boundary), at=mark)) and persist:
+            self._saved_step = step
 
     def _guarded(self, step: int, persist: bool, save: Callable[[], Any]) -> bool:
         """Run `save`; a failed one is logged and training goes on (see `save`)."""

@@ -408,12 +408,32 @@ def test_a_persist_due_while_the_disk_is_still_writing_the_last_one_goes_to_tier
     model(torch.randn(8, 4)).pow(2).mean().backward()
     opt.step()
     assert run.step_done(5) is True  # the owed persist, at the first step after the write
+    model(torch.randn(8, 4))  # the next forward: the persist's copies are launched once it is queued
     run.checkpointer.wait_persisted()
     on_disk = sorted(int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*"))
     assert on_disk == [2, 5], on_disk
     run.close()
     run2, *_ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
     assert run2.restore() == 5
+
+
+def test_a_persist_left_for_the_next_forward_is_written_at_close(tmp_path: Path, shm: Path) -> None:
+    # step_done defers a persist's copies to the next forward (trainer/deferred.py); a loop that ends there still
+    # has it on disk, as the state was at that step's end.
+    run, model, opt, _ = make(tmp_path, every=1, persist_every=2, tier0_dir=shm)
+    train(run, model, opt, 0, 1)
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    assert run.step_done(2) is True
+    last = run.checkpointer._writer.last_persist
+    assert last is None or last.step != 2  # not launched yet: at the next forward, save or close
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    run.close()
+    assert [int(p.name.removeprefix("step_")) for p in (tmp_path / "ckpt").glob("step_*")] == [2]
+    run2, model2, *_ = make(tmp_path, every=1, persist_every=2, tier0_dir=None)
+    assert run2.restore() == 2
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in expected.items())
+    run2.close()
 
 
 class _OtherRankBusy(Topology):
