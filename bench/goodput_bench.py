@@ -285,17 +285,21 @@ class Launcher:
 
     def _fork(self, argv: list[str], env: dict[str, str | None], log: Path, *, restarts: int,
               timeout: float) -> int:
-        from elastic.etcd_server import free_port
-
         deadline = time.monotonic() + timeout
+        # One rank, the store's own: port 0 lets it bind a free port itself (a port picked here and bound later
+        # could be taken in between by another process on a busy machine).
         base = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RUN_ID": f"goodput-{uuid.uuid4().hex[:8]}", **env}
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+                "TORCHELASTIC_RUN_ID": f"goodput-{uuid.uuid4().hex[:8]}", **env}
         for restart in range(restarts + 1):
-            child_env = {**base, "TORCHELASTIC_RESTART_COUNT": str(restart), "MASTER_PORT": str(free_port())}
+            child_env = {**base, "TORCHELASTIC_RESTART_COUNT": str(restart)}
             proc = self._ctx.Process(target=_fork_target, args=(child_env, argv, str(log)))
             proc.start()
             proc.join(max(1.0, deadline - time.monotonic()))
             if proc.exitcode is None:
+                if proc.pid is not None:  # where it hangs, into its log (goodput_worker.fork_entry), then the kill
+                    os.kill(proc.pid, signal.SIGUSR1)
+                    proc.join(2.0)
                 proc.kill()
                 proc.join()
                 return -1

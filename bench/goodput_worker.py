@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import cProfile
 import dataclasses
+import faulthandler
 import io
 import json
 import os
@@ -45,6 +46,7 @@ import platform
 import pstats
 import resource
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -652,6 +654,8 @@ def fork_entry(env: dict[str, str | None], argv: list[str], log_path: str) -> No
     os.close(fd)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    # The bench sends SIGUSR1 to a run past its timeout before it kills it: every thread's stack, into the log.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     main(argv)
 
 
