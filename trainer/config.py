@@ -46,9 +46,9 @@ class ResumeConfig:
     """Tokens in one sample (e.g. the sequence length), for the `elastic_train_tokens_*` metrics; None: the job
     reports samples only."""
     defer_snapshots: bool = True
-    """Finish a tier-0 snapshot's bookkeeping once the next forward is queued instead of in `step_done`, where a
-    loop that waits for the device each step leaves it idle (trainer/deferred.py; where nothing but the
-    optimizer changes the saved tensors between steps). False: all of it in `step_done`."""
+    """Finish a tier-0 snapshot's or a persist's bookkeeping and copies once the next forward is queued instead
+    of in `step_done`, where a loop that waits for the device each step leaves it idle (trainer/deferred.py;
+    where nothing but the optimizer changes the saved tensors between steps). False: all of it in `step_done`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, CheckpointConfig):

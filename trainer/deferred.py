@@ -14,10 +14,11 @@ tier-0 snapshot, which has two parts:
   a tier-0 slot, the copies' plan and their launch (~1.3 ms of the training thread for a 124M GPT with AdamW on
   an H200 host; bench/goodput_bench.py).
 
-`DeferredSnapshots` holds the first part and finishes the snapshot through `NextForward`. A persist (tier 1,
-written from its tier-0 slot) goes the same way: taken at the boundary, its copies launched by the writer
-thread there held up the next step's first kernels while the GPU waited for them (on one H200 the step after
-each tier-1 save was 10-15 ms slower, `bench/results/goodput_session36_usage/`).
+`DeferredSaves` holds the first part and finishes the snapshot through `NextForward`. A persist (tier 1,
+written from its tier-0 slot) goes the same way: taken whole at the boundary, on one H200 the step after each
+tier-1 save was 17-24 ms slower, its training thread waiting (no more CPU time) with the GPU idle, while the
+writer thread launched that save's copies (`bench/results/goodput_session36_usage/`). A save's failure that
+stops the job (CheckpointSaveError) is then raised by that forward.
 
 Snapshots wait only where nothing but the optimizer's step changes the saved tensors between two steps: a model without
 buffers (BatchNorm's running statistics change in forward), an optimizer to hook, "overlapped" mode (the
@@ -80,8 +81,9 @@ class NextForward:
         self.flush()
 
 
-class DeferredSnapshots:
-    """The snapshot whose boundary part is taken and whose rest waits for the next forward (see the module)."""
+class DeferredSaves:
+    """The snapshot or persist whose boundary part is taken and whose rest waits for the next forward (see the
+    module)."""
 
     def __init__(self, later: NextForward, finish: Callable[[int, Boundary, StateMark, bool], None]) -> None:
         self._later = later

@@ -74,7 +74,7 @@ from trainer.cadence import Cadence
 from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
 from trainer.ddp import release_process_group
-from trainer.deferred import DeferredSnapshots, NextForward
+from trainer.deferred import DeferredSaves, NextForward
 from trainer.digest import state_digests_on, training_digest
 from trainer.errors import RoundChanged
 from trainer.sharding import Layout
@@ -145,10 +145,10 @@ class Resumable:
         self._later = NextForward(self.model)
         """What step_done leaves until the next forward is queued (trainer/deferred.py)."""
         self._beaten = False  # whether this process reported progress to its agent yet (step_done)
-        self._deferred = (DeferredSnapshots(self._later, self._finish_deferred) if config.defer_snapshots and
-                          DeferredSnapshots.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded,
+        self._deferred = (DeferredSaves(self._later, self._finish_deferred) if config.defer_snapshots and
+                          DeferredSaves.applies(self.model, optimizer, mode=config.ckpt.mode, sharded=self.sharded,
                                                     tier0=self.checkpointer.has_tier0) else None)
-        """Snapshots from step_done finished once the next forward is queued (trainer/deferred.py)."""
+        """Snapshots and persists from step_done finished once the next forward is queued (trainer/deferred.py)."""
         self._hooks = self._wait_for_copy_hooks() if config.ckpt.mode == "overlapped" else []
         self.telemetry = Telemetry.for_run(self)  # metrics for elastic-run's agent (trainer/telemetry.py)
         self.step = 0
@@ -487,9 +487,8 @@ class Resumable:
                 # the checksum's pace.
                 self._cadence.wait_for_previous_snapshot(self.checkpointer)
             if self._deferred is not None:
-                # The rest once the next forward is queued (trainer/deferred.py), a persist's too: launched here,
-                # its copies held up the next step's first kernels on an idle GPU (the step after each tier-1
-                # save was the slow one on an H200).
+                # The rest once the next forward is queued (trainer/deferred.py), a persist's too: taken whole
+                # here, the step after each tier-1 save was the slow one on an H200.
                 self._emit_digest(step, "save")
                 self._deferred.defer(step, self._take_boundary(self._boundary_rng), self.checkpointer.mark(),
                                      persist=saved)
