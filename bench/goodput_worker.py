@@ -29,6 +29,8 @@ at a step's start, after the sync that ended the step before), `split[i]`:
              and clipping); above cpu_fb when the device is the bound
   gpu_wait   the device's time across the optimizer's pre-hooks: a stream wait for a snapshot's copies shows here
   gpu_rest   the optimizer's step, the scaler and the scheduler on the device, to the step's end
+  A step's wall time well above gpu_fb + gpu_wait + gpu_rest (with `between`) is time the device did not see:
+  the host held up before the step's first event reached the stream (its record call blocked, say).
   and over the same span as cpu_fb, the training thread's own (getrusage(RUSAGE_THREAD)): cpu_fb_run (its CPU
   time: below cpu_fb when it waited, for the GIL, a lock, or the CPU), minflt (page faults), nvcsw (voluntary
   context switches: waits) and nivcsw (involuntary: preempted)
@@ -134,7 +136,6 @@ class Timings:
         self._cpu_fb = self._pre - self._started
         if self._cuda:
             self._usage_fb = _thread_usage(self._usage)
-        if self._cuda:
             self._events.append(self._event())
 
     def _after_all(self, *_: Any) -> None:
