@@ -492,8 +492,8 @@ class Resumable:
                 self._emit_digest(step, "save")
                 self._deferred.defer(step, self._take_boundary(self._boundary_rng), self.checkpointer.mark(),
                                      persist=saved)
-            elif self._checkpoint(step, persist=saved, rng_state=self._boundary_rng) and saved:
-                self._saved_step = step
+            else:
+                self._checkpoint(step, persist=saved, rng_state=self._boundary_rng)
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
 
@@ -574,7 +574,6 @@ class Resumable:
         A failed save is logged and training goes on, until `max_failed_saves` fail in a row:
         then CheckpointSaveError (naming the directory and the cause) stops the job."""
         if self._checkpoint(step, persist=True):
-            self._saved_step = step
             self._cadence.persist_owed = False
 
     def snapshot(self, step: int) -> None:
@@ -588,19 +587,20 @@ class Resumable:
                 self._deferred.drop(step)
             self._deferred.flush()  # the save of the step before first
         self._emit_digest(step, "save")
-        save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
-        return self._guarded(step, persist, lambda: save(step, self._checkpoint_state(rng_state)))
+        return self._save(step, persist, lambda: self._checkpoint_state(rng_state))
 
     def _finish_deferred(self, step: int, boundary: Boundary, mark: StateMark, persist: bool) -> None:
         """The rest of a deferred snapshot or persist (trainer/deferred.py): the state's tensors as at `mark`."""
-        save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
-        if self._guarded(step, persist, lambda: save(step, self._view.flat(boundary), at=mark)) and persist:
-            self._saved_step = step
+        self._save(step, persist, lambda: self._view.flat(boundary), at=mark)
 
-    def _guarded(self, step: int, persist: bool, save: Callable[[], Any]) -> bool:
-        """Run `save`; a failed one is logged and training goes on (see `save`)."""
+    def _save(self, step: int, persist: bool, state: Callable[[], Any], *, at: StateMark | None = None) -> bool:
+        """Hand `state()` to the checkpointer, a persist or a tier-0 snapshot (`at`: as of that mark); a persist
+        made becomes the step saved. A failed one is logged and training goes on (see `save`)."""
+        save = self.checkpointer.save_async if persist else self.checkpointer.snapshot
         try:
-            save()
+            save(step, state(), at=at)
+            if persist:
+                self._saved_step = step
             return True
         except CheckpointSaveError:
             raise
