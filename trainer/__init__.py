@@ -15,6 +15,7 @@ gradient-bucket layout, for bitwise resume at any world size), and the errors.
 # optimizer would import it anyway.
 import torch._dynamo  # noqa: F401  (import order: see above)
 
+from trainer import gloo_sockets
 from trainer.config import ResumeConfig
 from trainer.data import DataConfig, ElasticSampler
 from trainer.ddp import wrap_ddp
@@ -24,6 +25,10 @@ from trainer.in_place import run_elastic
 from trainer.loop import train_loop
 from trainer.resumable import Resumable
 from trainer.topology import Topology
+
+# Before the caller creates a process group too: its gloo sockets are noted, so that a rank leaving it in a
+# re-formation can fail the collectives in flight (trainer/gloo_sockets.py).
+gloo_sockets.record_new_groups()
 
 __all__ = [
     "DataConfig",

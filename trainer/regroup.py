@@ -48,6 +48,7 @@ from ckpt.checksum import digest_parts
 from core.deadline import Deadline
 from elastic import peer_loss, reform
 from elastic.reform import Round, RoundWatcher
+from trainer import gloo_sockets
 from trainer.ddp import release_process_group
 from trainer.errors import InvalidStateError, StateMismatchError, TrainerError
 from trainer.topology import Topology, collective_device
@@ -154,11 +155,15 @@ def may_be_peer_loss(error: BaseException) -> bool:
 def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callable[[], None] = lambda: None) -> None:
     """Leave the current (aborted) process group, call `left`, and join `round_`'s, as rank `round_.rank`."""
     if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            # Gloo's collectives in flight (a peer's that waits on this rank, and this rank's that waits on
+            # a peer leaving too) end only when sockets close: without this, destroying waits on them.
+            gloo_sockets.fail_in_flight()
         try:
             dist.distributed_c10d._get_default_group().abort()
         except RuntimeError as exc:  # already aborted by the round watcher
             log.debug("abort of the old process group: %s", exc)
-        dist.destroy_process_group()  # a gloo op waiting on a peer that is leaving too can hold this up: see `left`
+        dist.destroy_process_group()  # a gloo group created before `import trainer` can still hold this up: see `left`
     left()
     # The round's TCPStore is new (elastic/rendezvous.py). A worker started for the round joins through
     # env://, which puts the group's keys under "default_pg": so do we, to land in the same group.

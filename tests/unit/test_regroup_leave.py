@@ -1,4 +1,5 @@
-"""Leaving a gloo group after a collective failed in this rank (trainer/regroup.py, `release_frames`).
+"""Leaving a gloo group after a collective failed in this rank (trainer/regroup.py, `release_frames`), and
+with collectives still in flight (`join_round`, trainer/gloo_sockets.py).
 
 The error of a failed `dist.all_reduce` keeps the group alive through its traceback (torch's frame holds
 `group` and `work`): `destroy_process_group` then frees nothing, and a survivor still waiting on this rank
@@ -18,7 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.regroup import release_frames
+import trainer  # noqa: F401 - notes the sockets of the groups created from here on (trainer/gloo_sockets.py)
+from elastic.reform import Round
+from trainer.regroup import join_round, release_frames
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,6 +72,47 @@ def test_a_rank_that_leaves_after_a_failed_collective_frees_the_group_so_its_pee
     try:
         results = dict(out.get(timeout=90) for _ in range(2))
         assert results.get("failed") is not None and results["failed"] < 20, results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+def _in_flight(rank: int, port: int, next_port: int, out: mp.Queue) -> None:
+    """Rank 0 holds an all-reduce that rank 1 never joins and rank 1 a receive that rank 0 never sends: each
+    waits on the other, as two survivors whose bucket all-reduces failed at different points do. Rank 0 then
+    leaves for a round of its own; rank 1 stays."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    started = time.monotonic()
+    work = dist.all_reduce(torch.ones(1 << 16), async_op=True) if rank == 0 else dist.irecv(torch.ones(4), 0, tag=77)
+    if rank == 0:
+        time.sleep(1.0)  # both wait by now
+        join_round(Round(2, 0, 1, "127.0.0.1", next_port), backend="gloo", timeout=timedelta(seconds=30))
+        out.put(("left", time.monotonic() - started))
+    try:
+        work.wait()
+        out.put((f"{rank} completed", time.monotonic() - started))
+    except RuntimeError:
+        out.put((f"{rank} failed", time.monotonic() - started))
+    time.sleep(30 if rank == 1 else 0)
+
+
+def test_a_rank_leaving_with_collectives_in_flight_fails_its_own_and_its_peers_at_once() -> None:
+    # Without gloo_sockets.fail_in_flight rank 0's leave waits in destroy_process_group for its all-reduce, and
+    # rank 1's receive for rank 0's sockets, until the group's 60 s timeout: past the 20 s asserted (checked).
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    port = _free_port()
+    next_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_in_flight, args=(r, port, next_store.port, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=90) for _ in range(3))
+        assert set(results) == {"left", "0 failed", "1 failed"}, results
+        assert all(seconds < 20 for seconds in results.values()), results
     finally:
         for p in procs:
             if p.is_alive():

@@ -1,0 +1,97 @@
+"""Failing a gloo group's collectives in flight when this rank leaves it (trainer/regroup.py).
+
+Gloo has no way to fail a collective in progress from its own side: `abort()` and `shutdown()` leave
+it waiting, and `destroy_process_group` waits for gloo's worker threads, so for the collective to end
+(torch 2.13). Only the sockets closing ends it. Two survivors of a lost peer can each hold a collective
+that waits on the other (one's bucket all-reduce failed on the dead peer's connection before it sent
+the other its part, and the other's likewise): both then wait in `destroy_process_group` until the
+group's timeout (30 min by default), miss the agent's leave deadline and are restarted.
+
+So every gloo group's sockets are noted when it is created (the sockets that appear while torch builds
+the backend: its listener and one connection per peer; the store's connection exists before), and
+`fail_in_flight` shuts the connections down (`shutdown(2)`, not close: gloo still owns and closes the descriptors)
+when the rank leaves: its own collectives in flight fail at once, and so do its peers' that wait on it.
+Each descriptor is checked against its socket's inode first, so one reused since is never touched.
+
+`record_new_groups` hooks torch's process-group constructor once per process; `import trainer` calls it,
+before the user's script creates its group. A group created before that is not noted, and leaving it
+behaves as before (the agent's leave deadline restarts a worker stuck there).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_noted: list[tuple[int, int]] = []
+"""(descriptor, socket inode) of every gloo group created since the last `fail_in_flight`."""
+_installed = False
+
+
+def record_new_groups() -> None:
+    """Note the sockets of every process group created from now on (idempotent)."""
+    global _installed
+    if _installed or not dist.is_available():
+        return
+    c10d = dist.distributed_c10d
+    create = c10d._new_process_group_helper
+
+    @functools.wraps(create)
+    def noting(*args: Any, **kwargs: Any) -> Any:
+        before = _sockets()
+        made = create(*args, **kwargs)
+        new = [(fd, inode) for fd, inode in _sockets().items() if before.get(fd) != inode]
+        with _lock:
+            _noted.extend(new)
+        return made
+
+    c10d._new_process_group_helper = noting
+    _installed = True
+
+
+def fail_in_flight() -> int:
+    """Shut down the noted sockets still open; returns how many. Call only when leaving every group."""
+    with _lock:
+        noted, _noted[:] = list(_noted), []
+    current = _sockets()
+    done = 0
+    for fd, inode in noted:
+        if current.get(fd) != inode:
+            continue  # closed with its group, or the descriptor now belongs to something else
+        sock = socket.socket(fileno=fd)
+        try:
+            # Not its listener: gloo's accept() then fails an enforce and the process aborts.
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+        except OSError as exc:  # not a stream socket, or a connection the peer closed already
+            log.debug("shutdown of gloo socket %d: %s", fd, exc)
+        finally:
+            sock.detach()  # gloo closes it
+    return done
+
+
+def _sockets() -> dict[int, int]:
+    """This process's open sockets: descriptor -> inode."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: nothing is noted, leaving behaves as without this module
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile (or the listing's own descriptor)
+        if target.startswith("socket:["):
+            found[int(name)] = int(target[len("socket:["):-1])
+    return found
