@@ -41,6 +41,7 @@ from __future__ import annotations
 import cProfile
 import dataclasses
 import faulthandler
+import gc
 import io
 import json
 import os
@@ -91,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--tier0-slots", type=int, default=None,
                    help="CheckpointConfig.tier0_slots (default: ResumeConfig.at's)")
     p.add_argument("--no-defer", action="store_true", help="ResumeConfig.defer_snapshots=False")
+    p.add_argument("--no-freeze", action="store_true", help="ResumeConfig.freeze_heap=False")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this worker (0: Python's default, 5 ms): a probe of how much "
                         "the checkpointer's threads delay the training thread's taking the GIL back")
@@ -125,6 +127,17 @@ class Timings:
         self._cpu_fb = 0.0
         self._usage: dict[str, float] = {}
         self._usage_fb: dict[str, float] = {}
+        self.gc: list[tuple[int, int, float]] = []
+        """(step, generation, seconds) of each of the cyclic collector's passes (a full one can take tens of ms)."""
+        self._gc_started = 0.0
+        self._running = 0  # the step running (numbered as step_ended numbers it); between steps, the one ended
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.gc.append((self._running, info["generation"], time.perf_counter() - self._gc_started))
 
     def _event(self) -> Any:
         event = torch.cuda.Event(enable_timing=True)
@@ -153,6 +166,7 @@ class Timings:
 
     def step_started(self, step: int) -> None:
         self._started = time.perf_counter()
+        self._running = step + 1
         if self._cuda:
             self._usage = _thread_usage()
         if self.steps and self.steps[-1] == step:
@@ -255,7 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         config = ours_config(args)
         result["config"] = {"save_every": config.save_every, "persist_every": getattr(config, "persist_every", None),
                             "mode": config.ckpt.mode, "tier0_dir": getattr(config.ckpt, "tier0_root", None),
-                            "defer_snapshots": getattr(config, "defer_snapshots", None)}
+                            "defer_snapshots": getattr(config, "defer_snapshots", None),
+                            "freeze_heap": getattr(config, "freeze_heap", None)}
         run = Resumable(config, model=ddp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
                         extras={"tokens": 0})
         restore, step_done = run.restore, run.step_done
@@ -308,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         wait_s={str(k): round(v, 6) for k, v in timings.wait.items() if v > 0},
         between_s={str(k): round(v, 6) for k, v in timings.between.items()},
         split_s={str(k): {n: round(v, 6) for n, v in parts.items()} for k, parts in timings.split.items()},
+        gc_s=[[step, generation, round(seconds, 6)] for step, generation, seconds in timings.gc],
         tokens_per_step=args.global_batch * args.seq_len,
         main_started_unix=round(started, 3),
         loop_ready_s=round(timings.t0 - started_perf, 3),
@@ -485,7 +501,9 @@ def ours_config(args: Any) -> ResumeConfig:
             raise SystemExit("--persist-every needs tier 0 (CheckpointConfig.tier0_dir, ResumeConfig.persist_every)")
         slots = {} if args.tier0_slots is None else {"tier0_slots": args.tier0_slots}
         config = ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every, **slots)
-        return dataclasses.replace(config, defer_snapshots=False) if args.no_defer else config
+        if args.no_defer:
+            config = dataclasses.replace(config, defer_snapshots=False)
+        return dataclasses.replace(config, freeze_heap=False) if args.no_freeze else config
     if tier0_supported():  # today's behaviour: tier 1 only, even where the agent offers a tier-0 dir
         return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, tier0_dir="")
     return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every)
