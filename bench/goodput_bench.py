@@ -20,7 +20,6 @@ Variants (bench/goodput_worker.py runs each; same model, seed, data and steps):
   dcp_async_process_10    the same, AsyncCheckpointerType.PROCESS
   torch_save_50           torch.save of model + optimizer state every 50 steps
 Probes (not in the issue's table): ours_tier0_1_tier1_10_at_boundary (ResumeConfig.defer_snapshots=False);
-  ours_tier0_1_tier1_10_no_freeze (ResumeConfig.freeze_heap=False: the collector's full passes walk everything);
   ours_tier0_1_tier1_10_gil100us and none_gil100us (sys.setswitchinterval(1e-4) in the worker: how much
   Python's 5 ms GIL hand-over costs the training thread when other threads run Python);
   ours_tier0_1_tier1_10_restart_mode (elastic-run --reform restart: no round watcher, no warm spare);
@@ -105,8 +104,6 @@ class Variant:
     persists, else 2)"""
     defer: bool = True
     """ours: ResumeConfig.defer_snapshots (False: a snapshot's bookkeeping all in step_done)"""
-    freeze: bool = True
-    """ours: ResumeConfig.freeze_heap (False: the cyclic collector's full passes walk the whole heap)"""
     switch_interval: float = 0.0
     """the worker's sys.setswitchinterval (0: Python's 5 ms)"""
     launcher_args: tuple[str, ...] = ()
@@ -127,7 +124,6 @@ VARIANTS = {
     "ours_tier0_1_tier1_50": Variant("ours", 1, 50),
     "ours_tier0_1_tier1_10_2slots": Variant("ours", 1, 10, 2),
     "ours_tier0_1_tier1_10_at_boundary": Variant("ours", 1, 10, defer=False),
-    "ours_tier0_1_tier1_10_no_freeze": Variant("ours", 1, 10, freeze=False),
     "ours_tier0_1_tier1_10_gil100us": Variant("ours", 1, 10, switch_interval=1e-4),
     "none_gil100us": Variant("none", switch_interval=1e-4),
     "ours_tier0_1_tier1_10_restart_mode": Variant("ours", 1, 10, launcher_args=("--reform", "restart")),
@@ -332,8 +328,6 @@ def worker_argv(args: argparse.Namespace, variant: Variant, run_dir: Path, steps
         argv += ["--tier0-slots", str(variant.tier0_slots)]
     if not variant.defer:
         argv += ["--no-defer"]
-    if not variant.freeze:
-        argv += ["--no-freeze"]
     if variant.switch_interval:
         argv += ["--switch-interval", str(variant.switch_interval)]
     return argv

@@ -92,7 +92,6 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--tier0-slots", type=int, default=None,
                    help="CheckpointConfig.tier0_slots (default: ResumeConfig.at's)")
     p.add_argument("--no-defer", action="store_true", help="ResumeConfig.defer_snapshots=False")
-    p.add_argument("--no-freeze", action="store_true", help="ResumeConfig.freeze_heap=False")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this worker (0: Python's default, 5 ms): a probe of how much "
                         "the checkpointer's threads delay the training thread's taking the GIL back")
@@ -269,8 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         config = ours_config(args)
         result["config"] = {"save_every": config.save_every, "persist_every": getattr(config, "persist_every", None),
                             "mode": config.ckpt.mode, "tier0_dir": getattr(config.ckpt, "tier0_root", None),
-                            "defer_snapshots": getattr(config, "defer_snapshots", None),
-                            "freeze_heap": getattr(config, "freeze_heap", None)}
+                            "defer_snapshots": getattr(config, "defer_snapshots", None)}
         run = Resumable(config, model=ddp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, sampler=sampler,
                         extras={"tokens": 0})
         restore, step_done = run.restore, run.step_done
@@ -501,9 +499,7 @@ def ours_config(args: Any) -> ResumeConfig:
             raise SystemExit("--persist-every needs tier 0 (CheckpointConfig.tier0_dir, ResumeConfig.persist_every)")
         slots = {} if args.tier0_slots is None else {"tier0_slots": args.tier0_slots}
         config = ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every, **slots)
-        if args.no_defer:
-            config = dataclasses.replace(config, defer_snapshots=False)
-        return dataclasses.replace(config, freeze_heap=False) if args.no_freeze else config
+        return dataclasses.replace(config, defer_snapshots=False) if args.no_defer else config
     if tier0_supported():  # today's behaviour: tier 1 only, even where the agent offers a tier-0 dir
         return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, tier0_dir="")
     return ResumeConfig.at(args.ckpt_dir, save_every=args.save_every)

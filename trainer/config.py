@@ -49,19 +49,13 @@ class ResumeConfig:
     """Finish a tier-0 snapshot's or a persist's bookkeeping and copies once the next forward is queued instead
     of in `step_done`, where a loop that waits for the device each step leaves it idle (trainer/deferred.py;
     where nothing but the optimizer changes the saved tensors between steps). False: all of it in `step_done`."""
-    freeze_heap: bool = True
-    """After the first completed step (the optimizer's state exists), freeze the objects alive (core/heap.py,
-    `gc.freeze`): the cyclic collector's full passes, which the loop's own allocations trigger now and then, then
-    walk only newer objects instead of torch's, the model's and the optimizer's, tens of ms each with the device
-    waiting (bench/goodput_bench.py). False: leave the collector as the process set it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, CheckpointConfig):
             raise ValueError(f"ResumeConfig.ckpt must be a ckpt.CheckpointConfig, got {type(self.ckpt).__name__}; "
                              "ResumeConfig.at(ckpt_dir, save_every=...) builds one")
-        for flag in ("defer_snapshots", "freeze_heap"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if not isinstance(self.defer_snapshots, bool):
+            raise ValueError(f"defer_snapshots must be a bool, got {self.defer_snapshots!r}")
         for name in ("save_every", "persist_every", "tokens_per_sample"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

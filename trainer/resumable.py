@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
 from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
-from core import faults, heap
+from core import faults
 from core.events import emit
 from elastic import worker
 from elastic.errors import EXIT_BELOW_MIN
@@ -160,7 +160,6 @@ class Resumable:
         self._saved_step = -1
         self._cadence = Cadence(config)  # which steps persist or snapshot (trainer/cadence.py)
         self._closed = False
-        self._freeze_heap = config.freeze_heap  # at the first step_done (ResumeConfig.freeze_heap)
         # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
         # has stepped past it, and the RNG streams at that step boundary.
         self._live_step = -1
@@ -495,10 +494,6 @@ class Resumable:
                                      persist=saved)
             else:
                 self._checkpoint(step, persist=saved, rng_state=self._boundary_rng)
-        if self._freeze_heap:
-            # Once the optimizer has state: what lives now lives as long as the loop (core/heap.py).
-            self._freeze_heap = False
-            heap.freeze_long_lived()
         faults.fire("step", step)  # before the loop runs step `step + 1`
         return saved
 
