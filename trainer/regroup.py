@@ -33,6 +33,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -163,7 +164,7 @@ def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callabl
             dist.distributed_c10d._get_default_group().abort()
         except RuntimeError as exc:  # already aborted by the round watcher
             log.debug("abort of the old process group: %s", exc)
-        dist.destroy_process_group()  # a gloo group created before `import trainer` can still hold this up: see `left`
+        _destroy_default_group()
     left()
     # The round's TCPStore is new (elastic/rendezvous.py). A worker started for the round joins through
     # env://, which puts the group's keys under "default_pg": so do we, to land in the same group.
@@ -177,6 +178,20 @@ def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callabl
     dist.init_process_group(backend, store=store, rank=round_.rank, world_size=round_.world_size, timeout=timeout)
     os.environ.update(RANK=str(round_.rank), WORLD_SIZE=str(round_.world_size), MASTER_ADDR=round_.master_addr,
                       MASTER_PORT=str(round_.master_port))
+
+
+def _destroy_default_group() -> None:
+    """`dist.destroy_process_group()`, the group itself freed on a daemon thread.
+
+    Freeing a gloo group joins its worker threads, so it waits for the collective one of them runs, and a
+    send queued on a connection that closed meanwhile is never failed (gloo's `UnboundBuffer::waitSend`,
+    seen on this project's 2-core host under load, about 1 in 25 runs of test_reform's warm-spare scenario
+    with every socket of the group already closed): it waits out the group's timeout, 30 min by default.
+    The training thread must not wait with it (the agent restarts a worker that has not left the group within
+    10 s), so the last reference goes to a thread of its own; the stuck thread ends at that timeout."""
+    held = [dist.distributed_c10d._get_default_group()]  # the only reference once the group is destroyed
+    dist.destroy_process_group()
+    threading.Thread(target=held.clear, name="elastic-free-old-group", daemon=True).start()
 
 
 def rewrap_ddp(ddp: DistributedDataParallel) -> None:

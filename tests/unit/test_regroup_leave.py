@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import trainer  # noqa: F401 - notes the sockets of the groups created from here on (trainer/gloo_sockets.py)
 from elastic.reform import Round
-from trainer.regroup import join_round, release_frames
+from trainer.regroup import _destroy_default_group, join_round, release_frames
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,6 +113,40 @@ def test_a_rank_leaving_with_collectives_in_flight_fails_its_own_and_its_peers_a
         results = dict(out.get(timeout=90) for _ in range(3))
         assert set(results) == {"left", "0 failed", "1 failed"}, results
         assert all(seconds < 20 for seconds in results.values()), results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+
+
+def _stuck(rank: int, port: int, out: mp.Queue) -> None:
+    """Rank 0 destroys its group while its all-reduce waits on rank 1, which never joins it nor leaves: the
+    group's connections stay open (what gloo_sockets cannot fail: a send left on a connection closed before)."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    if rank == 1:
+        time.sleep(60)
+        return
+    work = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+    del work
+    time.sleep(1.0)
+    started = time.monotonic()
+    _destroy_default_group()
+    out.put(("destroyed", time.monotonic() - started, dist.is_initialized()))
+
+
+def test_destroying_a_group_with_a_collective_stuck_in_it_does_not_wait_for_that_collective() -> None:
+    # A plain destroy_process_group() waits here until the group's 60 s timeout (checked when this was written).
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_stuck, args=(r, port, out), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        what, seconds, initialized = out.get(timeout=90)
+        assert what == "destroyed" and seconds < 20 and not initialized, (what, seconds, initialized)
     finally:
         for p in procs:
             if p.is_alive():
