@@ -14,8 +14,10 @@
                                      the fault hit (saves are asynchronous: an uncommitted checkpoint
                                      cannot be restored, but no committed one may be lost)
     no_orphan_processes              nothing the harness started, or any of its descendants, is alive
-    all_faults_injected              every fault not skipped fired, each corruption was read by a restore, and
-                                     each killed checkpoint helper was started again by its node's agent
+    all_faults_injected              every fault not skipped fired, each corruption was read by a restore (or
+                                     superseded: the resume went on from a newer intact state, such as another
+                                     node's tier-0 snapshot), and each killed checkpoint helper was started
+                                     again by its node's agent
     only_hit_processes_restart       in-process re-formation (elastic-run's default): after a fault, new worker
                                      processes start only where the fault hit (a killed or hung worker: one
                                      process on its node; a lost or cut-off node: none elsewhere; an added node:
@@ -56,6 +58,9 @@ class FaultOutcome:
     corrupted_node: str | None = None
     exercised: bool | None = None
     """For a corruption: a restore afterwards found it corrupt and skipped it."""
+    superseded_by: int | None = None
+    """For a corruption no restore read: the newer step the first resume after it went on from (an intact copy
+    of a newer state, such as another node's tier-0 snapshot, left the damaged step nothing to serve)."""
     not_fired: str | None = None
     """Why a fault that was not skipped never fired."""
     corrupted_ranks: tuple[int, ...] = ()
@@ -327,7 +332,7 @@ def all_injected(ev: Evidence) -> Check:
     for f in ev.faults:
         if f.skipped is None and not f.injected:
             problems.append(f"{f.kind} was planned but never fired" + (f" ({f.not_fired})" if f.not_fired else ""))
-        if f.corrupted_step is not None and f.exercised is False:
+        if f.corrupted_step is not None and f.exercised is False and f.superseded_by is None:
             problems.append(f"{f.kind}: no restore ever read the corrupted step {f.corrupted_step}")
         if f.kind == "kill-ckpt-helper" and f.injected and not any(
                 isinstance(e, AgentEvent) and e.name == "ckpt_helper_restarted" and e.node == f.node
@@ -337,7 +342,10 @@ def all_injected(ev: Evidence) -> Check:
         return Check(False, "; ".join(problems))
     fired = sum(1 for f in ev.faults if f.injected)
     skipped = sum(1 for f in ev.faults if f.skipped is not None)
-    return Check(True, f"{fired} fired, {skipped} skipped with a reason")
+    superseded = [f"step {f.corrupted_step} by {f.superseded_by}" for f in ev.faults
+                  if f.exercised is False and f.superseded_by is not None]
+    unread = f"; a corruption left unread, a newer intact state resumed: {', '.join(superseded)}" if superseded else ""
+    return Check(True, f"{fired} fired, {skipped} skipped with a reason{unread}")
 
 
 # New worker processes a fault may cause, where in-process re-formation keeps every other one: (on the hit node,

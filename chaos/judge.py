@@ -157,7 +157,8 @@ def in_flight(record: rpt.FaultRecord, ckpt_every: int) -> int:
 
 def cost_faults(records: list[rpt.FaultRecord], job: JobResult, t0: float) -> None:
     """Fill in each fired fault's detect_s, resume_s, steps_lost, restarts and, for a corruption,
-    whether a restore on the damaged node rejected the damaged step (`exercised`)."""
+    whether a restore on the damaged node rejected the damaged step (`exercised`), else the newer step the first
+    resume after it went on from (`superseded_by`)."""
     fired = [r for r in records if r.injected_t is not None]
     for i, r in enumerate(fired):
         assert r.injected_t is not None
@@ -170,6 +171,9 @@ def cost_faults(records: list[rpt.FaultRecord], job: JobResult, t0: float) -> No
         if step is not None:
             r.details["exercised"] = any(isinstance(e, tl.CheckpointSkipped) and e.step == step and e.node == r.node
                                          and e.t > start for e in job.events)
+            resumed = next((e.step for e in job.events if isinstance(e, tl.Resumed) and start < e.t < end), None)
+            if not r.details["exercised"] and resumed is not None and resumed > step:
+                r.details["superseded_by"] = resumed
 
 
 def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], reference: Reference,
@@ -181,7 +185,8 @@ def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], r
             lost_bound=CATALOG[r.kind].lost_bound,
             injected_t=None if r.injected_t is None else job.t0 + r.injected_t,
             corrupted_step=r.details.get("corrupted_step"), corrupted_node=r.node,
-            exercised=r.details.get("exercised"), not_fired=r.details.get("not_fired"),
+            exercised=r.details.get("exercised"), superseded_by=r.details.get("superseded_by"),
+            not_fired=r.details.get("not_fired"),
             corrupted_ranks=_ranks_of(r.details.get("files", {})),
             in_flight=in_flight(r, config.ckpt_every), node=r.node,
         )

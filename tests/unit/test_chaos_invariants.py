@@ -287,6 +287,21 @@ def test_a_step_written_again_after_corruption_may_be_restored() -> None:
     assert inv.no_corrupt_restore(evidence(log, faults=[fault])).ok is True
 
 
+def test_a_corruption_left_unread_counts_only_when_a_newer_intact_state_was_resumed() -> None:
+    # The damaged step 45 is never read: the resume went on from step 50 (another node's tier-0 snapshot).
+    log = Log().start().steps(1, 50)
+    t = log.t
+    log.start(resumed=50).steps(51, 55)
+    unread = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=1, lost_bound=2,
+                              injected_t=t, corrupted_step=45, corrupted_node="node1", exercised=False,
+                              corrupted_ranks=(1,))
+    check = inv.all_injected(evidence(log, faults=[unread]))
+    assert check.ok is False and "no restore ever read the corrupted step 45" in check.detail
+    superseded = inv.FaultOutcome(**{**unread.__dict__, "superseded_by": 50})
+    check = inv.all_injected(evidence(log, faults=[superseded]))
+    assert check.ok is True and "step 45 by 50" in check.detail
+
+
 def test_orphans_and_unfired_faults_fail() -> None:
     log = Log().start().steps(1, 20)
     assert inv.no_orphans(evidence(log, orphans=["123 python train_tiny.py"])).ok is False
