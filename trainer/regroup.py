@@ -156,7 +156,8 @@ def may_be_peer_loss(error: BaseException) -> bool:
 def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callable[[], None] = lambda: None) -> None:
     """Leave the current (aborted) process group, call `left`, and join `round_`'s, as rank `round_.rank`."""
     if dist.is_initialized():
-        if dist.get_backend() == "gloo":
+        gloo = dist.get_backend() == "gloo"
+        if gloo:
             # Gloo's collectives in flight (a peer's that waits on this rank, and this rank's that waits on
             # a peer leaving too) end only when sockets close: without this, destroying waits on them.
             gloo_sockets.fail_in_flight()
@@ -164,7 +165,10 @@ def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callabl
             dist.distributed_c10d._get_default_group().abort()
         except RuntimeError as exc:  # already aborted by the round watcher
             log.debug("abort of the old process group: %s", exc)
-        _destroy_default_group()
+        if gloo:
+            _destroy_default_group()
+        else:  # NCCL's abort() above has failed its collectives in flight
+            dist.destroy_process_group()
     left()
     # The round's TCPStore is new (elastic/rendezvous.py). A worker started for the round joins through
     # env://, which puts the group's keys under "default_pg": so do we, to land in the same group.
@@ -181,7 +185,7 @@ def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callabl
 
 
 def _destroy_default_group() -> None:
-    """`dist.destroy_process_group()`, the group itself freed on a daemon thread.
+    """`dist.destroy_process_group()` of a gloo group, the group itself freed on a daemon thread.
 
     Freeing a gloo group joins its worker threads, so it waits for the collective one of them runs, and a
     send queued on a connection that closed meanwhile is never failed (gloo's `UnboundBuffer::waitSend`,
