@@ -9,9 +9,9 @@ group's timeout (30 min by default), miss the agent's leave deadline and are res
 
 So every gloo group's sockets are noted when it is created (the sockets that appear while torch builds
 the backend: its listener and one connection per peer; the store's connection exists before), and
-`fail_in_flight` shuts the connections down (`shutdown(2)`, not close: gloo still owns and closes the descriptors)
-when the rank leaves: its own collectives in flight fail at once, and so do its peers' that wait on it.
-Each descriptor is checked against its socket's inode first, so one reused since is never touched.
+`fail_in_flight` shuts the connections down (`shutdown(2)` on a duplicate descriptor: gloo still owns and closes
+its own) when the rank leaves: its own collectives in flight fail at once, and so do its peers' that wait on it.
+Each duplicate is checked against the socket's inode first, so a descriptor number reused since is never touched.
 
 `record_new_groups` hooks torch's process-group constructor once per process; `import trainer` calls it,
 before the user's script creates its group. A group created before that is not noted, and leaving it
@@ -62,21 +62,26 @@ def fail_in_flight() -> int:
     """Shut down the noted sockets still open; returns how many. Call only when leaving every group."""
     with _lock:
         noted, _noted[:] = list(_noted), []
-    current = _sockets()
     done = 0
     for fd, inode in noted:
-        if current.get(fd) != inode:
-            continue  # closed with its group, or the descriptor now belongs to something else
-        sock = socket.socket(fileno=fd)
+        # Through a duplicate: gloo's own thread closes a connection whose peer went away at any moment, and
+        # its number may be reused at once; the duplicate holds the socket it names while it is checked.
         try:
-            # Not its listener: gloo's accept() then fails an enforce and the process aborts.
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-                done += 1
-        except OSError as exc:  # not a stream socket, or a connection the peer closed already
+            mine = os.dup(fd)
+        except OSError:
+            continue  # closed with its group
+        try:
+            if os.fstat(mine).st_ino != inode:
+                continue  # the number now names something else
+            with socket.socket(fileno=os.dup(mine)) as sock:  # closes its own duplicate, never gloo's descriptor
+                # Not its listener: gloo's accept() then fails an enforce and the process aborts.
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
+        except OSError as exc:  # a connection the peer closed already
             log.debug("shutdown of gloo socket %d: %s", fd, exc)
         finally:
-            sock.detach()  # gloo closes it
+            os.close(mine)
     return done
 
 
