@@ -433,8 +433,8 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
     split = {int(k): v for k, v in result.get("split_s", {}).items() if warmup < int(k) <= last}
     if split:
         fig["split_s"] = device_split(split, {s: end_of[s] - end_of[s - 1] for s in split if s - 1 in end_of})
-    passes = [(step, gen, sec) for step, gen, sec in result.get("gc_s", []) if warmup < step <= last]
     if "gc_s" in result:  # the cyclic collector's passes in the window: a full one stops the loop for tens of ms
+        passes = [(step, gen, sec) for step, gen, sec in result["gc_s"] if warmup < step <= last]
         fig["gc"] = {f"gen{g}": {"n": sum(1 for _, gen, _ in passes if gen == g),
                                  "total_s": round(sum(sec for _, gen, sec in passes if gen == g), 4)}
                      for g in (0, 1, 2)}
