@@ -443,6 +443,9 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
         "step_s": [round(x, 5) for x in durations],
         "save_s": {str(k): round(v, 5) for k, v in sorted(save_s.items()) if warmup <= k < last},
         "wait_s": {str(k): round(v, 5) for k, v in sorted(wait_s.items()) if k > warmup and v >= 1e-3},
+        # between step k's end and step k+1's start: all of it, the save call's own CPU time, the loader's wait
+        **{name: {k: round(v, 5) for k, v in sorted(((int(k), v) for k, v in result.get(name, {}).items()))
+                  if warmup <= k < last} for name in ("between_s", "save_cpu_s", "data_s")},
     }
     for key in ("max_rss_mb", "cuda_max_allocated_mb", "loop_ready_s", "config", "tier0_dir_env"):
         if key in result:

@@ -52,7 +52,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
@@ -111,6 +111,11 @@ class Timings:
         """From the end of step k (after its device sync) to the start of step k+1's train_step: the loop's own
         time while the device waits for the next step's first kernel (step_done, data, the loop)."""
         self.save: dict[int, float] = {}
+        self.save_cpu: dict[int, float] = {}
+        """The training thread's own CPU time in each save call: well below `save` when the call waited (the GIL,
+        a lock, a file write)."""
+        self.data: dict[int, float] = {}
+        """The time blocked on the loader between step k's end and step k+1's start (keyed by k, as `between`)."""
         self.wait: dict[int, float] = {}
         self.optimizer = optimizer
         self._pre = 0.0
@@ -189,10 +194,34 @@ class Timings:
         self._events = []
 
     def timed(self, step: int, fn: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = fn()
         self.save[step] = time.perf_counter() - start
+        self.save_cpu[step] = time.thread_time() - cpu
         return out
+
+    def timed_loader(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """`loader`'s items, the time each next() blocked added to `data` of the step between whose end and the
+        next one's start it was asked for."""
+        it = iter(loader)
+        while True:
+            start = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self.data[self._running] = self.data.get(self._running, 0.0) + time.perf_counter() - start
+            yield item
+
+
+class _Reiterable:
+    """A loader that train_loop may iterate again (after a re-formation), each pass timed (Timings.timed_loader)."""
+
+    def __init__(self, loader: Iterable[Any], timings: Timings) -> None:
+        self.loader, self.timings = loader, timings
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.timings.timed_loader(self.loader)
 
 
 def _thread_usage(since: dict[str, float] | None = None) -> dict[str, float]:
@@ -290,13 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         # Instance attributes: train_loop calls resumable.restore() and resumable.step_done(step).
         run.restore = timed_restore  # type: ignore[method-assign]
         run.step_done = timed_step_done  # type: ignore[method-assign]
-        end = train_loop(train_step, run, args.steps, loader=loader)
+        end = train_loop(train_step, run, args.steps, loader=_Reiterable(loader, timings))
         profile.write()
         result["ckpt_saves"] = save_metrics(run)
         result["final_digest"] = run.teardown()
     else:
         saver = make_saver(args, model, optimizer, ckpt_dir)
-        batches = iter(loader)
+        batches = timings.timed_loader(loader)
         step = 0
         result["resumed_from"] = 0
         while step < args.steps:
@@ -318,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         steps=timings.steps,
         step_end_s=[round(t, 6) for t in timings.step_end],
         save_s={str(k): round(v, 6) for k, v in timings.save.items()},
+        save_cpu_s={str(k): round(v, 6) for k, v in timings.save_cpu.items()},
+        data_s={str(k): round(v, 6) for k, v in timings.data.items()},
         wait_s={str(k): round(v, 6) for k, v in timings.wait.items() if v > 0},
         between_s={str(k): round(v, 6) for k, v in timings.between.items()},
         split_s={str(k): {n: round(v, 6) for n, v in parts.items()} for k, parts in timings.split.items()},
@@ -340,13 +371,17 @@ def run_name(args: Any, restart: int) -> str:
 
 
 class StepDoneProfile:
-    """$GOODPUT_PROFILE=<dir>: cProfile of `Resumable.step_done` from step $GOODPUT_PROFILE_FROM (default 12) on,
+    """$GOODPUT_PROFILE=<dir>: cProfile of `Resumable.step_done` from step $GOODPUT_PROFILE_FROM (default 12) on
+    (wall time; $GOODPUT_PROFILE_CLOCK=thread: the thread's CPU time),
     written to <dir>/<variant>-s<save_every>-p<persist_every>-r<restart>-<pid>.txt (cumulative and own time).
     It slows the calls it profiles: a run with it says where the time goes, not how much there is."""
 
     def __init__(self, path: Path | None, first: int) -> None:
         self.path, self.first = path, first
-        self.profiler = cProfile.Profile() if path is not None else None
+        # $GOODPUT_PROFILE_CLOCK=thread: the training thread's own CPU time instead of wall time (the two side by
+        # side say where step_done waits: for the GIL, a lock, a file write)
+        clock = time.thread_time if os.environ.get("GOODPUT_PROFILE_CLOCK") == "thread" else time.perf_counter
+        self.profiler = cProfile.Profile(clock) if path is not None else None
         self.calls = 0
 
     @staticmethod
