@@ -27,7 +27,8 @@ Probes (not in the issue's table): ours_tier0_1_tier1_10_at_boundary (ResumeConf
   every-step snapshot's cost without the tier-1 writes); the node helper's settings beside every-step snapshots
   and tier-1 writes: ours_tier0_1_tier1_10_persist2 (its tier-1 pool with 2 threads instead of the snapshot
   pool's 4-8), ours_tier0_1_tier1_10_sum4 (both pools 4 threads), ours_tier0_1_tier1_10_nice19 (niceness 19,
-  not 10).
+  not 10), ours_tier0_1_tier1_10_pnice0 (the tier-1 pool at the helper's own niceness, as before session 38,
+  not 9 nicer).
 Floors (CUDA only; skipped on CPU): floor_tensors_1, floor_graph_1 and floor_gather_1 copy the model's and
   optimizer's device tensors into page-locked host memory after every step on a side stream, nothing else
   (goodput_worker.Floor): one copy per tensor, the same copies replayed from a CUDA graph, or one
@@ -131,6 +132,7 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_persist2": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_THREADS", "2"),)),
     "ours_tier0_1_tier1_10_sum4": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_THREADS", "4"),)),
     "ours_tier0_1_tier1_10_nice19": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_NICE", "19"),)),
+    "ours_tier0_1_tier1_10_pnice0": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_NICE", "0"),)),
     "floor_tensors_1": Variant("floor_tensors", 1),
     "floor_gather_1": Variant("floor_gather", 1),
     "floor_graph_1": Variant("floor_graph", 1),

@@ -81,8 +81,8 @@ class Helper:
         # Two pools: a snapshot's publish (the next snapshot and any tier-1 save wait for it) never queues
         # behind a tier-1 file's sha256 or a replica's verification.
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-sum")
-        self.persist_pool = ThreadPoolExecutor(max_workers=persist_threads(threads),
-                                               thread_name_prefix="helper-persist")
+        self.persist_pool = ThreadPoolExecutor(max_workers=persist_threads(threads), thread_name_prefix="helper-persist",
+                                               initializer=_lower_priority, initargs=(persist_nice(),))
         self.images = _Images()
         self.sender = ReplicaSender(path.parent)
         self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}
@@ -239,6 +239,28 @@ def persist_threads(threads: int) -> int:
     """Threads of the tier-1 and replica pool: $ELASTIC_HELPER_PERSIST_THREADS, else `threads` (a tier-1 write has
     the steps until the next persist to finish)."""
     return env_count("ELASTIC_HELPER_PERSIST_THREADS", threads)
+
+
+PERSIST_NICE = 9
+"""Added to the niceness of the tier-1 and replica pool's threads, over the helper's own (to 19 at most): a tier-1
+write has the steps until the next persist to finish, a snapshot's publish one step (step_done waits for it)."""
+
+
+def persist_nice() -> int:
+    """$ELASTIC_HELPER_PERSIST_NICE, else PERSIST_NICE (0: the pool at the helper's own niceness)."""
+    return env_count("ELASTIC_HELPER_PERSIST_NICE", PERSIST_NICE, minimum=0)
+
+
+def _lower_priority(extra: int) -> None:
+    """A pool thread's initializer: this thread only `extra` nicer (Linux: a thread id is a PRIO_PROCESS target)."""
+    if extra <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + extra))
+    except OSError as exc:  # never a reason to fail a write
+        logging.getLogger(__name__).warning("could not lower the priority of %s: %s",
+                                            threading.current_thread().name, exc)
 
 
 class _GaveUp(Exception):

@@ -24,7 +24,8 @@ def capture() -> dict[str, Any]:
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         words = np.asarray(keys, dtype=np.uint32).view(np.int32)
-        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(words).clone(),
+        # get_state hands out a new array each call: the tensor may share its memory
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(words),
                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     if torch.cuda.is_available():
         state["cuda"] = list(torch.cuda.get_rng_state_all())

@@ -127,3 +127,34 @@ def test_helper_persist_pool_size_from_the_environment(monkeypatch: pytest.Monke
     assert env_count("ELASTIC_HELPER_NICE", 10, minimum=0) == 19
     monkeypatch.setenv("ELASTIC_HELPER_NICE", "0")
     assert env_count("ELASTIC_HELPER_NICE", 10, minimum=0) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread niceness is a POSIX (Linux) feature")
+@pytest.mark.parametrize("setting", [None, "0", "3"])
+def test_the_helpers_tier1_pool_runs_nicer_than_its_snapshot_pool(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None) -> None:
+    """A tier-1 write has until the next persist, a snapshot's publish one step (step_done waits for it): the
+    helper's tier-1 pool threads run PERSIST_NICE (or $ELASTIC_HELPER_PERSIST_NICE) nicer than the rest of it,
+    the snapshot pool and the process itself unchanged."""
+    import threading
+
+    from ckpt.helper_process import PERSIST_NICE, Helper
+
+    if setting is None:
+        monkeypatch.delenv("ELASTIC_HELPER_PERSIST_NICE", raising=False)
+    else:
+        monkeypatch.setenv("ELASTIC_HELPER_PERSIST_NICE", setting)
+    extra = PERSIST_NICE if setting is None else int(setting)
+
+    def own() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = own()
+    helper = Helper(tmp_path / "helper.sock", threads=2)
+    try:
+        assert helper.pool.submit(own).result(30) == base
+        assert helper.persist_pool.submit(own).result(30) == min(19, base + extra)
+        assert own() == base
+    finally:
+        helper.pool.shutdown()
+        helper.persist_pool.shutdown()
