@@ -81,8 +81,9 @@ class Helper:
         # Two pools: a snapshot's publish (the next snapshot and any tier-1 save wait for it) never queues
         # behind a tier-1 file's sha256 or a replica's verification.
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="helper-sum")
-        self.persist_pool = ThreadPoolExecutor(max_workers=persist_threads(threads), thread_name_prefix="helper-persist",
-                                               initializer=_lower_priority, initargs=(persist_nice(),))
+        self.persist_pool = ThreadPoolExecutor(max_workers=persist_threads(threads),
+                                               thread_name_prefix="helper-persist", initializer=_lower_priority,
+                                               initargs=(persist_nice(),))
         self.images = _Images()
         self.sender = ReplicaSender(path.parent)
         self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}

@@ -6,6 +6,7 @@ import hashlib
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
