@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gc
 import json
 import logging
 import mmap
@@ -41,6 +40,7 @@ from ckpt.replica import ReplicaReceiver, ReplicaSender
 from ckpt.shared import put_file
 from ckpt.tier0 import SlotLock, snapshot_manifest
 from core.frames import recv_frame, send_frame
+from core.heap import freeze_now
 
 logger = logging.getLogger("ckpt.helper_process")
 
@@ -255,7 +255,7 @@ def persist_nice() -> int:
 
 def _lower_priority(extra: int) -> None:
     """A pool thread's initializer: this thread only `extra` nicer (Linux: a thread id is a PRIO_PROCESS target)."""
-    if extra <= 0 or not hasattr(os, "setpriority"):
+    if extra <= 0 or not sys.platform.startswith("linux"):  # elsewhere a thread id is no PRIO_PROCESS target
         return
     try:
         tid = threading.get_native_id()
@@ -282,16 +282,6 @@ def _closed(conn: socket.socket) -> bool:
         return False
     except OSError:
         return True
-
-
-def freeze_heap() -> int:
-    """Move every object made so far (the imports: torch, numpy, fsspec, ~170k objects) out of the cyclic
-    collector's reach; returns how many. A full collection walked them all, ~70 ms on the 2-core host, every
-    so many requests: on one H200 host, once in each run of 100 steps, a snapshot's publish waited behind one
-    and step_done with it (20-56 ms, bench/results/goodput_cuda_h200_session38.json)."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 def _die_with_parent() -> None:
@@ -329,10 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listener.bind(str(tmp))
         listener.listen(64)
-        os.replace(tmp, args.socket)  # a worker that sees the path can connect
         helper = Helper(args.socket, threads=args.threads)
-        frozen = freeze_heap()
+        # The start-up objects (torch's, ~170k) out of the cyclic collector's reach, before any request: a full
+        # collection walked them all (~70 ms on the 2-core host) every so many requests, and on one H200 host a
+        # snapshot's publish waited behind one, and step_done with it, 20-56 ms once a run
+        # (bench/results/goodput_cuda_h200_session38.json). Before the socket is published: no request waits.
+        frozen = freeze_now()
         logging.getLogger(__name__).info("serving %s (%d objects of the start-up frozen)", args.socket, frozen)
+        os.replace(tmp, args.socket)  # a worker that sees the path can connect
         if args.replica_fd is not None:
             helper.serve_replicas(socket.socket(fileno=args.replica_fd))
         helper.serve(listener, args.parent)

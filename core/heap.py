@@ -26,3 +26,11 @@ def imports_without_gc() -> Iterator[None]:
         gc.freeze()
         if was_enabled:
             gc.enable()
+
+
+def freeze_now() -> int:
+    """Collect once, then freeze what exists (a long-lived process after its imports: no later collection walks
+    them again); returns how many objects are frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
