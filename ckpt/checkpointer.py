@@ -272,6 +272,12 @@ class Checkpointer:
         """The newest save or snapshot that went to tier 0 (the one `wait_snapshot` waits for)."""
         return self._writer.last_tier0
 
+    def snapshot_ready(self) -> bool:
+        """Whether `wait_snapshot` would return True at once (the check a loop makes every step, without the
+        deadline's arithmetic)."""
+        newest = self._writer.last_tier0
+        return (newest is None or newest.in_tier0) and not self._writer.tier0_thread.busy()
+
     def wait_snapshot(self, timeout: timedelta) -> bool:
         """Block until the newest save or snapshot with a tier-0 slot is in tier 0 (checksummed and published,
         or given up) and the tier-0 thread can take the next snapshot; False at the deadline. A loop that calls

@@ -79,6 +79,11 @@ class PendingSave:
             self._persisted.set()
             self._in_tier0.set()
 
+    @property
+    def in_tier0(self) -> bool:
+        """Whether this save's tier-0 snapshot is published (or given up)."""
+        return self._in_tier0.is_set()
+
     def wait_in_tier0(self, timeout: float) -> bool:
         """Block until this save's tier-0 snapshot is published (or given up); False at the deadline."""
         return self._in_tier0.wait(timeout)

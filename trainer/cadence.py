@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_WAIT = timedelta(seconds=5)
 """The most `step_done` waits for the previous tier-0 snapshot's publication before it takes the next."""
+_NO_WAIT = timedelta(0)
 
 
 class Cadence:
@@ -74,6 +75,11 @@ class Cadence:
         """Wait, bounded, until the newest snapshot is published (see the module)."""
         newest = checkpointer.newest_snapshot
         given_up = newest is not None and newest is self._stuck
+        if checkpointer.snapshot_ready():  # the usual case, every step: no deadline to work out
+            if not given_up:
+                self._waits.append(_NO_WAIT)
+            self._stuck = None
+            return
         longest = max(self._waits, default=SNAPSHOT_WAIT / 4)  # no wait measured yet: SNAPSHOT_WAIT
         bound = timedelta(0) if given_up else min(SNAPSHOT_WAIT, max(timedelta(seconds=1), 4 * longest))
         started = time.monotonic()

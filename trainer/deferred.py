@@ -43,12 +43,12 @@ class NextForward:
     """Work that waits until the next forward is queued (see the module); `flush` runs it now."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._work: list[Callable[[], None]] = []
+        self._work: list[Callable[[], object]] = []
         # A TorchScript module takes no hooks: its work waits for the other flush points.
         self._hook = None if isinstance(model, torch.jit.ScriptModule) else model.register_forward_hook(
             self._on_forward)
 
-    def later(self, work: Callable[[], None]) -> None:
+    def later(self, work: Callable[[], object]) -> None:
         self._work.append(work)
 
     def flush(self) -> None:

@@ -39,7 +39,6 @@ after each completed step (and after the restore), `save` once this rank's files
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -78,7 +77,7 @@ from trainer.deferred import DeferredSaves, NextForward
 from trainer.digest import state_digests_on, training_digest
 from trainer.errors import RoundChanged
 from trainer.sharding import Layout
-from trainer.state_view import Boundary, StateView
+from trainer.state_view import Boundary, StateView, copy_plain, param_key
 from trainer.telemetry import Telemetry
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
@@ -153,7 +152,7 @@ class Resumable:
         self.telemetry = Telemetry.for_run(self)  # metrics for elastic-run's agent (trainer/telemetry.py)
         self.step = 0
         self.resumed_from: int | None = None
-        self._names_cache: tuple[tuple[int, ...], list[list[str | None]]] | None = None
+        self._names_cache: tuple[tuple[tuple[int, ...], tuple[int, ...]], list[list[str | None]]] | None = None
         self.restored: Restored | None = None
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
@@ -477,7 +476,13 @@ class Resumable:
         fields: dict[str, Any] = {"step": step}
         if loss is not None:
             fields["loss"] = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
-        emit("step", **fields)
+        if self._deferred is not None:
+            # Where snapshots wait for the next forward, the event line does too (its JSON, log line and write:
+            # ~70 us a step inside a loop), stamped with the boundary's time: a worker killed before that forward
+            # loses this step's snapshot as well, so the line never claims a step no tier holds.
+            self._later.later(partial(emit, "step", ts=round(time.time(), 3), **fields))
+        else:
+            emit("step", **fields)
         saved = self._cadence.persists(step, self.checkpointer, self.topology)
         if saved or self._cadence.snapshots(step, self.checkpointer):
             if not saved or self._deferred is not None:
@@ -549,7 +554,7 @@ class Resumable:
         names = self._param_names() if self.optimizer is not None else None
         rest = self._tree(None, None, names, rng_state)
         for key in ("scheduler", "scaler", "extras"):
-            rest[key] = copy.deepcopy(rest[key])
+            rest[key] = copy_plain(rest[key])
         groups = self._view.param_groups()
 
         def flattened() -> Boundary:
@@ -561,7 +566,7 @@ class Resumable:
         """param_names(model, optimizer), walked again only when the optimizer's parameters change: a
         snapshot every step should not walk the model every step."""
         assert self.optimizer is not None
-        key = tuple(id(p) for g in self.optimizer.param_groups for p in g["params"])
+        key = param_key(self.optimizer.param_groups)
         cached = self._names_cache
         if cached is None or cached[0] != key:
             cached = self._names_cache = (key, param_names(self.model, self.optimizer))

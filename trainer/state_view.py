@@ -22,10 +22,11 @@ the model's and optimizer state's tensors, which only the optimizer's next step 
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import chain, repeat
 from typing import Any
 
 import torch
@@ -38,6 +39,25 @@ _DYNAMIC_MODEL = ("_state_dict_hooks", "_state_dict_pre_hooks")
 def _own(value: Any) -> Any:
     """A group's value as it is now: a tensor (an lr a scheduler changes in place) is copied."""
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def copy_plain(value: Any) -> Any:
+    """A deep copy of `value` (a scheduler's or scaler's state_dict, the extras), its dicts, lists, tuples and
+    scalars copied by one walk, anything else by copy.deepcopy: taken every snapshot, and deepcopy's memo and
+    dispatch for a handful of numbers took longer than the rest of the boundary's bookkeeping."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is dict:
+        return {k: copy_plain(v) for k, v in value.items()}
+    if kind is list:
+        return [copy_plain(v) for v in value]
+    if kind is tuple:
+        return tuple(copy_plain(v) for v in value)
+    return copy.deepcopy(value)
 
 
 class StateView:
@@ -94,7 +114,7 @@ class StateView:
         cache = self._cache
         if cache is not None and cache.plain_optimizer and _plain_optimizer(optimizer):
             groups = optimizer.param_groups
-            if _param_key(groups) == cache.param_key:
+            if param_key(groups) == cache.param_key:
                 return [{**{k: _own(v) for k, v in g.items() if k != "params"}, "params": indices}
                         for g, indices in zip(groups, cache.group_indices, strict=True)]
         groups_sd: list[dict[str, Any]] = optimizer.state_dict()["param_groups"]
@@ -199,7 +219,7 @@ class _Cache:
             by_index = dict(zip([i for g in indices for i in g], params, strict=False))
             if len(by_index) == len(params) and all(i in by_index for i, _, _ in cache.optimizer_objects):
                 cache.plain_optimizer = True
-                cache.param_key = _param_key(optimizer.param_groups)
+                cache.param_key = param_key(optimizer.param_groups)
                 cache.group_indices = indices
                 cache.object_params = [by_index[i] for i, _, _ in cache.optimizer_objects]
                 cache.object_keys = [k for _, k, _ in cache.optimizer_objects]
@@ -229,7 +249,7 @@ class _Cache:
         """holds() for a plain optimizer: its state read by parameter, without state_dict() (C loops)."""
         if not _plain_optimizer(optimizer):  # a state_dict hook registered since
             return False
-        if _param_key(optimizer.param_groups) != self.param_key:
+        if param_key(optimizer.param_groups) != self.param_key:
             return False
         state = optimizer.state
         if len(state) != self.state_entries or sum(map(len, state.values())) != len(self.optimizer_objects):
@@ -252,9 +272,11 @@ _STORES = (operator.attrgetter("_parameters"), operator.attrgetter("_buffers"), 
 _entry: Callable[[Any, str], Any] = dict.get
 
 
-def _param_key(groups: list[dict[str, Any]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The optimizer's parameters as its state_dict() indexes them: each group's size, then every id in order."""
-    return tuple(len(g["params"]) for g in groups), tuple(id(p) for g in groups for p in g["params"])
+def param_key(groups: list[dict[str, Any]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The optimizer's parameters as its state_dict() indexes them: each group's size, then every id in order
+    (C loops: taken every snapshot)."""
+    params = [g["params"] for g in groups]
+    return tuple(map(len, params)), tuple(map(id, chain.from_iterable(params)))
 
 
 def _plain_optimizer(optimizer: torch.optim.Optimizer) -> bool:
