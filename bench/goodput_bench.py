@@ -28,7 +28,9 @@ Probes (not in the issue's table): ours_tier0_1_tier1_10_at_boundary (ResumeConf
   and tier-1 writes: ours_tier0_1_tier1_10_persist2 (its tier-1 pool with 2 threads instead of the snapshot
   pool's 4-8), ours_tier0_1_tier1_10_sum4 (both pools 4 threads), ours_tier0_1_tier1_10_nice19 (niceness 19,
   not 10), ours_tier0_1_tier1_10_pnice0 (the tier-1 pool at the helper's own niceness, as before session 38,
-  not 9 nicer).
+  not 9 nicer); ours_tier0_1_tier1_10_tmpfs (tier 1 written to /dev/shm: the tier-1 writes without the disk's
+  writeback); ours_tier0_1_tier1_10_nospare and none_nospare (elastic-run without its warm spare, whose
+  warm-up runs beside the first steps: ELASTIC_WARM_SPARE=0).
 Floors (CUDA only; skipped on CPU): floor_tensors_1, floor_graph_1 and floor_gather_1 copy the model's and
   optimizer's device tensors into page-locked host memory after every step on a side stream, nothing else
   (goodput_worker.Floor): one copy per tensor, the same copies replayed from a CUDA graph, or one
@@ -111,6 +113,9 @@ class Variant:
     """more elastic-run flags (the other launchers ignore them)"""
     env: tuple[tuple[str, str], ...] = ()
     """more environment for the launcher and the worker (a probe of a setting that has no flag)"""
+    ckpt_in_memory: bool = False
+    """tier 1 (and the rest of the checkpoint directory) in /dev/shm, not on the disk: a probe of what the
+    tier-1 writes cost through the disk's writeback rather than through reading, hashing and copying the state"""
 
     @property
     def tier0(self) -> bool:
@@ -133,6 +138,9 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_sum4": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_THREADS", "4"),)),
     "ours_tier0_1_tier1_10_nice19": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_NICE", "19"),)),
     "ours_tier0_1_tier1_10_pnice0": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_NICE", "0"),)),
+    "ours_tier0_1_tier1_10_tmpfs": Variant("ours", 1, 10, ckpt_in_memory=True),
+    "ours_tier0_1_tier1_10_nospare": Variant("ours", 1, 10, env=(("ELASTIC_WARM_SPARE", "0"),)),
+    "none_nospare": Variant("none", env=(("ELASTIC_WARM_SPARE", "0"),)),
     "floor_tensors_1": Variant("floor_tensors", 1),
     "floor_gather_1": Variant("floor_gather", 1),
     "floor_graph_1": Variant("floor_graph", 1),
@@ -316,8 +324,13 @@ def _fork_target(env: dict[str, str | None], argv: list[str], log: str) -> None:
     goodput_worker.fork_entry(env, argv, log)
 
 
+def ckpt_dir(variant: Variant, run_dir: Path) -> Path:
+    """Where a run's checkpoints go: in the run's directory, or in /dev/shm for a `ckpt_in_memory` probe."""
+    return SHM / f"goodput-ckpt-{os.getpid()}-{run_dir.name}" if variant.ckpt_in_memory else run_dir / "ckpt"
+
+
 def worker_argv(args: argparse.Namespace, variant: Variant, run_dir: Path, steps: int) -> list[str]:
-    argv = ["--device", args.device, "--steps", str(steps), "--ckpt-dir", str(run_dir / "ckpt"),
+    argv = ["--device", args.device, "--steps", str(steps), "--ckpt-dir", str(ckpt_dir(variant, run_dir)),
             "--variant", variant.kind, "--result", str(run_dir / "result.json"), "--seed", str(args.seed),
             "--layers", str(args.layers), "--heads", str(args.heads), "--d-model", str(args.d_model),
             "--seq-len", str(args.seq_len), "--vocab", str(args.vocab), "--global-batch", str(args.global_batch),
@@ -456,11 +469,20 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
 
 
 def events_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
-    counts: dict[str, int] = {}
+    """Saves by outcome and tier; and the steps the agent's warm spare started and was warm after (its warm-up,
+    a second process's imports, CUDA context and page-locking of the tier-0 slots, runs beside the training)."""
+    counts: dict[str, Any] = {}
     for e in events:
         if e["event"] in ("ckpt_saved", "ckpt_failed", "ckpt_skipped"):
             key = f"{e['event']}_{e.get('tier', '?')}"
             counts[key] = counts.get(key, 0) + 1
+    steps = [(e["ts"], int(e["step"])) for e in events if e["event"] == "step" and e.get("rank", 0) == 0]
+    kept = {e["pid"] for e in events if e["event"] == "spare_started"}
+    for name in ("spare_started", "spare_ready"):
+        for e in events:
+            if e["event"] == name and e.get("pid") in kept:
+                counts[f"{name}_after_step"] = max((step for ts, step in steps if ts <= e["ts"]), default=0)
+                break
     return counts
 
 
@@ -641,6 +663,13 @@ def events_dir_in_memory() -> Iterator[Path]:
 
 
 def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
+    try:
+        return _one_run(args, launcher, run_dir, variant)
+    finally:
+        shutil.rmtree(ckpt_dir(variant, run_dir), ignore_errors=True)  # a probe's, in memory
+
+
+def _one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
     env: dict[str, str | None] = {"ELASTIC_FAULTS": None, **dict(variant.env)}
     with events_dir_in_memory() as events_dir:
@@ -676,6 +705,7 @@ def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, varian
     if run["rc"] != 0:
         figures["log_tail"] = run["log_tail"]
     shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(ckpt_dir(variant, run_dir), ignore_errors=True)
     return figures
 
 
