@@ -77,7 +77,7 @@ from trainer.deferred import DeferredSaves, NextForward
 from trainer.digest import state_digests_on, training_digest
 from trainer.errors import RoundChanged
 from trainer.sharding import Layout
-from trainer.state_view import Boundary, StateView, copy_plain, param_key
+from trainer.state_view import Boundary, ParamKey, StateView, copy_plain, param_key
 from trainer.telemetry import Telemetry
 from trainer.topology import Topology
 from trainer.validate import check_state, param_names
@@ -152,7 +152,7 @@ class Resumable:
         self.telemetry = Telemetry.for_run(self)  # metrics for elastic-run's agent (trainer/telemetry.py)
         self.step = 0
         self.resumed_from: int | None = None
-        self._names_cache: tuple[tuple[tuple[int, ...], tuple[int, ...]], list[list[str | None]]] | None = None
+        self._names_cache: tuple[ParamKey, list[list[str | None]]] | None = None
         self.restored: Restored | None = None
         """What `restore` loaded: the step, whose part (rank), from which tier and path."""
         self._restore_started, self._prepare_s = time.monotonic(), 0.0  # timings of the `resumed` event
@@ -551,22 +551,23 @@ class Resumable:
         extras (the caller's dict), the scheduler's and scaler's state (a user's object may return its own live
         dict) and the param_groups (their lr); the RNG streams, the data position and the names are made anew."""
         setup.check_json_able(self.extras)
-        names = self._param_names() if self.optimizer is not None else None
+        params = param_key(self.optimizer.param_groups) if self.optimizer is not None else None  # once, for both
+        names = self._param_names(params) if self.optimizer is not None else None
         rest = self._tree(None, None, names, rng_state)
         for key in ("scheduler", "scaler", "extras"):
             rest[key] = copy_plain(rest[key])
-        groups = self._view.param_groups()
+        groups = self._view.param_groups(params)
 
         def flattened() -> Boundary:
             return self._view.boundary(rest, groups)
 
         return flattened
 
-    def _param_names(self) -> list[list[str | None]]:
+    def _param_names(self, key: ParamKey | None = None) -> list[list[str | None]]:
         """param_names(model, optimizer), walked again only when the optimizer's parameters change: a
         snapshot every step should not walk the model every step."""
         assert self.optimizer is not None
-        key = param_key(self.optimizer.param_groups)
+        key = key or param_key(self.optimizer.param_groups)
         cached = self._names_cache
         if cached is None or cached[0] != key:
             cached = self._names_cache = (key, param_names(self.model, self.optimizer))

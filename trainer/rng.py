@@ -51,6 +51,8 @@ class _NumpyCapture:
         self._usable: bool | None = None  # layout not checked yet
         self._raw = b""
         self._state: dict[str, Any] | None = None
+        self._generator: Any = None  # the global bit generator whose state address is `_at`
+        self._at = 0
 
     def capture(self) -> dict[str, Any]:
         address = self._address()
@@ -74,13 +76,17 @@ class _NumpyCapture:
         if self._usable is False:
             return None
         generator: Any = getattr(getattr(np.random.mtrand, "_rand", None), "_bit_generator", None)
+        if generator is self._generator:
+            return self._at
         if type(generator).__name__ != "MT19937":  # np.random.set_bit_generator may have put another there
             return None
         try:
-            return int(generator.ctypes.state_address)
+            self._at = int(generator.ctypes.state_address)
         except (AttributeError, TypeError, ValueError):
             self._usable = False
             return None
+        self._generator = generator  # (kept alive here, so its address cannot be another object's)
+        return self._at
 
 
 _NUMPY = _NumpyCapture()

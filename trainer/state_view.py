@@ -35,6 +35,9 @@ from ckpt.tree import Flat, flatten
 
 _DYNAMIC_MODEL = ("_state_dict_hooks", "_state_dict_pre_hooks")
 
+ParamKey = tuple[tuple[int, ...], tuple[int, ...]]
+"""param_key's: each optimizer group's size, then every parameter's id in order."""
+
 
 def _own(value: Any) -> Any:
     """A group's value as it is now: a tensor (an lr a scheduler changes in place) is copied."""
@@ -104,17 +107,17 @@ class StateView:
         tensors.update(at.tensors)
         return Flat(tensors, skeleton)
 
-    def param_groups(self) -> list[dict[str, Any]] | None:
+    def param_groups(self, key: ParamKey | None = None) -> list[dict[str, Any]] | None:
         """The optimizer's param_groups as its state_dict() has them (params as indices), read directly from
         a plain optimizer while its parameters are the ones indexed; else from state_dict(). New dicts: a
-        later change of a group's lr is not in them."""
+        later change of a group's lr is not in them. `key`: param_key(optimizer.param_groups), taken now."""
         optimizer = self._optimizer
         if optimizer is None:
             return None
         cache = self._cache
         if cache is not None and cache.plain_optimizer and _plain_optimizer(optimizer):
             groups = optimizer.param_groups
-            if param_key(groups) == cache.param_key:
+            if (key or param_key(groups)) == cache.param_key:
                 return [{**{k: _own(v) for k, v in g.items() if k != "params"}, "params": indices}
                         for g, indices in zip(groups, cache.group_indices, strict=True)]
         groups_sd: list[dict[str, Any]] = optimizer.state_dict()["param_groups"]
@@ -162,7 +165,7 @@ class _Cache:
         self.optimizer_params = 0
         self.plain_optimizer = False
         """Read directly (torch's state_dict, no state_dict hooks): the fields below index its parameters."""
-        self.param_key: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self.param_key: ParamKey = ((), ())
         self.group_indices: list[list[int]] = []
         self.object_params: list[torch.Tensor] = []
         self.object_keys: list[str] = []
@@ -272,7 +275,7 @@ _STORES = (operator.attrgetter("_parameters"), operator.attrgetter("_buffers"), 
 _entry: Callable[[Any, str], Any] = dict.get
 
 
-def param_key(groups: list[dict[str, Any]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def param_key(groups: list[dict[str, Any]]) -> ParamKey:
     """The optimizer's parameters as its state_dict() indexes them: each group's size, then every id in order
     (C loops: taken every snapshot)."""
     params = [g["params"] for g in groups]
