@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     result["machine"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
     result["wall_s"] = round(time.perf_counter() - started, 1)
-    result["summary"] = summarize(variants, result.get("kills", {}))
+    result["summary"] = summarize(variants, result.get("kills", {}), args.warmup_steps)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:
@@ -718,7 +718,19 @@ def _step_times(fig: dict[str, Any] | None) -> list[float]:
     return [t for t in raw.get("step_s") or [] if t > 0]
 
 
-def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]:
+def _after_spare(fig: dict[str, Any], base: dict[str, Any] | None, warmup: int) -> float | None:
+    """`base`'s mean step over `fig`'s: both over the steps after `fig`'s warm spare was warm (its warm-up, a
+    second process's CUDA context and page-locking of the tier-0 slots, is a burst of slow steps once a start)."""
+    ready = (fig.get("events") or {}).get("spare_ready_after_step")
+    if ready is None or base is None:
+        return None
+    first = max(0, ready - warmup)  # raw step_s[i] is step warmup + 1 + i
+    mine = ((fig.get("raw") or {}).get("step_s") or [])[first:]
+    theirs = ((base.get("raw") or {}).get("step_s") or [])[first:]
+    return statistics.mean(theirs) / statistics.mean(mine) if len(mine) > 10 and len(theirs) > 10 else None
+
+
+def summarize(variants: dict[str, Any], kills: dict[str, Any], warmup: int) -> dict[str, Any]:
     """Per variant: median tokens/s, the median over rounds of its ratio to `none` of the same round,
     blocking per save pooled over rounds; and the kill figures with the issue's targets."""
     anchor = variants["none"]["rounds"]
@@ -728,8 +740,8 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]
             out[name] = {"skipped": entry["skipped"]}
             continue
         # Against none's round of the same index: tokens/s, and the median step, which a few slow steps (a noisy
-        # host, a stall) do not move, with how many steps were slow.
-        ratios, step_ratios, slow = [], [], []
+        # host, a stall) do not move, with how many steps were slow; and the mean step once the spare was warm.
+        ratios, step_ratios, slow, warm = [], [], [], []
         for i, fig in enumerate(entry["rounds"]):
             base = anchor[i] if i < len(anchor) else None
             if base and "tokens_per_s" in base and "tokens_per_s" in fig:
@@ -739,6 +751,8 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]
                 anchor_step = statistics.median(theirs)
                 step_ratios.append(anchor_step / statistics.median(mine))
                 slow.append(sum(1 for t in mine if t > SLOW_STEP * anchor_step))
+            if (after := _after_spare(fig, base, warmup)) is not None:
+                warm.append(after)
         ok = [f for f in entry["rounds"] if "tokens_per_s" in f]
         blocked = [f["blocked_per_save_s"]["median"] for f in ok if f["blocked_per_save_s"]["median"] is not None]
         p90 = [f["blocked_per_save_s"]["p90"] for f in ok if f["blocked_per_save_s"]["p90"] is not None]
@@ -747,6 +761,7 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any]) -> dict[str, Any]
             "ratio_to_none_median": round(statistics.median(ratios), 4) if ratios else None,
             "ratio_to_none_per_round": [round(x, 4) for x in ratios],
             "median_step_ratio_per_round": [round(x, 4) for x in step_ratios],
+            "ratio_after_spare_warm_per_round": [round(x, 4) for x in warm],
             "slow_steps_per_run": slow,
             "saves_per_run": [f["saves"] for f in ok],
             "blocked_per_save_median_s": pct(blocked, 0.5),
