@@ -477,11 +477,19 @@ def events_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
             key = f"{e['event']}_{e.get('tier', '?')}"
             counts[key] = counts.get(key, 0) + 1
     steps = [(e["ts"], int(e["step"])) for e in events if e["event"] == "step" and e.get("rank", 0) == 0]
+
+    def after(ts: float) -> int:
+        return max((step for at, step in steps if at <= ts), default=0)
+
     kept = {e["pid"] for e in events if e["event"] == "spare_started"}
     for name in ("spare_started", "spare_ready"):
         for e in events:
             if e["event"] == name and e.get("pid") in kept:
-                counts[f"{name}_after_step"] = max((step for ts, step in steps if ts <= e["ts"]), default=0)
+                counts[f"{name}_after_step"] = after(e["ts"])
+                # The parts of its warm-up (elastic/spare.py warm): its CUDA context, then the tier-0 slots' locking.
+                for part in ("cuda", "premap"):
+                    if e.get(f"{part}_at") is not None:
+                        counts[f"spare_{part}_after_step"] = after(float(e[f"{part}_at"]))
                 break
     return counts
 

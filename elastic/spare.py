@@ -300,14 +300,17 @@ def _script_path(target: Target) -> str:
     return os.path.dirname(os.path.abspath(target.name)) if target.kind == "path" else os.getcwd()
 
 
-def warm(target: Target) -> None:
+def warm(target: Target) -> dict[str, float]:
     """The rest of a spare's warm-up, off the critical path: the script's top-level imports (best effort: a module
     that fails here is imported again by the script, which then shows the error), and the CUDA context where the
-    agent named the device."""
+    agent named the device. Returns when each part began (time.time(): `imports_at`, `cuda_at`, `premap_at`),
+    for the `spare_ready` event: the parts that run beside the training (a second CUDA context, page-locking the
+    tier-0 slots) can be told apart in a benchmark's steps."""
     import importlib
 
     import torch
 
+    began = {"imports_at": round(time.time(), 3)}
     sys.path[0] = _script_path(target)
     if target.kind == "path":
         modules = _top_level_imports(target.name)
@@ -320,9 +323,12 @@ def warm(target: Target) -> None:
             log.debug("spare: pre-importing %s failed (%s); the script imports it itself", name, exc)
     device = os.environ.get(ENV_CUDA_DEVICE)
     if device is not None and torch.cuda.is_available():
+        began["cuda_at"] = round(time.time(), 3)
         torch.cuda.set_device(int(device))
         _warm_cuda(torch.device("cuda", int(device)))
+        began["premap_at"] = round(time.time(), 3)
         _premap_tier0()
+    return began
 
 
 def _premap_tier0() -> None:
@@ -501,11 +507,12 @@ def serve(control_fd: int) -> int:
     if prepare.get("warm", True):
         before = dict(os.environ)
         with imports_without_gc():
-            warm(target)
+            began = warm(target)
         set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
         from core.events import emit
 
-        emit("spare_ready", warm_s=round(time.monotonic() - started, 3))  # for people and benchmarks: it is warm
+        # For people and benchmarks: it is warm, and when each part of its warm-up began.
+        emit("spare_ready", warm_s=round(time.monotonic() - started, 3), **began)
     else:
         set_by_imports = {}
     if directory := os.environ.get(ENV_PROGRESS_DIR):
