@@ -62,8 +62,7 @@ class HelperProcess:
         it first (seen: steps published after kill() returned)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + timeout
-        while not all(stat.read_text().rpartition(")")[2].split()[0] == "T"
-                      for stat in Path(f"/proc/{self.proc.pid}/task").glob("*/stat")):
+        while not all(_stopped(stat) for stat in Path(f"/proc/{self.proc.pid}/task").glob("*/stat")):
             assert time.monotonic() < deadline, f"the helper (pid {self.proc.pid}) did not stop within {timeout} s"
             time.sleep(0.01)
 
@@ -72,6 +71,14 @@ class HelperProcess:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
         self.proc.wait(30)
+
+
+def _stopped(stat: Path) -> bool:
+    """Whether the thread of /proc/<pid>/task/<tid>/stat is stopped (state T), or gone."""
+    try:
+        return stat.read_text().rpartition(")")[2].split()[0] == "T"
+    except FileNotFoundError:
+        return True
 
 
 @pytest.fixture

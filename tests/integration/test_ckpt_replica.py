@@ -205,7 +205,7 @@ def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
     Node a's worker process is kept: train_fsdp.py runs main() again in it (trainer.run_elastic, issue K)."""
     run_id = f"replica-{uuid.uuid4().hex[:8]}"
     jobs = {name: fsdp(procs, tmp_path / name, tmp_path / name / "ckpt", "--snapshot-every", "1", "--ckpt-every",
-                       "100000", "--replica-every", "2", "--steps", "300", nproc=1, digests=True,
+                       "100000", "--replica-every", "2", "--steps", "80", nproc=1, digests=True,
                        env={"ELASTIC_CKPT_HELPER": "1"},
                        launcher=("--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
                                  "--node-id", name, "--monitor-interval", "0.1", "--max-restarts", "3"))
