@@ -25,6 +25,10 @@ def test_a_tree_is_found_and_ended_by_pid() -> None:
         while not procfs.descendants(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.02)
         (grandchild,) = procfs.descendants(proc.pid)
+        # The shell forks before it execs sleep: until then the grandchild's command line is the shell's (seen once
+        # in CI). Waited for, bounded: a cmdline() that never reads "sleep 60" still fails below.
+        while procfs.cmdline(grandchild) != "sleep 60" and time.monotonic() < deadline:
+            time.sleep(0.02)
         st = procfs.stat(grandchild)
         assert st is not None and st.ppid == proc.pid and st.state in "RSD"
         assert procfs.alive(grandchild) and procfs.alive(grandchild, st.start)
