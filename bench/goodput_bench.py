@@ -670,17 +670,21 @@ def events_dir_in_memory() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
+@contextmanager
+def checkpoints_removed(variant: Variant, run_dir: Path) -> Iterator[None]:
+    """On the way out (an error too), remove a run's checkpoints where they are not in its directory (a probe's,
+    in /dev/shm: ckpt_dir)."""
     try:
-        return _one_run(args, launcher, run_dir, variant)
+        yield
     finally:
-        shutil.rmtree(ckpt_dir(variant, run_dir), ignore_errors=True)  # a probe's, in memory
+        if variant.ckpt_in_memory:
+            shutil.rmtree(ckpt_dir(variant, run_dir), ignore_errors=True)
 
 
-def _one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
+def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
     env: dict[str, str | None] = {"ELASTIC_FAULTS": None, **dict(variant.env)}
-    with events_dir_in_memory() as events_dir:
+    with checkpoints_removed(variant, run_dir), events_dir_in_memory() as events_dir:
         env["ELASTIC_EVENTS_DIR"] = str(events_dir)
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, args.steps), env, restarts=0,
                            timeout=args.run_timeout, launcher_args=variant.launcher_args)
@@ -703,7 +707,7 @@ def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, varian
     run_dir.mkdir(parents=True)
     faults = json.dumps([{"point": "step", "step": kill_step, "action": "sigkill"}])
     steps = kill_step + args.steps_after_kill
-    with events_dir_in_memory() as events_dir:
+    with checkpoints_removed(variant, run_dir), events_dir_in_memory() as events_dir:
         env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults,
                                       **dict(variant.env)}
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, steps), env, restarts=1,
@@ -713,7 +717,6 @@ def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, varian
     if run["rc"] != 0:
         figures["log_tail"] = run["log_tail"]
     shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(ckpt_dir(variant, run_dir), ignore_errors=True)
     return figures
 
 

@@ -118,7 +118,7 @@ def check(state: Any) -> None:
         devices = state["cuda"]
         if not isinstance(devices, (list, tuple)):
             raise InvalidStateError(f"rng['cuda'] is a {type(devices).__name__}, not a list of device states")
-        size = torch.cuda.get_rng_state(0).numel() if torch.cuda.is_available() else None
+        size = torch.cuda.get_rng_state(0).numel() if _cuda_available() else None
         for i, device_state in enumerate(devices):
             _check_bytes(f"rng['cuda'][{i}]", device_state, size)
 
@@ -160,7 +160,7 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if np is not None and "numpy" in state:
         np.random.set_state(_as_numpy_state(state["numpy"]))
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and _cuda_available():
         devices = state["cuda"]
         if len(devices) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(devices)
