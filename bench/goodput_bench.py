@@ -482,14 +482,13 @@ def events_summary(events: list[dict[str, Any]]) -> dict[str, Any]:
         return max((step for at, step in steps if at <= ts), default=0)
 
     kept = {e["pid"] for e in events if e["event"] == "spare_started"}
-    for name in ("spare_started", "spare_ready"):
+    for name in ("spare_started", "spare_ready", "spare_premapped"):
         for e in events:
             if e["event"] == name and e.get("pid") in kept:
                 counts[f"{name}_after_step"] = after(e["ts"])
-                # The parts of its warm-up (elastic/spare.py warm): its CUDA context, then the tier-0 slots' locking.
-                for part in ("cuda", "premap"):
-                    if e.get(f"{part}_at") is not None:
-                        counts[f"spare_{part}_after_step"] = after(float(e[f"{part}_at"]))
+                # A part of its warm-up (elastic/spare.py warm): its CUDA context.
+                if e.get("cuda_at") is not None:
+                    counts["spare_cuda_after_step"] = after(float(e["cuda_at"]))
                 break
     return counts
 

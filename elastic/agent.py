@@ -438,9 +438,12 @@ class ElasticAgent(LocalElasticAgent):
         spec = worker_group.spec
         usable = (self.agent_config.warm_spare and self._can_reform() and can_run(spec.entrypoint, spec.args)
                   and getattr(spec, "numa_options", None) is None)  # torch wraps a NUMA-bound worker in numactl
-        early = prestart.take(spec.local_world_size if usable else -1)
+        early, extra = prestart.take(spec.local_world_size if usable else -1)
         joins = getattr(self._round_info, "joins_a_running_round", None)
         joining = bool(usable and joins is not None and joins())
+        if extra is not None and joining:  # its warm-up would compete with the one the running job waits for
+            stop_all([extra])
+            extra = None
         if not early and not joining:
             return
         env, args = self._spare_env(), [str(a) for a in spec.args]
@@ -451,6 +454,8 @@ class ElasticAgent(LocalElasticAgent):
             log.warning("a worker process started ahead is gone (%s); starting the workers the usual way", exc)
             stop_all(early)
             early = []
+        if extra is not None:
+            self._adopt_spare(extra, args, env)
         if early:
             self._prestarted = dict(enumerate(early))
         elif joining:
@@ -515,6 +520,18 @@ class ElasticAgent(LocalElasticAgent):
             return  # not yet restored and training, or not a script that re-forms (trainer)
         self._spare = Spare.start(str(worker_group.spec.entrypoint), pcontext.args[0], self._spare_env())
         emit("spare_started", pid=self._spare.pid)
+
+    def _adopt_spare(self, spare: Spare, args: list[str], env: dict[str, str]) -> None:
+        """The node's warm spare, started with the first workers' interpreters: it warms up (the script's imports,
+        the device context, the tier-0 slots once the worker makes them) while they start, not beside training."""
+        try:
+            spare.prepare(args, env)
+        except OSError as exc:
+            log.warning("the warm spare started ahead is gone (%s); one is started once the workers train", exc)
+            stop_all([spare])
+            return
+        self._spare = spare
+        emit("spare_started", pid=spare.pid, ahead=True)
 
     def _spare_env(self) -> dict[str, str]:
         """The environment a spare warms up in: the workers' (the agent's before any worker ran), less what names

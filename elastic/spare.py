@@ -303,9 +303,9 @@ def _script_path(target: Target) -> str:
 def warm(target: Target) -> dict[str, float]:
     """The rest of a spare's warm-up, off the critical path: the script's top-level imports (best effort: a module
     that fails here is imported again by the script, which then shows the error), and the CUDA context where the
-    agent named the device. Returns when each part began (time.time(): `imports_at`, `cuda_at`, `premap_at`),
-    for the `spare_ready` event: the parts that run beside the training (a second CUDA context, page-locking the
-    tier-0 slots) can be told apart in a benchmark's steps."""
+    agent named the device. Returns when each part began (time.time(): `imports_at`, `cuda_at`),
+    for the `spare_ready` event: a part that runs beside the training (a second CUDA context) can be told apart in
+    a benchmark's steps."""
     import importlib
 
     import torch
@@ -326,22 +326,44 @@ def warm(target: Target) -> dict[str, float]:
         began["cuda_at"] = round(time.time(), 3)
         torch.cuda.set_device(int(device))
         _warm_cuda(torch.device("cuda", int(device)))
-        began["premap_at"] = round(time.time(), 3)
-        _premap_tier0()
     return began
 
 
-def _premap_tier0() -> None:
-    """Map and page-lock the node's tier-0 slot files, which the worker this spare replaces restores from and
-    snapshots into at once (core/premap.py; only where the script's imports loaded ckpt)."""
-    root = os.environ.get(TIER0_ENV)
-    if not root or not os.path.isdir(root):
-        return
-    try:
-        mapped = premap.add(Path(root), pin=True)
-        log.debug("spare: %d bytes of tier-0 slots mapped ahead", mapped)
-    except Exception as exc:  # noqa: BLE001 - the worker maps them itself
-        log.debug("spare: mapping the tier-0 slots ahead failed (%s)", exc)
+class SlotMapper:
+    """Maps and page-locks the node's tier-0 slot files for the worker this spare may become, which restores from
+    them and snapshots into them at once (core/premap.py; only where the script's imports loaded ckpt). A thread
+    that looks again every `interval_s` until `stop`: a spare warmed up with a job's first workers is ready
+    before they make their slots. Each mapping is told in a `spare_premapped` event (when, for benchmarks)."""
+
+    def __init__(self, root: Path, *, pin: bool, interval_s: float = 1.0) -> None:
+        self.root, self.pin, self.interval_s = root, pin, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="spare-premap", daemon=True)
+
+    def start(self) -> SlotMapper:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop looking, and wait (bounded) for a mapping in progress: the worker then takes what is mapped."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("spare: mapping the tier-0 slots ahead is still running after %g s; the worker maps what "
+                        "it needs itself", timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                mapped = premap.add(self.root, pin=self.pin) if self.root.is_dir() else 0
+            except Exception as exc:  # noqa: BLE001 - the worker maps them itself
+                log.debug("spare: mapping the tier-0 slots ahead failed (%s)", exc)
+                return
+            if mapped:
+                from core.events import emit
+
+                emit("spare_premapped", pid=os.getpid(), bytes=mapped)
+            self._stop.wait(self.interval_s)
 
 
 def _warm_cuda(device: Any) -> None:
@@ -504,6 +526,7 @@ def serve(control_fd: int) -> int:
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in prepare["env"].items()})
     _set_threads_from_env()
+    mapper: SlotMapper | None = None
     if prepare.get("warm", True):
         before = dict(os.environ)
         with imports_without_gc():
@@ -513,6 +536,8 @@ def serve(control_fd: int) -> int:
 
         # For people and benchmarks: it is warm, and when each part of its warm-up began.
         emit("spare_ready", warm_s=round(time.monotonic() - started, 3), **began)
+        if "cuda_at" in began and (root := os.environ.get(TIER0_ENV)):  # page-locked slots serve a CUDA worker
+            mapper = SlotMapper(Path(root), pin=True).start()
     else:
         set_by_imports = {}
     if directory := os.environ.get(ENV_PROGRESS_DIR):
@@ -520,6 +545,8 @@ def serve(control_fd: int) -> int:
             pass  # for the agent (Spare.warm)
     order = message()
     control.close()  # not the worker's
+    if mapper is not None:
+        mapper.stop()
     if order is None:
         return 0
     try:

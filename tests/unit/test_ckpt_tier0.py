@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -307,3 +308,34 @@ def test_slots_a_warm_spare_mapped_ahead_are_what_the_restarted_worker_uses(tmp_
         restored = grown.restore()
         assert restored is not None and restored.step == 7 and torch.equal(restored.state["w"], bigger["w"])
     assert not premap.held()
+
+
+@pytest.mark.timeout(60)
+def test_a_spare_warm_before_the_slots_exist_maps_them_once_the_worker_makes_them(
+        tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The node's warm spare warms up with a job's first workers (elastic/prestart.py), before any slot exists: its
+    # mapper keeps looking, maps the slots the worker then makes, tells it in an event, and stops when asked.
+    from core import premap
+    from core.events import EVENTS_DIR_ENV
+    from elastic.spare import SlotMapper
+
+    monkeypatch.setenv(EVENTS_DIR_ENV, str(tmp_path / "events"))
+    mapper = SlotMapper(shm, pin=False, interval_s=0.05).start()
+    try:
+        with make(tmp_path, shm) as ck:
+            train(ck, range(1, 4), persist_every=10)
+        slots = sorted(str(p) for p in shm.glob("rank_*/slot_*/state.*"))
+        deadline = time.monotonic() + 30
+        while premap.held() != slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        mapper.stop()
+    assert len(slots) >= 2 and premap.held() == slots
+    events = [json.loads(line) for f in (tmp_path / "events").glob("*.jsonl") for line in f.read_text().splitlines()]
+    assert sum(e["bytes"] for e in events if e["event"] == "spare_premapped") == sum(
+        os.path.getsize(p) for p in slots)
+    with make(tmp_path, shm) as again:  # the worker it becomes restores through those mappings
+        restored = again.restore()
+        assert restored is not None and restored.step == 3 and torch.equal(restored.state["w"], state(3)["w"])
+        train(again, range(4, 5), persist_every=10)
+        assert not premap.held()

@@ -35,3 +35,41 @@ ON = {ENV_WARM_SPARE: "1"}
 ])
 def test_planned_workers(argv: list[str], environ: dict[str, str], expected: int) -> None:
     assert planned_workers(argv, environ) == expected
+
+
+class _Started:
+    """A process started ahead, as `take` sees it (the real ones: tests/integration/test_reform.py)."""
+
+    def __init__(self, alive: bool = True) -> None:
+        self.running, self.stopped = alive, False
+
+    def alive(self) -> bool:
+        return self.running
+
+    def release(self) -> None:
+        pass
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self.running, self.stopped = False, True
+
+
+@pytest.mark.parametrize(("started", "count", "workers", "spare"), [
+    ([True, True, True], 2, 2, True),  # the workers, and the node's warm spare started with them
+    ([True, True, False], 2, 2, False),  # the spare is gone: the workers all the same
+    ([True, True], 2, 2, False),  # one fewer than planned: no spare
+    ([True, True, True, True], 2, 0, False),  # more than planned: a wrong guess, all ended
+    ([True], 2, 0, False),
+    ([True, False, True], 2, 0, False),  # a worker is gone: the agent starts its workers itself
+    ([True, True], -1, 0, False),  # dismissed
+])
+def test_take_hands_over_the_workers_and_the_spare_started_ahead(
+        monkeypatch: pytest.MonkeyPatch, started: list[bool], count: int, workers: int, spare: bool) -> None:
+    from elastic import prestart
+
+    made = [_Started(alive) for alive in started]
+    monkeypatch.setattr(prestart, "_spares", list(made))
+    got, extra = prestart.take(count)
+    assert got == made[:workers] and extra is (made[count] if spare else None)
+    handed = [*got, *([extra] if extra is not None else [])]
+    assert all(not p.stopped for p in handed) and all(p.stopped or not p.alive() for p in made if p not in handed)
+    assert not prestart._spares
