@@ -91,6 +91,9 @@ if str(REPO) not in sys.path:
 from core.events import read_events  # noqa: E402
 from core.procfs import kill_tree  # noqa: E402
 
+sys.path.insert(0, str(REPO / "bench"))
+from gpu_telemetry import GpuTelemetry  # noqa: E402
+
 WORKER = REPO / "bench" / "goodput_worker.py"
 SHM = Path("/dev/shm")
 
@@ -462,6 +465,9 @@ def steady(result: dict[str, Any], variant: Variant, warmup: int) -> dict[str, A
         **{name: {k: round(v, 5) for k, v in sorted(((int(k), v) for k, v in result.get(name, {}).items()))
                   if warmup <= k < last} for name in ("between_s", "save_cpu_s", "data_s")},
     }
+    if "t0_unix" in result:  # for the GPU's telemetry (bench/gpu_telemetry.py): the window and each step's end
+        fig["window_unix"] = [result["t0_unix"] + end_of[warmup], result["t0_unix"] + end_of[last]]
+        fig["step_end_unix"] = [result["t0_unix"] + end_of[s] for s in steps if s > warmup and s - 1 in end_of]
     for key in ("max_rss_mb", "cuda_max_allocated_mb", "loop_ready_s", "config", "tier0_dir_env"):
         if key in result:
             fig[key] = result[key]
@@ -584,6 +590,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             variants[name]["skipped"] = no_tier0
     started = time.perf_counter()
     budget = Budget(args.time_budget)
+    telemetry = GpuTelemetry(work / "nvidia_smi.csv") if args.device == "cuda" else None
+    if telemetry is not None:
+        result["settings"]["gpu_telemetry"] = telemetry.why_not or "nvidia-smi every 100 ms"
     try:
         # Round 0, then the kills, then the other rounds: a --time-budget cut keeps one of each.
         result["kills"] = {}
@@ -596,7 +605,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     entry["rounds"].append({"not_run": why})
                     continue
                 with budget.timing():
-                    figures = one_run(args, launcher, work / f"{name}-r{r}", VARIANTS[name])
+                    figures = one_run(args, launcher, work / f"{name}-r{r}", VARIANTS[name], telemetry)
                 entry["rounds"].append(figures)
                 machine = figures.pop("machine", None)
                 if machine is not None:
@@ -608,6 +617,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if r == 0:
                 run_kills(args, launcher, work, kill_step, no_tier0, budget, result)
     finally:
+        if telemetry is not None:
+            telemetry.stop()
         shutil.rmtree(work, ignore_errors=True)
     result["machine"]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
     result["wall_s"] = round(time.perf_counter() - started, 1)
@@ -680,7 +691,8 @@ def checkpoints_removed(variant: Variant, run_dir: Path) -> Iterator[None]:
             shutil.rmtree(ckpt_dir(variant, run_dir), ignore_errors=True)
 
 
-def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant) -> dict[str, Any]:
+def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant,
+            telemetry: GpuTelemetry | None = None) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
     env: dict[str, str | None] = {"ELASTIC_FAULTS": None, **dict(variant.env)}
     with checkpoints_removed(variant, run_dir), events_dir_in_memory() as events_dir:
@@ -697,6 +709,10 @@ def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant
     figures["machine"] = results[0].get("machine")
     figures.update(steady(results[0], variant, args.warmup_steps))
     figures["events"] = events_summary(events)
+    ends = figures.pop("step_end_unix", None)
+    if telemetry is not None and ends is not None:
+        figures["gpu"] = telemetry.window(*figures["window_unix"])
+        figures["raw"]["sm_mhz"] = telemetry.per_step(ends)
     shutil.rmtree(run_dir, ignore_errors=True)  # the checkpoints: disk and page cache for the next run
     return figures
 
@@ -779,6 +795,10 @@ def summarize(variants: dict[str, Any], kills: dict[str, Any], warmup: int) -> d
             "failed_rounds": sum(1 for f in entry["rounds"] if "error" in f),
             "rounds_not_run": sum(1 for f in entry["rounds"] if "not_run" in f),
         }
+        gpu = [f["gpu"] for f in ok if f.get("gpu")]
+        if gpu:  # the GPU's own clock per round: a lowered clock slows a round whatever its checkpointing
+            out[name].update({f"gpu_{key}_per_round": [g[key] for g in gpu]
+                              for key in ("sm_mhz_median", "power_w_median", "clock_lowered_share")})
     if kills:
         keys = ("steps_lost", "resumed_from", "restored_tier", "kill_to_first_step_s", "restore_s",
                 "restore_prepare_s", "replaced_by", "error", "skipped", "not_run")

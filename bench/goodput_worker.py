@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         gc_s=[[step, generation, round(seconds, 6)] for step, generation, seconds in timings.gc],
         tokens_per_step=args.global_batch * args.seq_len,
         main_started_unix=round(started, 3),
+        t0_unix=round(started + timings.t0 - started_perf, 4),  # step_end_s[i] is after this unix time
         loop_ready_s=round(timings.t0 - started_perf, 3),
         start_split_s={name: round(t - started_perf, 3) for name, t in marks.items()},
         max_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
