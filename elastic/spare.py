@@ -3,8 +3,10 @@
 A worker process that starts from nothing pays for Python, `import torch` and the device context
 before it runs a line of the user's script: about 3.5 s of CPU here, about 3.6 s on an H200 host,
 and every survivor of the job waits for it in the new process group. A *warm spare* pays that while
-nothing waits: the agent starts it once its workers run, it imports torch and the script's own
-top-level imports, creates the CUDA context where the node has one worker, and then blocks reading
+nothing waits: the agent starts it with a job's first workers (forked by the launcher with theirs,
+elastic/prestart.py, and warmed up while they start) or, after a failure, once its workers train again;
+it imports torch and the script's own top-level imports, creates the CUDA context where the node has one
+worker, maps the node's tier-0 slots once they exist (`SlotMapper`), and then blocks reading
 a pipe from the agent (its control pipe; its stdin stays the launcher's, as a worker's). When a worker
 crashes, the agent writes the order (the crashed local rank's environment for the new round, its
 arguments, its log files) on that pipe; the spare becomes that worker and runs the script as
