@@ -63,6 +63,17 @@ def write_all(fd: int, data: memoryview) -> None:
         view = view[written:]
 
 
+def drop_cached(fd: int) -> None:
+    """Let the kernel drop a written checkpoint file's pages (clean once fsynced) from the page cache. A checkpoint
+    is read again only after a failure, where tier 0 serves a restarted worker and a lost node's cache is gone with
+    it; cached, each persist (1.2 GB every 10 steps in issue J's benchmark) evicts pages the job does read, and the
+    kernel has to find fresh memory for the next one. Best effort: a file system without the advice keeps them."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):  # no posix_fadvise on this platform, or a file system that refuses it
+        pass
+
+
 def _close_quietly(mapping: mmap.mmap) -> None:
     try:
         mapping.close()
@@ -183,6 +194,7 @@ def persist_rank(
             source = parts
             if written is not None:
                 _close_quietly(written)
+            drop_cached(fd)
             os.close(fd)
         manifest = Manifest(
             step=step,

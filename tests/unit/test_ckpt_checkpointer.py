@@ -416,3 +416,50 @@ def test_config_and_constructor_validation(tmp_path: Path) -> None:
         Checkpointer(config, rank=2, world_size=2)
     with pytest.raises(ValueError, match="step"):
         make(tmp_path).save(-1, {})
+
+
+def resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (mincore over a mapping that faults nothing in)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        anchor = ctypes.c_char.from_buffer(mapping)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector) != 0:
+            pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+        del anchor
+        return sum(v & 1 for v in vector)
+    finally:
+        mapping.close()
+
+
+def test_a_persisted_file_leaves_the_page_cache(tmp_path: Path) -> None:
+    # A checkpoint is read again only after a failure: its pages are dropped once fsynced (ckpt/persist.py
+    # drop_cached), so persisting gigabytes does not evict what the job reads.
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(1 << 20))
+    fd = os.open(probe, os.O_RDWR)
+    try:
+        os.fsync(fd)
+        cached_before = resident_pages(probe)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached_before == 0 or resident_pages(probe) > 0:
+        pytest.skip("this file system does not drop clean pages on advice (tmpfs)")
+    state = {**rank_state(0), "big": torch.randn(1 << 20)}  # 4 MiB
+    rank_dir = make(tmp_path / "ckpt").save(10, state)
+    data = rank_dir / "state.safetensors"
+    assert data.stat().st_size > 4 << 20
+    assert resident_pages(data) == 0
+    loaded = make(tmp_path / "ckpt").load(10)
+    assert torch.equal(loaded["big"], state["big"])  # read back from the disk, verified
