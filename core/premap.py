@@ -1,6 +1,6 @@
 """Tier-0 slot files mapped ahead of need, by a process that will become a worker.
 
-A warm spare (elastic/spare.py) maps, and for CUDA state page-locks, the node's tier-0 slot files while
+A warm spare (elastic/spare_process.py) maps, and for CUDA state page-locks, the node's tier-0 slot files while
 it waits; when it becomes the worker of a crashed rank, that worker's slots (ckpt/tier0.py) take those
 mappings instead of mapping and page-locking their files again (page-locking both slots of a 1.2 GB
 state took 0.46 s of a restarted worker's restore on one H200).

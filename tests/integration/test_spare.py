@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.spare import Spare, Target, _top_level_imports, can_run
+from elastic.spare import Spare, can_run
+from elastic.spare_process import Target, _top_level_imports
 
 pytestmark = pytest.mark.integration
 

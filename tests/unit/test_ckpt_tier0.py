@@ -317,7 +317,7 @@ def test_a_spare_warm_before_the_slots_exist_maps_them_once_the_worker_makes_the
     # mapper keeps looking, maps the slots the worker then makes, tells it in an event, and stops when asked.
     from core import premap
     from core.events import EVENTS_DIR_ENV
-    from elastic.spare import SlotMapper
+    from elastic.spare_process import SlotMapper
 
     monkeypatch.setenv(EVENTS_DIR_ENV, str(tmp_path / "events"))
     mapper = SlotMapper(shm, pin=False, interval_s=0.05).start()
