@@ -1,0 +1,42 @@
+"""bench/goodput_pool.py: the rounds of several goodput runs pooled per variant, the kills listed per run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(name: str, ours: list[float], code: str) -> dict:
+    return {"code": {"commit": code, "tree_digest": code + "x"},
+            "summary": {"none": {"ratio_to_none_median": 1.0, "ratio_to_none_per_round": [1.0] * len(ours)},
+                        "ours": {"ratio_to_none_median": sorted(ours)[len(ours) // 2], "ratio_to_none_per_round": ours},
+                        "skipped_one": {"skipped": "no tier 0"},
+                        "kills": {"ours": {"steps_lost": 1, "kill_to_first_step_s": 1.5}},
+                        "targets": {"ours ratio >= 0.99": True}}}
+
+
+def test_rounds_of_the_chosen_runs_are_pooled(tmp_path: Path) -> None:
+    files = []
+    for name, ours, code in (("a", [0.995, 0.98, 0.991], "c1"), ("b", [0.97, 0.999], "c1"), ("c", [0.5], "old")):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(run(name, ours, code)))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_pool.py"), *map(str, files), "--code", "c1"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    pooled = json.loads(out)
+    ours = pooled["variants"]["ours"]
+    assert ours["rounds"] == 5 and ours["pooled_median"] == 0.991  # of 0.97, 0.98, 0.991, 0.995, 0.999
+    assert ours["rounds_at_or_over_0.99"] == 3 and ours["runs_at_or_over"] == 2  # medians a 0.991, b 0.999
+    assert "skipped_one" not in pooled["variants"]
+    assert [k["run"] for k in pooled["kills"]["ours"]] == ["a.json", "b.json"]  # c is other code
+
+
+def test_no_run_left_is_an_error_naming_the_flag(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(run("a", [0.99], "c1")))
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_pool.py"), str(path), "--code", "zzz"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--code" in done.stderr
