@@ -39,6 +39,7 @@ from ckpt.persist import commit_if_complete, persist_rank
 from ckpt.replica import ReplicaReceiver, ReplicaSender
 from ckpt.shared import put_file
 from ckpt.tier0 import SlotLock, snapshot_manifest
+from ckpt.write_pace import WritePace
 from core.frames import recv_frame, send_frame
 from core.heap import freeze_now
 
@@ -207,7 +208,8 @@ class Helper:
                 layout, step=step, rank=int(header["rank"]), world_size=world_size, generation=generation,
                 parts=[image], tensors=template.tensors, skeleton=json.loads(body), checksum=str(header["checksum"]),
                 chunk_bytes=int(header["chunk_bytes"]), shards=template.shards, pool=self.persist_pool,
-                identity=identity, before_publish=lambda: _require_open(conn), release=release)
+                identity=identity, before_publish=lambda: _require_open(conn), release=release,
+                pace=WritePace.from_env(WRITE_PACE_ENV))
         finally:
             lock.release()
         committed = commit_if_complete(layout, step=step, world_size=world_size,
@@ -241,6 +243,11 @@ def persist_threads(threads: int) -> int:
     """Threads of the tier-1 and replica pool: $ELASTIC_HELPER_PERSIST_THREADS, else `threads` (a tier-1 write has
     the steps until the next persist to finish)."""
     return env_count("ELASTIC_HELPER_PERSIST_THREADS", threads)
+
+
+WRITE_PACE_ENV = "ELASTIC_HELPER_WRITE_MBPS"
+"""MB/s at which the helper writes a tier-1 file, its writeback started chunk by chunk (ckpt/write_pace.py); unset:
+at full speed, flushed by one fsync. A probe of bench/goodput_bench.py (`ours_tier0_1_tier1_10_paced`)."""
 
 
 PERSIST_NICE = 9

@@ -22,7 +22,7 @@ import torch
 
 from ckpt import CheckpointConfig, Checkpointer, SharedConfig
 from ckpt.helper import HelperClient, socket_path
-from ckpt.helper_process import NICE
+from ckpt.helper_process import NICE, WRITE_PACE_ENV
 from ckpt.tier0 import SlotLock
 from core.tier0_dir import shm_root
 from tests import s3_fixtures
@@ -35,7 +35,7 @@ moto_s3 = s3_fixtures.moto_s3
 
 
 class HelperProcess:
-    def __init__(self, tier0: Path, log: Path) -> None:
+    def __init__(self, tier0: Path, log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self.socket = socket_path(tier0)
         self.socket.unlink(missing_ok=True)
@@ -43,7 +43,7 @@ class HelperProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ckpt.helper_process", "--socket", str(self.socket),
                  "--parent", str(os.getpid())], cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT)
+                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while not self.socket.exists():
             assert self.proc.poll() is None, log.read_text()
@@ -233,12 +233,15 @@ def step_dir(tmp_path: Path, step: int) -> Path:
     return tmp_path / "ckpt" / f"step_{step:012d}"
 
 
+@pytest.mark.parametrize("paced", [False, True])
 def test_the_helper_writes_and_commits_tier1_for_the_nodes_ranks(
-    tmp_path: Path, shm: Path, helpers: list[HelperProcess]
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess], paced: bool
 ) -> None:
     # Two ranks of one node: each rank's tier-1 directory is written from its slot by the helper, and the
-    # step is committed once both are there. Restored from tier 1 alone (tier 0 gone), bitwise.
-    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    # step is committed once both are there. Restored from tier 1 alone (tier 0 gone), bitwise. Paced: the
+    # files written chunk by chunk at 1 MB/s, their writeback started as they go (ckpt/write_pace.py).
+    env = {WRITE_PACE_ENV: "1"} if paced else {}
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log", env))
     cks = [Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=r, world_size=2,
                         local_world_size=2) for r in range(2)]
     for step in (1, 2):
