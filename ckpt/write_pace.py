@@ -12,7 +12,6 @@ where `$ELASTIC_HELPER_WRITE_MBPS` is set (ckpt/helper_process.py), so a benchma
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 import time
@@ -27,7 +26,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 def _sync_file_range() -> Any:
     """libc's sync_file_range, or None where there is none (not Linux, no glibc)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the symbols this process has loaded, libc's among them
         fn = libc.sync_file_range
     except (OSError, AttributeError):
         return None
