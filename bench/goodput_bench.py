@@ -143,6 +143,7 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_pnice0": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_NICE", "0"),)),
     "ours_tier0_1_tier1_10_tmpfs": Variant("ours", 1, 10, ckpt_in_memory=True),
     "ours_tier0_1_tier1_10_paced": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_WRITE_MBPS", "1000"),)),
+    "ours_tier0_1_tier1_10_paced_auto": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_WRITE_MBPS", "auto"),)),
     "ours_tier0_1_tier1_10_nospare": Variant("ours", 1, 10, env=(("ELASTIC_WARM_SPARE", "0"),)),
     "none_nospare": Variant("none", env=(("ELASTIC_WARM_SPARE", "0"),)),
     "floor_tensors_1": Variant("floor_tensors", 1),

@@ -6,14 +6,14 @@ at the disk's full speed at once. A training step has slack on the CPU (its kern
 of the device), so the same writeback spread over the steps until the next persist may cost nothing visible.
 `WritePace` writes in chunks, starts each chunk's writeback at once (`sync_file_range`, Linux) and sleeps so
 that the bytes go out at `bytes_per_s`; the closing fsync then finds little left to write. The helper uses it
-where `$ELASTIC_HELPER_WRITE_MBPS` is set (ckpt/helper_process.py), so a benchmark can compare both ways.
+where `$ELASTIC_HELPER_WRITE_MBPS` is set (ckpt/helper_process.py): a rate in MB/s, or `auto` (the file over
+half the time between the rank's persists), so a benchmark can compare the ways.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,8 +67,20 @@ class WritePace:
             # Bounded: at most one chunk's time at this rate.
             time.sleep(max(0.0, self._started + self._done / self.bytes_per_s - time.monotonic()))
 
-    @staticmethod
-    def from_env(name: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> WritePace | None:
-        """$name in MB/s (a whole number >= 1), else None: no pacing."""
-        value = environ.get(name, "")
-        return WritePace(int(value) * 1e6) if value.isdigit() and int(value) >= 1 else None
+
+AUTO_SHARE = 0.5
+"""`auto`: the share of the time between a rank's persists over which its next file is written."""
+AUTO_MIN_RATE = 100e6
+"""`auto`: never slower than this (bytes/s), whatever the cadence."""
+
+
+def pace_for(setting: str, nbytes: int, interval_s: float | None) -> WritePace | None:
+    """The pace a setting asks for: MB/s as a whole number >= 1; `auto`, `nbytes` over AUTO_SHARE of the time
+    since the rank's previous persist (`interval_s`; None for its first: at full speed); anything else, none."""
+    if setting == "auto":
+        if interval_s is None or interval_s <= 0:
+            return None
+        return WritePace(max(AUTO_MIN_RATE, nbytes / (AUTO_SHARE * interval_s)))
+    if setting.isdigit() and int(setting) >= 1:
+        return WritePace(int(setting) * 1e6)
+    return None

@@ -233,35 +233,36 @@ def step_dir(tmp_path: Path, step: int) -> Path:
     return tmp_path / "ckpt" / f"step_{step:012d}"
 
 
-@pytest.mark.parametrize("paced", [False, True])
+@pytest.mark.parametrize("pace", ["", "1", "auto"])
 def test_the_helper_writes_and_commits_tier1_for_the_nodes_ranks(
-    tmp_path: Path, shm: Path, helpers: list[HelperProcess], paced: bool
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess], pace: str
 ) -> None:
     # Two ranks of one node: each rank's tier-1 directory is written from its slot by the helper, and the
     # step is committed once both are there. Restored from tier 1 alone (tier 0 gone), bitwise. Paced: the
-    # files written chunk by chunk at 1 MB/s, their writeback started as they go (ckpt/write_pace.py).
-    env = {WRITE_PACE_ENV: "1"} if paced else {}
-    helpers.append(HelperProcess(shm, tmp_path / "helper.log", env))
+    # files written chunk by chunk (1 MB/s, or `auto` from the rank's persist cadence), their writeback
+    # started as they go (ckpt/write_pace.py).
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log", {WRITE_PACE_ENV: pace}))
     cks = [Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=r, world_size=2,
                         local_world_size=2) for r in range(2)]
-    for step in (1, 2):
+    for step in (1, 2, 3):  # a snapshot, then two persists (an `auto` pace needs the rank's cadence)
         for ck in cks:
-            pending = ck.save_async(step, state(step)) if step == 2 else ck.snapshot(step, state(step))
+            pending = ck.save_async(step, state(step)) if step > 1 else ck.snapshot(step, state(step))
             pending.wait_persisted()
             assert not pending.skipped, pending.metrics.error
     for ck in cks:
-        assert ck._writer.helper is not None and ck._writer.helper.persisted == 1
+        assert ck._writer.helper is not None and ck._writer.helper.persisted == 2
         ck.close()
-    assert (step_dir(tmp_path, 2) / "COMMIT").exists()
-    assert sorted(p.name for p in step_dir(tmp_path, 2).iterdir()) == ["COMMIT", "rank_00000", "rank_00001"]
+    for step in (2, 3):
+        assert (step_dir(tmp_path, step) / "COMMIT").exists()
+        assert sorted(p.name for p in step_dir(tmp_path, step).iterdir()) == ["COMMIT", "rank_00000", "rank_00001"]
     for rank_dir in shm.glob("rank_*"):
         shutil.rmtree(rank_dir)
     ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, tier0_helper=False),
                       rank=1, world_size=2, local_world_size=2)
     found = ck.restore()
     ck.close()
-    assert found is not None and (found.step, found.tier) == (2, "local")
-    assert torch.equal(found.state["w"], state(2)["w"])
+    assert found is not None and (found.step, found.tier) == (3, "local")
+    assert torch.equal(found.state["w"], state(3)["w"])
 
 
 def test_a_tier1_write_the_helper_does_not_finish_in_time_is_written_by_the_worker_and_the_helpers_dropped(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckpt import persist
-from ckpt.write_pace import WritePace
+from ckpt.write_pace import AUTO_MIN_RATE, WritePace, pace_for
 
 
 def test_a_paced_write_is_the_same_bytes_and_takes_at_least_size_over_rate(tmp_path: Path) -> None:
@@ -29,11 +29,16 @@ def test_a_paced_write_is_the_same_bytes_and_takes_at_least_size_over_rate(tmp_p
     assert took >= len(data) / 20e6  # it sleeps after each chunk until its bytes are due at that rate
 
 
-def test_the_rate_comes_from_the_environment_or_there_is_none() -> None:
-    assert WritePace.from_env("X", {}) is None
-    assert WritePace.from_env("X", {"X": "0"}) is None
-    assert WritePace.from_env("X", {"X": "fast"}) is None
-    paced = WritePace.from_env("X", {"X": "250"})
-    assert paced is not None and paced.bytes_per_s == 250e6
+def test_the_pace_a_setting_asks_for() -> None:
+    assert pace_for("", 1 << 30, 1.0) is None  # unset: at full speed
+    assert pace_for("0", 1 << 30, 1.0) is None
+    assert pace_for("fast", 1 << 30, 1.0) is None
+    fixed = pace_for("250", 1 << 30, None)
+    assert fixed is not None and fixed.bytes_per_s == 250e6
+    assert pace_for("auto", 1 << 30, None) is None  # a rank's first persist: no cadence known yet
+    auto = pace_for("auto", 1_200_000_000, 1.6)  # 1.2 GB every 1.6 s: over half of it, 1.5 GB/s
+    assert auto is not None and auto.bytes_per_s == 1.5e9
+    slow = pace_for("auto", 1_000_000, 60.0)  # a small file at a slow cadence: never below the floor
+    assert slow is not None and slow.bytes_per_s == AUTO_MIN_RATE
     with pytest.raises(ValueError, match="positive rate"):
         WritePace(0)
