@@ -91,7 +91,8 @@ if str(REPO) not in sys.path:
 from core.events import read_events  # noqa: E402
 from core.procfs import kill_tree  # noqa: E402
 
-sys.path.insert(0, str(REPO / "bench"))
+if str(REPO / "bench") not in sys.path:  # for the forkserver's preload of goodput_worker too (Launcher)
+    sys.path.insert(0, str(REPO / "bench"))
 from gpu_telemetry import GpuTelemetry  # noqa: E402
 
 WORKER = REPO / "bench" / "goodput_worker.py"
@@ -247,9 +248,6 @@ class Launcher:
         self._ctx: Any = None
         if kind == "fork":
             ctx = mp.get_context("forkserver")
-            bench_dir = str(REPO / "bench")
-            if bench_dir not in sys.path:
-                sys.path.insert(0, bench_dir)
             # torch._inductor: train_gpt.setup's use_deterministic_algorithms imports it (2.5 s a process)
             ctx.set_forkserver_preload(["torch", "torch._inductor", "torch.distributed.checkpoint", "goodput_worker"])
             self._ctx = ctx

@@ -210,7 +210,7 @@ class Helper:
                     pass  # the worker is gone: the check before the rename ends this request
 
             written = persist_rank(
-                layout, step=step, rank=int(header["rank"]), world_size=world_size, generation=generation,
+                layout, step=step, rank=rank, world_size=world_size, generation=generation,
                 parts=[image], tensors=template.tensors, skeleton=json.loads(body), checksum=str(header["checksum"]),
                 chunk_bytes=int(header["chunk_bytes"]), shards=template.shards, pool=self.persist_pool,
                 identity=identity, before_publish=lambda: _require_open(conn), release=release,

@@ -41,14 +41,14 @@ from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
 from ckpt.safe_io import read_regular
 from ckpt.sharding import ShardInfo
-from ckpt.write_pace import WritePace
+from ckpt.write_pace import CHUNK, WritePace
 
 _RECORD_TIMEOUT_S = 120.0
 
 logger = logging.getLogger(__name__)
 
-WRITE_CHUNK = 64 << 20
-"""Bytes per write() call."""
+WRITE_CHUNK = CHUNK
+"""Bytes per write() call (a paced write's chunks too: ckpt/write_pace.py)."""
 
 OVERLAP_HASH_WITH_WRITES = (os.cpu_count() or 1) >= 8
 """Hash the staged bytes while they are written (hosts with cores to spare), rather than only
