@@ -264,3 +264,15 @@ class PendingDigest:
         for f in self._futures:
             if not f.cancelled():
                 f.exception()
+
+
+def sum64_checksum(sums: Sequence[int], chunk_bytes: int) -> Checksum:
+    """The sum64 checksum whose chunk sums are `sums` (computed elsewhere: on the GPU, ckpt/device_image.py)."""
+    return _combine("sum64", chunk_bytes, [(s % (1 << 64)).to_bytes(8, "big") for s in sums])
+
+
+def sum64_from_chunks(chunks: bytes, chunk_bytes: int) -> Checksum:
+    """The sum64 checksum whose chunk digests, concatenated, are `chunks` (as a helper request carries them)."""
+    if len(chunks) % 8:
+        raise ValueError(f"sum64 chunk digests are 8 bytes each, got {len(chunks)} bytes")
+    return _combine("sum64", chunk_bytes, [chunks[i : i + 8] for i in range(0, len(chunks), 8)])

@@ -19,8 +19,9 @@ length][body]. Requests:
   template  header {"op", "id"}; body: a manifest of the layout (its tensors and shards) — sent once
             per layout and connection, as the tensors' entries are hundreds of lines
   publish   header {"op", "template", "path" (the slot directory), "size" (bytes of its file image),
-            "step", "rank", "world_size", "generation", "run", "run_uid", "chunk_bytes", "replicate"};
-            body: the state skeleton's JSON. The helper checksums the slot's file image, writes its
+            "step", "rank", "world_size", "generation", "run", "run_uid", "chunk_bytes", "replicate",
+            optionally "sums" (the chunk sums in hex, when the worker's GPU summed the slot: ckpt/device_image.py)};
+            body: the state skeleton's JSON. The helper checksums the slot's file image (unless given), writes its
             manifest (atomically) and replies; the slot is then the rank's newest snapshot. With
             "replicate" N > 0 and peers to send to, the reply says {"held": true}: the helper keeps the
             slot's lock until it has copied the slot, to send it to N peer nodes (ckpt/replica.py).
@@ -57,6 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ckpt.checksum import Checksum
 from core.events import emit
 from core.frames import recv_frame, send_frame
 
@@ -114,14 +116,17 @@ class HelperClient:
 
     def publish(self, *, template_key: int, template: bytes, path: Path, size: int, step: int, rank: int,
                 world_size: int, generation: str, run: str, run_uid: str, chunk_bytes: int,
-                state_json: bytes, replicate: int = 0) -> bool:
+                state_json: bytes, replicate: int = 0, checksum: Checksum | None = None) -> bool:
         """Have the helper checksum the slot at `path` and write its manifest (and, `replicate` > 0, send
-        it to that many peer nodes: ckpt/replica.py). Raises HelperError (the caller then publishes the slot
+        it to that many peer nodes: ckpt/replica.py); with `checksum` (summed on the GPU) it does not read the
+        slot for it. Raises HelperError (the caller then publishes the slot
         itself, without a replica). True: the helper still holds the slot's lock (it copies the slot for a
         replica): the caller must not reuse the slot before the lock is free (HostSlots.hold)."""
         request = {"op": "publish", "path": str(path), "size": size, "step": step, "rank": rank,
                    "world_size": world_size, "generation": generation, "run": run, "run_uid": run_uid,
                    "chunk_bytes": chunk_bytes, "replicate": replicate}
+        if checksum is not None:
+            request["sums"] = checksum.chunks.hex()
         reply = self._request(request, template_key, template, state_json)
         self.published += 1
         return bool(reply.get("held"))

@@ -31,7 +31,7 @@ from typing import Any
 import fsspec
 from fsspec import AbstractFileSystem
 
-from ckpt.checksum import CHUNK_BYTES, digest_parts
+from ckpt.checksum import CHUNK_BYTES, Checksum, digest_parts, sum64_from_chunks
 from ckpt.durable import write_atomic
 from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
@@ -175,7 +175,7 @@ class Helper:
                 image, step=int(header["step"]), rank=int(header["rank"]), world_size=int(header["world_size"]),
                 generation=str(header["generation"]), run=str(header["run"]), run_uid=str(header["run_uid"]),
                 chunk_bytes=int(header["chunk_bytes"]), tensors=template.tensors, shards=template.shards,
-                skeleton=json.loads(body), pool=self.pool)
+                skeleton=json.loads(body), pool=self.pool, checksum=_given_sums(header))
             # A worker that gave up on this request closed the connection before it took the lock (to
             # publish or reuse the slot itself): its slot's bytes may be another step's by now.
             _require_open(conn)
@@ -222,6 +222,12 @@ class Helper:
                                        identity=identity)
         return {"ok": True, "path": str(written.path), "nbytes": written.nbytes,
                 "manifest_sha256": written.manifest_sha256, "committed": committed is not None}
+
+
+def _given_sums(header: dict[str, Any]) -> Checksum | None:
+    """The slot's sum64 checksum the worker's GPU computed (a publish request's "sums"), if it sent one."""
+    sums = header.get("sums")
+    return None if sums is None else sum64_from_chunks(bytes.fromhex(str(sums)), int(header["chunk_bytes"]))
 
 
 NICE = 10

@@ -49,6 +49,8 @@ from itertools import compress, repeat
 
 import torch
 
+from ckpt.checksum import Checksum
+from ckpt.device_image import DeviceImage, ImagePlan, plan_image
 from ckpt.errors import CheckpointTimeoutError
 from ckpt.safetensors_io import check_storable, plan_layout
 from core.deadline import Deadline
@@ -165,6 +167,22 @@ class DeviceCopies:
         return done
 
 
+@dataclass
+class ImageCopies:
+    """A snapshot's copies through the device's file image (ckpt/device_image.py); `DeviceCopies`' interface."""
+
+    image: DeviceImage
+    stream: torch.cuda.Stream
+    after: torch.cuda.Event
+    srcs: list[torch.Tensor]
+    into: torch.Tensor
+    sums: torch.Tensor
+    """This snapshot's own page-locked chunk sums (one per slot: a later snapshot does not overwrite them)."""
+
+    def issue(self, *, batch: int | None = None) -> torch.cuda.Event:  # noqa: ARG002 - one gather, no batches
+        return self.image.issue(self.stream, self.after, self.srcs, self.into, self.sums)
+
+
 class HostSnapshot:
     """One save's copy of the state in the staging buffer.
 
@@ -179,7 +197,8 @@ class HostSnapshot:
         events: list[torch.cuda.Event],
         deferred: list[tuple[torch.Tensor, torch.Tensor]],
         sources: list[torch.Tensor],
-        launches: list[DeviceCopies] | None = None,
+        launches: list[DeviceCopies | ImageCopies] | None = None,
+        image: tuple[ImagePlan, torch.Tensor] | None = None,
     ) -> None:
         self.layout = layout
         self._buffer = buffer
@@ -187,6 +206,8 @@ class HostSnapshot:
         self._deferred = deferred
         self._launches = launches or []
         self._sources = sources  # keeps the source tensors alive until their copies are done
+        self._image = image
+        """(plan, chunk sums) when the device copies went through a GPU image that summed the chunks."""
         self._cpu_done = threading.Event()
         self._error: BaseException | None = None
         if not deferred and not self._launches:
@@ -241,6 +262,14 @@ class HostSnapshot:
                 f"(CheckpointConfig.stage_timeout); is the GPU stuck?"
             )
 
+    def checksum(self) -> Checksum | None:
+        """The file image's sum64 checksum when the GPU summed it (ckpt/device_image.py), else None (the
+        host sums the slot). Only valid once the copy is consistent."""
+        if self._image is None:
+            return None
+        plan, sums = self._image
+        return plan.checksum(sums, self._buffer)
+
     def parts(self) -> list[memoryview]:
         """The file's bytes: [length + header, data]. Only valid once the copy is consistent."""
         return [memoryview(self.layout.prefix), buffer_view(self._buffer, self.layout.data_bytes)]
@@ -292,6 +321,11 @@ class StagingArea:
         """The slot views of the last layout per buffer address: rebuilding ~250 of them cost ~40 ms a save."""
         self.allocations = 0
         """How many times a buffer was allocated (1 in steady state)."""
+        self._image: tuple[tuple[int, int], DeviceImage | None] | None = None
+        """The GPU file image of the newest (layout, chunk size) of tier-0 snapshots, or None where it was refused."""
+        self._image_layout: StagingLayout | None = None
+        self._image_refused = False
+        self._sums: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def capacity(self) -> int:
@@ -327,10 +361,13 @@ class StagingArea:
         timeout: float = 300.0,
         into: torch.Tensor | None = None,
         at: StateMark | None = None,
+        image_chunk: int | None = None,
     ) -> HostSnapshot:
         """Copy `tensors` into the buffer (or into `into`, a uint8 CPU tensor of the layout's data
         bytes: a tier-0 slot); in overlapped mode only start the copies. `at` (from `mark()`, earlier):
-        the device copies see the state as it was then, not now.
+        the device copies see the state as it was then, not now. `image_chunk` (with `into`): stage CUDA
+        state through one file image on its GPU, which also sums it in chunks of this many bytes
+        (ckpt/device_image.py; `HostSnapshot.checksum()`), when the state allows it.
 
         Raises CheckpointTimeoutError when a device copy is not done within `timeout` seconds (a
         stuck device)."""
@@ -351,23 +388,68 @@ class StagingArea:
                     dst.copy_(src)
             for dst, src in zip(plan.other[0], map(tensors.__getitem__, plan.other[1]), strict=True):
                 dst.copy_(src)
-            launches = []
+            launches: list[DeviceCopies | ImageCopies] = []
+            image = self._image_for(layout, plan, image_chunk) if image_chunk and into is not None else None
+            summed = None
             for device, (dsts, names) in plan.cuda.items():
                 taken = (at or {}).get(device)
                 if taken is None:
                     taken = torch.cuda.Event()
                     taken.record(torch.cuda.current_stream(device))
-                copies = DeviceCopies(self._stream(device), taken, dsts, list(map(tensors.__getitem__, names)))
+                srcs = list(map(tensors.__getitem__, names))
+                copies: DeviceCopies | ImageCopies
+                if image is not None:
+                    sums = self._sums_for(into, image)
+                    copies = ImageCopies(image, self._stream(device), taken, srcs, into, sums)
+                    summed = (image.plan, sums)
+                else:
+                    copies = DeviceCopies(self._stream(device), taken, dsts, srcs)
                 sources.extend(copies.srcs)
                 if overlapped:  # launched by the writer thread: the training thread only records an event
                     launches.append(copies)
                 else:
                     events.append(copies.issue())
         sources.extend(map(operator.itemgetter(1), deferred))
-        snapshot = HostSnapshot(layout, into, events=events, deferred=deferred, sources=sources, launches=launches)
+        snapshot = HostSnapshot(layout, into, events=events, deferred=deferred, sources=sources, launches=launches,
+                                image=summed)
         if not overlapped:
             snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot
+
+    def _image_for(self, layout: StagingLayout, plan: _CopyPlan, chunk_bytes: int) -> DeviceImage | None:
+        """The GPU file image for `layout` (made at its first snapshot, 1 x the state bytes of GPU memory), or
+        None when the state does not allow one or the GPU has no room (logged once; copies per tensor then)."""
+        key = (id(layout), chunk_bytes)
+        if self._image is not None and self._image[0] == key and self._image[1] is not None:
+            return self._image[1]
+        if self._image is not None and self._image[0] == key or self._image_refused:
+            return None
+        self._image = None  # a new layout: the old image goes (its memory stays with the side stream's pool)
+        found = plan_image(layout.prefix, [(s.begin, s.end) for s in layout.slots], plan.devices, chunk_bytes)
+        image = None
+        if found is not None:
+            image_plan, device = found
+            try:
+                image = DeviceImage(image_plan, device, self._stream(device),
+                                    [(s.begin, s.end, s.dtype, s.shape) for s in layout.slots])
+            except torch.OutOfMemoryError:
+                self._image_refused = True
+                logger.warning("no room on %s for a %d-byte image of the snapshot: copying it tensor by tensor "
+                               "and checksumming it on the host (CheckpointConfig.device_image)", device,
+                               image_plan.image_bytes)
+        self._image = (key, image)
+        self._image_layout = layout  # keeps id(layout) from being reused while it is the key
+        return image
+
+    def _sums_for(self, into: torch.Tensor, image: DeviceImage) -> torch.Tensor:
+        """The page-locked chunk sums of the snapshots into `into` (a slot), for this image."""
+        key = (into.data_ptr(), id(image))
+        sums = self._sums.get(key)
+        if sums is None:
+            if len(self._sums) >= 8:
+                self._sums.clear()
+            sums = self._sums[key] = image.new_sums()
+        return sums
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor], layout: StagingLayout, into: torch.Tensor) -> _CopyPlan:
         """Which slot view of `into` each tensor goes to, grouped by device; reused while the tensors are the
@@ -456,3 +538,5 @@ class StagingArea:
         self._buffer, self._registered, self._pinned = None, False, False
         self._views.clear()
         self._plans.clear()
+        self._image, self._image_layout = None, None
+        self._sums.clear()

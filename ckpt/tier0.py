@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ckpt.checksum import digest_parts
+from ckpt.checksum import Checksum, digest_parts
 from ckpt.commit import CommitMarker
 from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError, CheckpointWriteError
@@ -185,10 +185,17 @@ def snapshot_manifest(
     shards: dict[str, ShardInfo],
     skeleton: Any,
     pool: Executor | None,
+    checksum: Checksum | None = None,
 ) -> bytes:
-    """The manifest of a slot whose file image is `image`: its sum64 checksum, the tensors, the skeleton.
-    Made by the worker's writer, or by the node's helper process (ckpt/helper.py)."""
-    checksum = digest_parts([image], algorithm="sum64", chunk_bytes=chunk_bytes, pool=pool)
+    """The manifest of a slot whose file image is `image`: its sum64 checksum (`checksum` when the GPU summed
+    it, ckpt/device_image.py), the tensors, the skeleton. Made by the worker's writer, or by the node's helper
+    process (ckpt/helper.py)."""
+    if checksum is None:
+        checksum = digest_parts([image], algorithm="sum64", chunk_bytes=chunk_bytes, pool=pool)
+    elif checksum.algorithm != "sum64" or checksum.chunk_bytes != chunk_bytes or (
+            len(checksum.chunks) != 8 * max(1, -(-len(image) // chunk_bytes))):
+        raise ValueError(f"a {checksum.describe()} of {len(checksum.chunks) // 8} chunks does not fit a "
+                         f"{len(image)}-byte slot in {chunk_bytes}-byte sum64 chunks")
     return Manifest(
         step=step,
         rank=rank,

@@ -238,8 +238,9 @@ class LocalWriter:
                     if not persist:
                         self._metrics.update(metrics, status="skipped", error="tier 0 does not fit (logged)")
                         return PendingSave(step, metrics, None)
+            image_chunk = (RANGE_CHUNK_BYTES if shards else CHUNK_BYTES) if slot and self.config.device_image else None
             snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout, into=into,
-                                          at=at)
+                                          at=at, image_chunk=image_chunk)
         except CheckpointError as exc:
             if slot is not None:
                 assert self.tier0 is not None
@@ -402,7 +403,8 @@ class LocalWriter:
             pending._staged.set()
             in_tier0 = False
             if slot is not None:
-                in_tier0 = self._publish_snapshot(pending, slot, entries, skeleton, shards, final=not persist)
+                in_tier0 = self._publish_snapshot(pending, slot, entries, skeleton, shards, final=not persist,
+                                                  checksum=snapshot.checksum())
             pending._in_tier0.set()
             if slot is not None and not persist:
                 return
@@ -472,9 +474,11 @@ class LocalWriter:
         return self.config.replicas if step % self.config.replica_every == 0 else 0
 
     def _publish_snapshot(self, pending: PendingSave, slot: HostSlot, entries: dict[str, TensorEntry],
-                          skeleton: Any, shards: dict[str, ShardInfo], *, final: bool) -> bool:
+                          skeleton: Any, shards: dict[str, ShardInfo], *, final: bool,
+                          checksum: Checksum | None = None) -> bool:
         """Checksum the slot and write its manifest: it becomes this rank's newest tier-0 snapshot. The
-        node's helper process does it when there is one (ckpt/helper.py), else this thread. False: the
+        node's helper process does it when there is one (ckpt/helper.py), else this thread. `checksum`: the
+        slot's, summed on the GPU (ckpt/device_image.py), so nobody reads the slot back for it. False: the
         snapshot is not in tier 0 (a helper that did not answer still holds the slot)."""
         assert self.tier0 is not None
         started = time.monotonic()
@@ -488,7 +492,7 @@ class LocalWriter:
             held = helper.publish(template_key=key, template=template, path=slot.path, size=len(slot.view()),
                            step=pending.step, rank=self.rank, world_size=self.world_size,
                            generation=self.generation, run=run, run_uid=run_uid, chunk_bytes=chunk_bytes,
-                           state_json=dumps(skeleton), replicate=self._replicas(pending.step))
+                           state_json=dumps(skeleton), replicate=self._replicas(pending.step), checksum=checksum)
         except HelperError:
             # Only a helper can hold the slot's lock: without one, no open and flock on every snapshot.
             with SlotLock(slot.data_path, wait=False) if helper is not None else nullcontext(True) as free:
@@ -501,7 +505,7 @@ class LocalWriter:
                 manifest = snapshot_manifest(slot.view(), step=pending.step, rank=self.rank,
                                              world_size=self.world_size, generation=self.generation, run=run,
                                              run_uid=run_uid, chunk_bytes=chunk_bytes, tensors=entries,
-                                             shards=shards, skeleton=skeleton, pool=self._pool())
+                                             shards=shards, skeleton=skeleton, pool=self._pool(), checksum=checksum)
                 self.tier0.published(slot, pending.step, manifest)
         else:
             self.tier0.published(slot, pending.step, None)  # the helper wrote the manifest

@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from ckpt import CheckpointConfig, Checkpointer, SharedConfig
+from ckpt.checksum import CHUNK_BYTES, Checksum, digest_parts, sum64_checksum
 from ckpt.helper import HelperClient, socket_path
 from ckpt.helper_process import NICE, WRITE_PACE_ENV
+from ckpt.snapshot import HostSnapshot
 from ckpt.tier0 import SlotLock
 from core.tier0_dir import shm_root
 from tests import s3_fixtures
@@ -183,6 +185,33 @@ def test_a_dead_helper_leaves_the_work_to_the_worker_and_a_new_one_takes_it_back
     snapshot(ck, 3)
     assert published(ck) == 2
     ck.close()
+    assert restored(tmp_path, shm) == (3, "memory")
+
+
+@pytest.mark.parametrize("by", ["helper", "worker"])
+def test_a_checksum_summed_on_the_gpu_is_what_the_slot_is_verified_against(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess], monkeypatch: pytest.MonkeyPatch, by: str
+) -> None:
+    # A snapshot staged through the GPU's file image brings its checksum with it (ckpt/device_image.py; this CPU
+    # machine stands in for the GPU's sums): the helper, or the worker without one, writes it into the slot's
+    # manifest without reading the slot for it, and restore verifies the slot's bytes against it. Sums that do
+    # not match the bytes (step 4) make the slot unusable; restore takes the previous snapshot.
+    def gpu_sums(snapshot: HostSnapshot) -> Checksum:
+        image = bytearray(snapshot.layout.prefix) + bytearray(snapshot.parts()[1])
+        summed = digest_parts([memoryview(image)], algorithm="sum64", chunk_bytes=CHUNK_BYTES)
+        if snapshot.tensors()["b"][0] == 4:  # step 4's
+            return sum64_checksum([1] * (len(summed.chunks) // 8), CHUNK_BYTES)
+        return summed
+
+    monkeypatch.setattr(HostSnapshot, "checksum", gpu_sums)
+    if by == "helper":
+        helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    ck = make(tmp_path, shm)
+    for step in (1, 2, 3, 4):
+        snapshot(ck, step)
+    assert published(ck) == (4 if by == "helper" else 0)
+    ck.close()
+    assert manifest_steps(shm) == [3, 4]
     assert restored(tmp_path, shm) == (3, "memory")
 
 
