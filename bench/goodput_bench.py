@@ -109,8 +109,8 @@ class Variant:
     tier0_slots: int | None = None
     """ours with tier 0: CheckpointConfig.tier0_slots (None: ResumeConfig.at's default, 3 with snapshots between
     persists, else 2)"""
-    device_image: bool = True
-    """ours with tier 0: CheckpointConfig.device_image (False: snapshots copied per tensor and summed on the host)"""
+    device_image: bool = False
+    """ours with tier 0: CheckpointConfig.device_image (True: snapshots staged and summed on the GPU)"""
     defer: bool = True
     """ours: ResumeConfig.defer_snapshots (False: a snapshot's bookkeeping all in step_done)"""
     switch_interval: float = 0.0
@@ -147,7 +147,8 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_tmpfs": Variant("ours", 1, 10, ckpt_in_memory=True),
     "ours_tier0_1_tier1_10_paced": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_WRITE_MBPS", "1000"),)),
     "ours_tier0_1_tier1_10_paced_auto": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_WRITE_MBPS", "auto"),)),
-    "ours_tier0_1_tier1_10_host_sums": Variant("ours", 1, 10, device_image=False),
+    "ours_tier0_1_tier1_10_device_image": Variant("ours", 1, 10, device_image=True),
+    "none_repeat": Variant("none"),
     "ours_tier0_1_tier1_10_nospare": Variant("ours", 1, 10, env=(("ELASTIC_WARM_SPARE", "0"),)),
     "none_nospare": Variant("none", env=(("ELASTIC_WARM_SPARE", "0"),)),
     "floor_tensors_1": Variant("floor_tensors", 1),
@@ -349,8 +350,8 @@ def worker_argv(args: argparse.Namespace, variant: Variant, run_dir: Path, steps
         argv += ["--tier0-slots", str(variant.tier0_slots)]
     if not variant.defer:
         argv += ["--no-defer"]
-    if not variant.device_image:
-        argv += ["--no-device-image"]
+    if variant.device_image:
+        argv += ["--device-image"]
     if variant.switch_interval:
         argv += ["--switch-interval", str(variant.switch_interval)]
     return argv

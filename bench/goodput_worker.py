@@ -92,8 +92,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
     p.add_argument("--tier0-slots", type=int, default=None,
                    help="CheckpointConfig.tier0_slots (default: ResumeConfig.at's)")
     p.add_argument("--no-defer", action="store_true", help="ResumeConfig.defer_snapshots=False")
-    p.add_argument("--no-device-image", action="store_true",
-                   help="CheckpointConfig.device_image=False: tier-0 snapshots copied per tensor, summed on the host")
+    p.add_argument("--device-image", action="store_true",
+                   help="CheckpointConfig.device_image=True: tier-0 snapshots staged and summed on the GPU")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for this worker (0: Python's default, 5 ms): a probe of how much "
                         "the checkpointer's threads delay the training thread's taking the GIL back")
@@ -536,8 +536,8 @@ def ours_config(args: Any) -> ResumeConfig:
         if not tier0_supported():
             raise SystemExit("--persist-every needs tier 0 (CheckpointConfig.tier0_dir, ResumeConfig.persist_every)")
         slots: dict[str, Any] = {} if args.tier0_slots is None else {"tier0_slots": args.tier0_slots}
-        if args.no_device_image:
-            slots["device_image"] = False
+        if args.device_image:
+            slots["device_image"] = True
         config = ResumeConfig.at(args.ckpt_dir, save_every=args.save_every, persist_every=args.persist_every, **slots)
         return dataclasses.replace(config, defer_snapshots=False) if args.no_defer else config
     if tier0_supported():  # today's behaviour: tier 1 only, even where the agent offers a tier-0 dir

@@ -214,12 +214,13 @@ class CheckpointConfig:
     writer and replicator threads do it. The helper uploads with the agent's environment (credentials from
     the environment must be the workers' too) and `shared.storage_options` when they are JSON."""
 
-    device_image: bool = True
+    device_image: bool = False
     """Stage each tier-0 snapshot of CUDA state through one image of its file on the GPU (ckpt/device_image.py):
-    one gather on the GPU, the checksum summed there, one copy to the host, so the host only receives the bytes
-    (per tensor copies and a host checksum of every snapshot slowed an H200's steps by up to 13%). Costs 1 x the
-    rank's state bytes of GPU memory; without room for it, or False, snapshots are copied per tensor and summed
-    on the host."""
+    one gather on the GPU, the checksum summed there, one copy to the host, so the host only receives the bytes.
+    Costs 1 x the rank's state bytes of GPU memory and ~1 ms of GPU time per snapshot of 1.2 GB. Off by
+    default: on one H200 it did not beat the per-tensor copies and the helper's host checksum (0.9832 against
+    0.9899 of the no-checkpoint throughput, bench/results/goodput_cuda_h200_session41_device_image.json). It
+    is for hosts whose CPU, not the GPU, bounds the step."""
 
     replicas: int = 1
     """Peer replicas of tier 0: every `replica_every` steps the node's helper copies a snapshot it published

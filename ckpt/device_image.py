@@ -7,33 +7,33 @@
 Why: a snapshot every step otherwise copies each tensor to the host on its own (~600 copy launches
 for a GPT and its AdamW state, issued from a writer thread that holds the GIL meanwhile), and the
 node's helper then reads the whole slot back to checksum it (sum64 of 1.2 GB on 8 threads, every
-step). That is 2.4 GB of host memory traffic per step and CPU time beside the training thread,
-which launches the kernels. On an H200 host whose CPU ran slower than on others, the training
-thread's CPU time per step rose from 55 to 70 ms and its steps were 13% slower
-(bench/results/goodput_cuda_h200_session41_*.json). Here the host only receives the bytes.
+step): 2.4 GB of host memory traffic per step and CPU time beside the training thread, which
+launches the kernels. Here the host only receives the bytes.
+
+Measured (one H200, GPT 124M, tier 0 every step, bench/results/goodput_cuda_h200_session41_*.json):
+it does not pay there. The GPU's extra ~1 ms per step (gpu_fb 0.157 -> 0.159-0.162 s) costs more
+than the host work saves: 0.9832 of the no-checkpoint throughput against 0.9899 with the host
+checksum in the same run (0.9773 against 0.9835 in another). So it is off by default
+(CheckpointConfig.device_image); it is for hosts whose CPU, not the GPU, bounds the step.
 
 The checksum is the same sum64 the host computes (ckpt/checksum.py), so restore verifies the slot as
 before. A chunk's sum is linear in its bytes: bytes the GPU image does not hold (the file's header,
 tensors that live on the CPU such as RNG states and step counters) are zero there, and their part of
 each chunk's sum is added on the host from those few bytes (`HostBytes`).
 
-Cost: 1 x the rank's state bytes of GPU memory, held from the first snapshot while the layout stays
-(CheckpointConfig.device_image=False: not paid, the per-tensor copies and the host checksum as
-before); about 1 ms of GPU time per snapshot of 1.2 GB on an H200 (a copy and a read of the image
-at memory speed), on the snapshot's side stream.
+Cost: 1 x the rank's state bytes of GPU memory, held from the first snapshot while the layout stays,
+and ~1 ms of GPU time per snapshot of 1.2 GB (a gather and a read of the image), on the snapshot's
+side stream.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ckpt.checksum import Checksum, sum64_checksum
-
-logger = logging.getLogger(__name__)
 
 HOST_BYTES_MAX = 1 << 20
 """The most bytes outside the GPU image a snapshot may have (summed on the host per snapshot, one index per

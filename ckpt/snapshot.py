@@ -199,18 +199,23 @@ class HostSnapshot:
         sources: list[torch.Tensor],
         launches: list[DeviceCopies | ImageCopies] | None = None,
         image: tuple[ImagePlan, torch.Tensor] | None = None,
+        cpu_after_device: bool = False,
     ) -> None:
         self.layout = layout
         self._buffer = buffer
         self._events = events
-        self._deferred = deferred
+        self._deferred = [] if cpu_after_device else deferred
+        self._after_device = deferred if cpu_after_device else []
+        """CPU copies made once the device copies are done: a GPU image's copy out writes the whole data region,
+        the CPU tensors' zeroed bytes included (`wait` makes them, on whichever thread gets there first)."""
+        self._after_lock = threading.Lock()
         self._launches = launches or []
         self._sources = sources  # keeps the source tensors alive until their copies are done
         self._image = image
         """(plan, chunk sums) when the device copies went through a GPU image that summed the chunks."""
         self._cpu_done = threading.Event()
         self._error: BaseException | None = None
-        if not deferred and not self._launches:
+        if not self._deferred and not self._launches:
             self._cpu_done.set()
 
     @property
@@ -233,7 +238,7 @@ class HostSnapshot:
             self._cpu_done.set()
 
     def is_consistent(self) -> bool:
-        return self._cpu_done.is_set() and all(e.query() for e in self._events)
+        return self._cpu_done.is_set() and all(e.query() for e in self._events) and not self._after_device
 
     def wait(self, timeout: float) -> bool:
         """Block until the copy is complete; False if `timeout` seconds passed first.
@@ -251,6 +256,10 @@ class HostSnapshot:
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
+        with self._after_lock, torch.no_grad():
+            for dst, src in self._after_device:
+                dst.copy_(src)
+            self._after_device = []
         self._sources = []
         return True
 
@@ -381,7 +390,8 @@ class StagingArea:
         plan = self._plan_for(tensors, layout, into)
         with torch.no_grad():
             cpu_dsts, cpu_names = plan.cpu
-            if overlapped:
+            image = self._image_for(layout, plan, image_chunk) if image_chunk and into is not None else None
+            if overlapped or image is not None:
                 deferred = list(zip(cpu_dsts, map(tensors.__getitem__, cpu_names), strict=True))
             else:
                 for dst, src in zip(cpu_dsts, map(tensors.__getitem__, cpu_names), strict=True):
@@ -389,7 +399,6 @@ class StagingArea:
             for dst, src in zip(plan.other[0], map(tensors.__getitem__, plan.other[1]), strict=True):
                 dst.copy_(src)
             launches: list[DeviceCopies | ImageCopies] = []
-            image = self._image_for(layout, plan, image_chunk) if image_chunk and into is not None else None
             summed = None
             for device, (dsts, names) in plan.cuda.items():
                 taken = (at or {}).get(device)
@@ -411,7 +420,7 @@ class StagingArea:
                     events.append(copies.issue())
         sources.extend(map(operator.itemgetter(1), deferred))
         snapshot = HostSnapshot(layout, into, events=events, deferred=deferred, sources=sources, launches=launches,
-                                image=summed)
+                                image=summed, cpu_after_device=image is not None)
         if not overlapped:
             snapshot.require_consistent(timeout, "the checkpoint")
         return snapshot

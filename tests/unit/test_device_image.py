@@ -119,7 +119,7 @@ def test_cuda_snapshots_through_the_device_image_restore_exactly_and_verify(tmp_
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(1 << 20, device="cuda", generator=g)
     h = torch.randn(4097, device="cuda", generator=g).to(torch.bfloat16)  # odd bytes: shares words with "s"
-    config = CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, mode=mode)
+    config = CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, mode=mode, device_image=True)
     with Checkpointer(config, rank=0, world_size=1) as ck:
         for step in range(1, 4):
             w.add_(1.0)  # queued before the snapshot: must be in it
