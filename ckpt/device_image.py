@@ -147,10 +147,18 @@ class DeviceImage:
         with torch.cuda.device(device), torch.cuda.stream(stream):  # the side stream owns the memory
             self.image = torch.zeros(plan.image_bytes, dtype=torch.uint8, device=device)
         self.dsts = plan.views(self.image, slots)
+        self._sums: dict[int, torch.Tensor] = {}
 
-    def new_sums(self) -> torch.Tensor:
-        """A page-locked buffer for one snapshot's chunk sums."""
-        return torch.empty(_chunks(self.plan.file_bytes, self.plan.chunk_bytes), dtype=torch.int64, pin_memory=True)
+    def sums_for(self, into: torch.Tensor) -> torch.Tensor:
+        """The page-locked chunk sums of the snapshots into `into` (a tier-0 slot): one buffer per slot, so a
+        snapshot into the other slot does not overwrite them before this one's manifest is written."""
+        sums = self._sums.get(into.data_ptr())
+        if sums is None:
+            if len(self._sums) >= 8:  # slots remapped elsewhere: the old addresses go
+                self._sums.clear()
+            chunks = _chunks(self.plan.file_bytes, self.plan.chunk_bytes)
+            sums = self._sums[into.data_ptr()] = torch.empty(chunks, dtype=torch.int64, pin_memory=True)
+        return sums
 
     def issue(self, stream: torch.cuda.Stream, after: torch.cuda.Event, srcs: list[torch.Tensor],
               into: torch.Tensor, sums: torch.Tensor) -> torch.cuda.Event:

@@ -334,7 +334,6 @@ class StagingArea:
         """The GPU file image of the newest (layout, chunk size) of tier-0 snapshots, or None where it was refused."""
         self._image_layout: StagingLayout | None = None
         self._image_refused = False
-        self._sums: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def capacity(self) -> int:
@@ -408,7 +407,7 @@ class StagingArea:
                 srcs = list(map(tensors.__getitem__, names))
                 copies: DeviceCopies | ImageCopies
                 if image is not None:
-                    sums = self._sums_for(into, image)
+                    sums = image.sums_for(into)
                     copies = ImageCopies(image, self._stream(device), taken, srcs, into, sums)
                     summed = (image.plan, sums)
                 else:
@@ -449,16 +448,6 @@ class StagingArea:
         self._image = (key, image)
         self._image_layout = layout  # keeps id(layout) from being reused while it is the key
         return image
-
-    def _sums_for(self, into: torch.Tensor, image: DeviceImage) -> torch.Tensor:
-        """The page-locked chunk sums of the snapshots into `into` (a slot), for this image."""
-        key = (into.data_ptr(), id(image))
-        sums = self._sums.get(key)
-        if sums is None:
-            if len(self._sums) >= 8:
-                self._sums.clear()
-            sums = self._sums[key] = image.new_sums()
-        return sums
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor], layout: StagingLayout, into: torch.Tensor) -> _CopyPlan:
         """Which slot view of `into` each tensor goes to, grouped by device; reused while the tensors are the
@@ -548,4 +537,3 @@ class StagingArea:
         self._views.clear()
         self._plans.clear()
         self._image, self._image_layout = None, None
-        self._sums.clear()

@@ -238,7 +238,8 @@ class LocalWriter:
                     if not persist:
                         self._metrics.update(metrics, status="skipped", error="tier 0 does not fit (logged)")
                         return PendingSave(step, metrics, None)
-            image_chunk = (RANGE_CHUNK_BYTES if shards else CHUNK_BYTES) if slot and self.config.device_image else None
+            image = slot is not None and self.config.device_image
+            image_chunk = (RANGE_CHUNK_BYTES if shards else CHUNK_BYTES) if image else None
             snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout, into=into,
                                           at=at, image_chunk=image_chunk)
         except CheckpointError as exc:
