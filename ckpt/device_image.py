@@ -28,6 +28,7 @@ side stream.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -148,6 +149,8 @@ class DeviceImage:
             self.image = torch.zeros(plan.image_bytes, dtype=torch.uint8, device=device)
         self.dsts = plan.views(self.image, slots)
         self._sums: dict[int, torch.Tensor] = {}
+        self._issuing = threading.Lock()
+        """The writer and the tier-0 thread may each issue a snapshot: one gather, sum and copy-out at a time."""
 
     def sums_for(self, into: torch.Tensor) -> torch.Tensor:
         """The page-locked chunk sums of the snapshots into `into` (a tier-0 slot): one buffer per slot, so a
@@ -166,7 +169,7 @@ class DeviceImage:
         data region), all on `stream` after `after`; returns the event that marks them done. The next
         snapshot's gather waits for this one's copy out: they are on the same stream."""
         plan = self.plan
-        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        with self._issuing, torch.cuda.device(stream.device), torch.cuda.stream(stream):
             stream.wait_event(after)
             torch._foreach_copy_(self.dsts, srcs)
             sums.copy_(device_sums(self.image, plan.file_bytes, plan.chunk_bytes), non_blocking=True)

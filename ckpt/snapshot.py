@@ -330,7 +330,7 @@ class StagingArea:
         """The slot views of the last layout per buffer address: rebuilding ~250 of them cost ~40 ms a save."""
         self.allocations = 0
         """How many times a buffer was allocated (1 in steady state)."""
-        self._image: tuple[tuple[int, int], DeviceImage | None] | None = None
+        self._image: tuple[tuple[int, int, tuple[torch.device, ...]], DeviceImage | None] | None = None
         """The GPU file image of the newest (layout, chunk size) of tier-0 snapshots, or None where it was refused."""
         self._image_layout: StagingLayout | None = None
         self._image_refused = False
@@ -427,7 +427,7 @@ class StagingArea:
     def _image_for(self, layout: StagingLayout, plan: _CopyPlan, chunk_bytes: int) -> DeviceImage | None:
         """The GPU file image for `layout` (made at its first snapshot, 1 x the state bytes of GPU memory), or
         None when the state does not allow one or the GPU has no room (logged once; copies per tensor then)."""
-        key = (id(layout), chunk_bytes)
+        key = (id(layout), chunk_bytes, tuple(plan.devices))  # a tensor that moved device (same layout): a new plan
         if self._image is not None and self._image[0] == key and self._image[1] is not None:
             return self._image[1]
         if self._image is not None and self._image[0] == key or self._image_refused:
