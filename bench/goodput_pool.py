@@ -6,7 +6,13 @@ all rounds of the same code together.
 
 Prints JSON: per variant, each run's median ratio to `none` (paired by round, as the bench's summary), the
 pooled median over all rounds, how many rounds reach each target, and the kill figures of every run.
-`--code` keeps only the runs whose commit or tree digest is one of those given.
+`--code` keeps only the runs whose commit or tree digest is one of those given. `--rename FILE:OLD=NEW` pools
+variant OLD of the runs whose file name contains FILE as NEW, where a default changed between runs and the
+same setting ran under two names (all of a run's renames apply at once, so two names can swap):
+
+    python bench/goodput_pool.py bench/results/goodput_cuda_h200_session41_*.json \
+        --rename device_image:ours_tier0_1_tier1_10=ours_tier0_1_tier1_10_device_image \
+        --rename device_image:ours_tier0_1_tier1_10_host_sums=ours_tier0_1_tier1_10
 """
 
 from __future__ import annotations
@@ -48,11 +54,38 @@ def pool(results: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     return {"variants": out, "kills": kills}
 
 
+def parse_rename(spec: str) -> tuple[str, str, str]:
+    """FILE:OLD=NEW as (FILE, OLD, NEW); ValueError naming the flag when it is not that."""
+    where, sep, names = spec.partition(":")
+    old, eq, new = names.partition("=")
+    if not (sep and eq and where and old and new):
+        raise ValueError(f"--rename {spec!r}: expected FILE:OLD=NEW (a part of the file name, the variant's name "
+                         f"in that run, the name to pool it under)")
+    return where, old, new
+
+
+def renamed(result: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """`result` with its summary's variants (and kills) renamed by `names`, all at once."""
+    summary: dict[str, Any] = {}
+    for key, value in result.get("summary", {}).items():
+        if key == "kills" and isinstance(value, dict):
+            summary[key] = {names.get(k, k): v for k, v in value.items()}
+        else:
+            summary[key if key == "targets" else names.get(key, key)] = value
+    return {**result, "summary": summary}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", type=Path, help="goodput_bench.py JSON files")
     p.add_argument("--code", nargs="*", default=None, help="keep runs of these commits or tree digests only")
+    p.add_argument("--rename", action="append", default=[], metavar="FILE:OLD=NEW",
+                   help="pool variant OLD of the runs whose file name contains FILE as NEW (repeatable)")
     args = p.parse_args(argv)
+    try:
+        renames = [parse_rename(spec) for spec in args.rename]
+    except ValueError as exc:
+        p.error(str(exc))
     loaded = []
     for path in args.results:
         try:
@@ -62,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         code = result.get("code") or {}
         if args.code is not None and not {code.get("commit"), code.get("tree_digest")} & set(args.code):
             continue
-        loaded.append((path.name, result))
+        names = {o: n for where, o, n in renames if where in path.name}
+        loaded.append((path.name, renamed(result, names) if names else result))
     if not loaded:
         p.error("no run left to pool (check --code)")
     pooled = pool(loaded)

@@ -40,3 +40,21 @@ def test_no_run_left_is_an_error_naming_the_flag(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_pool.py"), str(path), "--code", "zzz"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--code" in done.stderr
+
+
+def test_renames_pool_a_setting_that_ran_under_two_names_and_can_swap_them(tmp_path: Path) -> None:
+    # In run "a" the default was the setting now named "ours_alt", and "ours_old" was today's default "ours".
+    a = run("a", [0.97, 0.975], "c1")
+    a["summary"]["ours_old"] = {"ratio_to_none_median": 0.99, "ratio_to_none_per_round": [0.99, 0.995]}
+    (tmp_path / "run_a.json").write_text(json.dumps(a))
+    (tmp_path / "run_b.json").write_text(json.dumps(run("b", [0.993], "c1")))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_pool.py"), str(tmp_path / "run_a.json"),
+                          str(tmp_path / "run_b.json"), "--rename", "run_a:ours=ours_alt",
+                          "--rename", "run_a:ours_old=ours"], capture_output=True, text=True, timeout=60, check=True)
+    pooled = json.loads(out.stdout)["variants"]
+    assert pooled["ours"]["rounds"] == 3 and pooled["ours"]["pooled_median"] == 0.993  # 0.99, 0.995 from a; b
+    assert pooled["ours_alt"]["run_medians"] == {"run_a.json": 0.975} and "ours_old" not in pooled
+    assert [k["run"] for k in json.loads(out.stdout)["kills"]["ours_alt"]] == ["run_a.json"]
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_pool.py"), str(tmp_path / "run_a.json"),
+                          "--rename", "ours=ours_alt"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--rename 'ours=ours_alt': expected FILE:OLD=NEW" in bad.stderr
