@@ -242,12 +242,14 @@ class LocalWriter:
             image_chunk = (RANGE_CHUNK_BYTES if shards else CHUNK_BYTES) if image else None
             snapshot = self.staging.stage(tensors, layout, overlapped=overlapped, timeout=stage_timeout, into=into,
                                           at=at, image_chunk=image_chunk)
-        except CheckpointError as exc:
-            if slot is not None:
-                assert self.tier0 is not None
-                self.tier0.release(slot)
-            self._metrics.update(metrics, log=True, status="failed", error=str(exc))
-            self._failures.failed(exc)
+        except BaseException as exc:
+            if slot is not None and self.tier0 is not None:
+                self.tier0.release(slot)  # else a failed copy (a tensor resized in place) kept it from every later save
+            known = exc if isinstance(exc, CheckpointError) else None
+            error = str(exc) if known else f"{type(exc).__name__}: {exc}"
+            self._metrics.update(metrics, log=True, status="failed", error=error)
+            if known is not None:
+                self._failures.failed(known)
             raise  # the caller reports it (trainer: "checkpoint of step N failed", ckpt_failed)
         self.saved.add(step)
         pending = PendingSave(step, metrics, snapshot)

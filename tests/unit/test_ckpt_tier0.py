@@ -236,6 +236,28 @@ def test_a_step_counts_only_once_every_rank_of_the_node_holds_it(tmp_path: Path,
             ck.close()
 
 
+def test_a_snapshot_whose_copy_fails_gives_its_slot_back(tmp_path: Path, shm: Path) -> None:
+    # A tensor resized in place no longer fits the slot planned for it: the copy raises to the caller (staged
+    # mode copies in the call). The slot it had claimed is free again, so later snapshots go on.
+    with make(tmp_path, shm) as ck:
+        first = state(1)
+        ck.snapshot(1, first).wait_persisted()
+        w = first["w"]
+        assert isinstance(w, torch.Tensor)
+        saved = w.clone()
+        w.resize_(7)
+        with pytest.raises(RuntimeError):
+            ck.snapshot(2, first)
+        w.resize_(300, 70).copy_(saved)
+        for step in (3, 4):
+            pending = ck.snapshot(step, {**first, "step": step})
+            pending.wait_persisted()
+            assert not pending.skipped, pending.metrics.error
+        restored = ck.restore()
+        assert restored is not None and (restored.step, restored.tier) == (4, "memory")
+        assert torch.equal(restored.state["w"], saved)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_snapshots_copy_into_page_locked_slots_overlapped_and_restore_exactly(tmp_path: Path, shm: Path) -> None:
     config = CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, mode="overlapped")
