@@ -165,7 +165,7 @@ class ElasticAgent(LocalElasticAgent):
         self._rounds = reform.RoundChannel(self.progress_dir)
         # An in-place round: its generation, the local ranks kept in place, and the deadlines to leave the old
         # group and to join the new one.
-        self._awaiting: tuple[int, frozenset[int], Deadline, Deadline] | None = None
+        self._awaiting: tuple[int, frozenset[int], Deadline, Deadline, Deadline] | None = None
         self._fell_back = False  # a kept worker was killed as stuck: the next failure restarts the node's workers
         self._spare: Spare | None = None
         self._spare_failures = 0
@@ -344,7 +344,7 @@ class ElasticAgent(LocalElasticAgent):
                              [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers])
         if kept:
             self._awaiting = (info.generation, frozenset(kept), Deadline.after(self.agent_config.reform_leave_timeout),
-                              Deadline.after(self.agent_config.reform_timeout))
+                              Deadline.after(self.agent_config.reform_timeout), Deadline.after(_HUNG_LEAVE_GRACE))
         worker_group.state = WorkerState.HEALTHY
         self.metrics.update(members=worker_group.group_world_size or 0, generation=info.generation)
         return info.generation
@@ -550,7 +550,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def _check_joined(self, worker_group: WorkerGroup) -> None:
         assert self._awaiting is not None
-        generation, kept, leave_by, join_by = self._awaiting
+        generation, kept, leave_by, join_by, grace = self._awaiting
         late = [w for w in worker_group.workers
                 if w.local_rank in kept and self._rounds.acked(w.local_rank) < generation]
         if not late:
@@ -564,8 +564,10 @@ class ElasticAgent(LocalElasticAgent):
         # Stuck: in a collective whose peer neither answers nor closes the connection (a network partition;
         # gloo's abort() does not end it), in a CUDA call, ... : the old way, a restart.
         config = self.agent_config
-        stuck = [(w, "leave its process group", config.reform_leave_timeout) for w in late
-                 if self._rounds.leaving(w.local_rank) < generation and leave_by.expired()]
+        not_leaving = [w for w in late if self._rounds.leaving(w.local_rank) < generation]
+        stuck = [(w, "leave its process group", config.reform_leave_timeout) for w in not_leaving if leave_by.expired()]
+        if not stuck and grace.expired():
+            stuck = self._hung_kept(not_leaving)
         stuck += [(w, "join the new group", config.reform_timeout) for w in late if join_by.expired()]
         if not stuck:
             return
@@ -583,6 +585,27 @@ class ElasticAgent(LocalElasticAgent):
             except (ProcessLookupError, TypeError):
                 pass
 
+    def _hung_kept(self, not_leaving: list[Any]) -> list[tuple[Any, str, timedelta]]:
+        """Kept workers that have not begun to leave and made no progress for --hang-timeout: hung (a stopped
+        process, say), so they will not leave; restarted now rather than after --reform-leave-timeout. Seen when
+        a peer's agent judged its own worker hung first (blocked in a collective with this one) and opened the
+        round: hang detection here pauses during a re-formation, and the hung worker waited out the 10 s."""
+        timeout = self.agent_config.hang_timeout
+        if timeout is None:
+            return []
+        now, hung = time.time(), []
+        for w in not_leaving:
+            age = progress.last_beat_age(self.progress_dir, w.local_rank, now)
+            if age is not None and age > timeout.total_seconds():
+                emit("hang_detected", local_rank=w.local_rank, global_rank=w.global_rank, pid=w.id,
+                     seconds_without_progress=round(age, 2), hang_timeout_s=timeout.total_seconds())
+                hung.append((w, "leave its process group (no progress: hung)", timeout))
+        return hung
+
+
+_HUNG_LEAVE_GRACE = timedelta(seconds=2)
+"""How long a kept worker has to begin leaving its process group for a new round before one without progress for
+--hang-timeout is judged hung (a healthy one blocked in a collective on a hung peer begins within ~0.1 s)."""
 
 _PERSIST_TIMEOUT = timedelta(minutes=5)
 """How long workers may take to persist their state and exit when the job stops below its minimum of nodes."""

@@ -246,3 +246,29 @@ def test_below_the_minimum_the_survivor_persists_its_newest_step_and_exits_75(
     assert stopped["persisted"] is True and stopped["step"] == done, (stopped, done)  # nothing it had is lost
     committed = sorted(int(p.parent.name.rsplit("_", 1)[1]) for p in (tmp_path / "n0" / "ckpt").glob("step_*/COMMIT"))
     assert committed and committed[-1] == done, (committed, done)  # on disk, committed, where a requeue looks
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_worker_kept_for_a_peers_round_is_restarted_once_hung_not_after_the_leave_timeout(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """n1's worker is SIGSTOPped. n0's agent (--hang-timeout 3) judges its own worker, blocked in the all-reduce with
+    the stopped one, hung first and opens a round; n1's agent (--hang-timeout 6) keeps its worker for that round, in
+    place, and its hang detection pauses while the group re-forms. The stopped worker is restarted once it has made no
+    progress for 6 s (`hang_detected`), not only after the 10 s it is given to leave its process group (seen in a
+    chaos soak: a hang-worker fault took 17 s to resume, where its detection took 5). The job then finishes."""
+    import os
+    import signal
+
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", 60, launcher=("--hang-timeout", str(3 + 3 * i)))
+            for i in range(2)]
+    wait_until("2 nodes training", lambda: all(last_step(j) >= 8 for j in jobs), jobs)
+    n1 = jobs[1]
+    [victim] = [int(e["pid"]) for e in n1.events("worker_started", restart=0)]
+    os.kill(victim, signal.SIGSTOP)
+    for j in jobs:
+        j.finish(timeout=150)
+    assert victim in [int(e["pid"]) for e in n1.events("hang_detected")], n1.events("reform_fallback")
+    waited_out = [e for e in n1.events("reform_fallback") if e["stage"] == "leave its process group"]
+    assert not waited_out, waited_out  # the 10 s wait for a worker that cannot leave
+    assert all(last_step(j) == 60 for j in jobs)
