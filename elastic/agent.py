@@ -587,9 +587,9 @@ class ElasticAgent(LocalElasticAgent):
 
     def _hung_kept(self, not_leaving: list[Any]) -> list[tuple[Any, str, timedelta]]:
         """Kept workers that have not begun to leave and made no progress for --hang-timeout: hung (a stopped
-        process, say), so they will not leave; restarted now rather than after --reform-leave-timeout. Seen when
-        a peer's agent judged its own worker hung first (blocked in a collective with this one) and opened the
-        round: hang detection here pauses during a re-formation, and the hung worker waited out the 10 s."""
+        process, say), so they will not leave; restarted now rather than after AgentConfig.reform_leave_timeout.
+        Seen when a peer's agent judged its own worker hung first (blocked in a collective with this one) and
+        opened the round: hang detection here pauses during a re-formation, and the hung worker waited 10 s."""
         timeout = self.agent_config.hang_timeout
         if timeout is None:
             return []
