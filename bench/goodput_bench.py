@@ -145,8 +145,6 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_nice19": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_NICE", "19"),)),
     "ours_tier0_1_tier1_10_pnice0": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_NICE", "0"),)),
     "ours_tier0_1_tier1_10_tmpfs": Variant("ours", 1, 10, ckpt_in_memory=True),
-    "ours_tier0_1_tier1_10_paced": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_WRITE_MBPS", "1000"),)),
-    "ours_tier0_1_tier1_10_paced_auto": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_WRITE_MBPS", "auto"),)),
     "ours_tier0_1_tier1_10_device_image": Variant("ours", 1, 10, device_image=True),
     "none_repeat": Variant("none"),
     "ours_tier0_1_tier1_10_nospare": Variant("ours", 1, 10, env=(("ELASTIC_WARM_SPARE", "0"),)),

@@ -23,7 +23,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from ckpt.persist import commit_if_complete, persist_rank
 from ckpt.replica import ReplicaReceiver, ReplicaSender
 from ckpt.shared import put_file
 from ckpt.tier0 import SlotLock, snapshot_manifest
-from ckpt.write_pace import pace_for
 from core.frames import recv_frame, send_frame
 from core.heap import freeze_now
 
@@ -91,7 +89,6 @@ class Helper:
         self.sender = ReplicaSender(path.parent)
         self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}
         self._fs_lock = threading.Lock()
-        self._persisted_at: dict[int, float] = {}  # rank -> when its last persist request came (monotonic)
 
     def serve_replicas(self, listener: socket.socket) -> None:
         """Keep the replicas other nodes' helpers push to `listener` (a thread)."""
@@ -195,9 +192,7 @@ class Helper:
         step, world_size, generation = int(header["step"]), int(header["world_size"]), str(header["generation"])
         identity = RunIdentity(str(header["run"]), str(header["run_uid"])) if header["run"] else None
         lock = SlotLock(slot / STATE_FILE, wait=True)
-        now, rank = time.monotonic(), int(header["rank"])
-        before, self._persisted_at[rank] = self._persisted_at.get(rank), now
-        interval = None if before is None else now - before  # the rank's persist cadence, for an `auto` pace
+        rank = int(header["rank"])
         try:
             _require_open(conn)  # persist_rank starts by uncommitting the step: not for a worker that gave up
             image = self.images.view(slot / STATE_FILE, int(header["size"]))
@@ -213,8 +208,7 @@ class Helper:
                 layout, step=step, rank=rank, world_size=world_size, generation=generation,
                 parts=[image], tensors=template.tensors, skeleton=json.loads(body), checksum=str(header["checksum"]),
                 chunk_bytes=int(header["chunk_bytes"]), shards=template.shards, pool=self.persist_pool,
-                identity=identity, before_publish=lambda: _require_open(conn), release=release,
-                pace=pace_for(os.environ.get(WRITE_PACE_ENV, ""), int(header["size"]), interval))
+                identity=identity, before_publish=lambda: _require_open(conn), release=release)
         finally:
             lock.release()
         committed = commit_if_complete(layout, step=step, world_size=world_size,
@@ -254,12 +248,6 @@ def persist_threads(threads: int) -> int:
     """Threads of the tier-1 and replica pool: $ELASTIC_HELPER_PERSIST_THREADS, else `threads` (a tier-1 write has
     the steps until the next persist to finish)."""
     return env_count("ELASTIC_HELPER_PERSIST_THREADS", threads)
-
-
-WRITE_PACE_ENV = "ELASTIC_HELPER_WRITE_MBPS"
-"""MB/s at which the helper writes a tier-1 file, its writeback started chunk by chunk, or `auto` (over half the time
-between the rank's persists; ckpt/write_pace.py); unset: at full speed, flushed by one fsync. Probes of
-bench/goodput_bench.py (`ours_tier0_1_tier1_10_paced`, `_paced_auto`)."""
 
 
 PERSIST_NICE = 9

@@ -41,14 +41,13 @@ from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest
 from ckpt.safe_io import read_regular
 from ckpt.sharding import ShardInfo
-from ckpt.write_pace import CHUNK, WritePace
 
 _RECORD_TIMEOUT_S = 120.0
 
 logger = logging.getLogger(__name__)
 
-WRITE_CHUNK = CHUNK
-"""Bytes per write() call (a paced write's chunks too: ckpt/write_pace.py)."""
+WRITE_CHUNK = 64 << 20
+"""Bytes per write() call."""
 
 OVERLAP_HASH_WITH_WRITES = (os.cpu_count() or 1) >= 8
 """Hash the staged bytes while they are written (hosts with cores to spare), rather than only
@@ -135,7 +134,6 @@ def persist_rank(
     identity: RunIdentity | None = None,
     shards: dict[str, ShardInfo] | None = None,
     release: Callable[[], None] | None = None,
-    pace: WritePace | None = None,
 ) -> WrittenRank:
     """Write the file bytes `parts` and a manifest as rank `rank` of `step`, durably, then publish.
 
@@ -145,8 +143,6 @@ def persist_rank(
 
     With `shards` (a state with DTensor leaves, ckpt/sharding.py) the manifest also keeps every
     chunk digest, so that resharding can verify the byte ranges it reads.
-
-    `pace` spreads the writes and their writeback over time (ckpt/write_pace.py; None: at full speed).
 
     `before_publish` runs once the files are fsynced, before the rename (fault injection).
     Raises CheckpointWriteError (after removing the partial directory) when the disk refuses.
@@ -171,10 +167,7 @@ def persist_rank(
         source: Sequence[memoryview] = parts
         try:
             for part in parts:
-                if pace is None:
-                    write_all(fd, part)
-                else:
-                    pace.write(fd, part, nbytes, write_all)
+                write_all(fd, part)
                 nbytes += len(part)
             if release is not None:
                 if digest is not None:  # hashed beside the writes: `parts` are read once it is done

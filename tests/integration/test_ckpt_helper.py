@@ -23,7 +23,7 @@ import torch
 from ckpt import CheckpointConfig, Checkpointer, SharedConfig
 from ckpt.checksum import CHUNK_BYTES, Checksum, digest_parts, sum64_checksum
 from ckpt.helper import HelperClient, socket_path
-from ckpt.helper_process import NICE, WRITE_PACE_ENV
+from ckpt.helper_process import NICE
 from ckpt.snapshot import HostSnapshot
 from ckpt.tier0 import SlotLock
 from core.tier0_dir import shm_root
@@ -37,7 +37,7 @@ moto_s3 = s3_fixtures.moto_s3
 
 
 class HelperProcess:
-    def __init__(self, tier0: Path, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tier0: Path, log: Path) -> None:
         self.log = log
         self.socket = socket_path(tier0)
         self.socket.unlink(missing_ok=True)
@@ -45,7 +45,7 @@ class HelperProcess:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ckpt.helper_process", "--socket", str(self.socket),
                  "--parent", str(os.getpid())], cwd=REPO, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not self.socket.exists():
             assert self.proc.poll() is None, log.read_text()
@@ -262,18 +262,15 @@ def step_dir(tmp_path: Path, step: int) -> Path:
     return tmp_path / "ckpt" / f"step_{step:012d}"
 
 
-@pytest.mark.parametrize("pace", ["", "1", "auto"])
 def test_the_helper_writes_and_commits_tier1_for_the_nodes_ranks(
-    tmp_path: Path, shm: Path, helpers: list[HelperProcess], pace: str
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess]
 ) -> None:
     # Two ranks of one node: each rank's tier-1 directory is written from its slot by the helper, and the
-    # step is committed once both are there. Restored from tier 1 alone (tier 0 gone), bitwise. Paced: the
-    # files written chunk by chunk (1 MB/s, or `auto` from the rank's persist cadence), their writeback
-    # started as they go (ckpt/write_pace.py).
-    helpers.append(HelperProcess(shm, tmp_path / "helper.log", {WRITE_PACE_ENV: pace}))
+    # step is committed once both are there. Restored from tier 1 alone (tier 0 gone), bitwise.
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
     cks = [Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=r, world_size=2,
                         local_world_size=2) for r in range(2)]
-    for step in (1, 2, 3):  # a snapshot, then two persists (an `auto` pace needs the rank's cadence)
+    for step in (1, 2, 3):  # a snapshot, then two persists
         for ck in cks:
             pending = ck.save_async(step, state(step)) if step > 1 else ck.snapshot(step, state(step))
             pending.wait_persisted()
