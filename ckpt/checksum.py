@@ -266,6 +266,11 @@ class PendingDigest:
                 f.exception()
 
 
+def chunk_count(file_bytes: int, chunk_bytes: int) -> int:
+    """How many chunk digests a file of `file_bytes` has: its whole chunks, a tail chunk, one when it is empty."""
+    return max(1, -(-file_bytes // chunk_bytes))
+
+
 def sum64_checksum(sums: Sequence[int], chunk_bytes: int) -> Checksum:
     """The sum64 checksum whose chunk sums are `sums` (computed elsewhere: on the GPU, ckpt/device_image.py)."""
     return _combine("sum64", chunk_bytes, [(s % (1 << 64)).to_bytes(8, "big") for s in sums])

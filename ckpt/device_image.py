@@ -34,16 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ckpt.checksum import Checksum, sum64_checksum
+from ckpt.checksum import Checksum, chunk_count, sum64_checksum
 
 HOST_BYTES_MAX = 1 << 20
 """The most bytes outside the GPU image a snapshot may have (summed on the host per snapshot, one index per
 byte); a state with more on the CPU is staged tensor by tensor and checksummed on the host instead."""
-
-
-def _chunks(file_bytes: int, chunk_bytes: int) -> int:
-    """How many chunk digests a file of `file_bytes` has (ckpt/checksum.py: a tail chunk; one when empty)."""
-    return max(1, -(-file_bytes // chunk_bytes))
 
 
 class HostBytes:
@@ -104,16 +99,15 @@ class ImagePlan:
             return None
         data_bytes = max((e for _, e in slots), default=0)
         file_bytes = len(prefix) + data_bytes
-        chunks = _chunks(file_bytes, chunk_bytes)
-        host_data = torch.cat([torch.arange(b, e, dtype=torch.int64) for b, e in host]) if host else (
-            torch.empty(0, dtype=torch.int64))
+        chunks = chunk_count(file_bytes, chunk_bytes)
+        host_data = torch.cat([torch.arange(b, e, dtype=torch.int64) for b, e in host]
+                              or [torch.zeros(0, dtype=torch.int64)])
         prefix_part = HostBytes(torch.arange(len(prefix), dtype=torch.int64), chunk_bytes, chunks)
         return ImagePlan(
             prefix_bytes=len(prefix), file_bytes=file_bytes, chunk_bytes=chunk_bytes,
             on_device=[i for i, here in enumerate(on_device) if here], host_data=host_data,
             host=HostBytes(host_data + len(prefix), chunk_bytes, chunks),
-            prefix_sums=prefix_part.sums(torch.frombuffer(bytearray(prefix), dtype=torch.uint8)) if prefix else (
-                torch.zeros(chunks, dtype=torch.int64)))
+            prefix_sums=prefix_part.sums(torch.tensor(list(prefix), dtype=torch.uint8)))
 
     @property
     def image_bytes(self) -> int:
@@ -159,7 +153,7 @@ class DeviceImage:
         if sums is None:
             if len(self._sums) >= 8:  # slots remapped elsewhere: the old addresses go
                 self._sums.clear()
-            chunks = _chunks(self.plan.file_bytes, self.plan.chunk_bytes)
+            chunks = chunk_count(self.plan.file_bytes, self.plan.chunk_bytes)
             sums = self._sums[into.data_ptr()] = torch.empty(chunks, dtype=torch.int64, pin_memory=True)
         return sums
 

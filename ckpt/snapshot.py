@@ -330,9 +330,8 @@ class StagingArea:
         """The slot views of the last layout per buffer address: rebuilding ~250 of them cost ~40 ms a save."""
         self.allocations = 0
         """How many times a buffer was allocated (1 in steady state)."""
-        self._image: tuple[tuple[int, int, tuple[torch.device, ...]], DeviceImage | None] | None = None
-        """The GPU file image of the newest (layout, chunk size) of tier-0 snapshots, or None where it was refused."""
-        self._image_layout: StagingLayout | None = None
+        self._image: tuple[StagingLayout, int, tuple[torch.device, ...], DeviceImage | None] | None = None
+        """(layout, chunk size, devices, its GPU file image or None) of the newest tier-0 snapshot."""
         self._image_refused = False
 
     @property
@@ -427,13 +426,13 @@ class StagingArea:
     def _image_for(self, layout: StagingLayout, plan: _CopyPlan, chunk_bytes: int) -> DeviceImage | None:
         """The GPU file image for `layout` (made at its first snapshot, 1 x the state bytes of GPU memory), or
         None when the state does not allow one or the GPU has no room (logged once; copies per tensor then)."""
-        key = (id(layout), chunk_bytes, tuple(plan.devices))  # a tensor that moved device (same layout): a new plan
-        if self._image is not None and self._image[0] == key and self._image[1] is not None:
-            return self._image[1]
-        if self._image is not None and self._image[0] == key or self._image_refused:
-            return None
+        devices = tuple(plan.devices)  # a tensor that moved device keeps its layout, not its plan
+        cached = self._image
+        if cached is not None and cached[0] is layout and cached[1:3] == (chunk_bytes, devices):
+            return cached[3]
         self._image = None  # a new layout: the old image goes (its memory stays with the side stream's pool)
-        found = plan_image(layout.prefix, [(s.begin, s.end) for s in layout.slots], plan.devices, chunk_bytes)
+        found = None if self._image_refused else plan_image(
+            layout.prefix, [(s.begin, s.end) for s in layout.slots], plan.devices, chunk_bytes)
         image = None
         if found is not None:
             image_plan, device = found
@@ -445,8 +444,7 @@ class StagingArea:
                 logger.warning("no room on %s for a %d-byte image of the snapshot: copying it tensor by tensor "
                                "and checksumming it on the host (CheckpointConfig.device_image)", device,
                                image_plan.image_bytes)
-        self._image = (key, image)
-        self._image_layout = layout  # keeps id(layout) from being reused while it is the key
+        self._image = (layout, chunk_bytes, devices, image)
         return image
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor], layout: StagingLayout, into: torch.Tensor) -> _CopyPlan:
@@ -536,4 +534,4 @@ class StagingArea:
         self._buffer, self._registered, self._pinned = None, False, False
         self._views.clear()
         self._plans.clear()
-        self._image, self._image_layout = None, None
+        self._image = None

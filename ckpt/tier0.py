@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from ckpt.checksum import Checksum, digest_parts
+from ckpt.checksum import Checksum, chunk_count, digest_parts
 from ckpt.commit import CommitMarker
 from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError, CheckpointWriteError
@@ -193,7 +193,7 @@ def snapshot_manifest(
     if checksum is None:
         checksum = digest_parts([image], algorithm="sum64", chunk_bytes=chunk_bytes, pool=pool)
     elif checksum.algorithm != "sum64" or checksum.chunk_bytes != chunk_bytes or (
-            len(checksum.chunks) != 8 * max(1, -(-len(image) // chunk_bytes))):
+            len(checksum.chunks) != 8 * chunk_count(len(image), chunk_bytes)):
         raise ValueError(f"a {checksum.describe()} of {len(checksum.chunks) // 8} chunks does not fit a "
                          f"{len(image)}-byte slot in {chunk_bytes}-byte sum64 chunks")
     return Manifest(

@@ -1,12 +1,14 @@
-"""Shared fixtures: a real etcd server on free ports, unique run ids, and process bookkeeping that
-ends every process a test starts (by pid / process group, never by name)."""
+"""Shared fixtures: a real etcd server on free ports, unique run ids, a tier-0 directory in host shared memory,
+and process bookkeeping that ends every process a test starts (by pid / process group, never by name)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from core.procfs import descendants, kill_tree
+from core.tier0_dir import shm_root
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer
 from elastic.keys import RunKeys
@@ -53,6 +56,16 @@ def client(etcd: EtcdServer) -> Iterator[EtcdClient]:
 def read_state(client: EtcdClient, run_id: str) -> RoundState | None:
     value, _ = client.raw.get(RunKeys.of(run_id).state)
     return None if value is None else RoundState.from_json(value)
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fresh tier-0 directory of its own in the machine's shared memory (tmpfs), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="test-tier0-", dir=shm_root()))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,6 @@ from ckpt.helper import HelperClient, socket_path
 from ckpt.helper_process import NICE
 from ckpt.snapshot import HostSnapshot
 from ckpt.tier0 import SlotLock
-from core.tier0_dir import shm_root
 from tests import s3_fixtures
 from tests.conftest import REPO
 from tests.s3_fixtures import MotoS3
@@ -81,15 +79,6 @@ def _stopped(stat: Path) -> bool:
         return stat.read_text().rpartition(")")[2].split()[0] == "T"
     except FileNotFoundError:
         return True
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="test-helper-", dir=shm_root()))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

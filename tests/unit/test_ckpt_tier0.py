@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,19 +17,8 @@ import torch
 from ckpt import CheckpointConfig, Checkpointer
 from ckpt.identity import RunIdentity
 from ckpt.tier0 import HostMemoryError, HostSlots
-from core.tier0_dir import shm_root
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A fresh tier-0 directory in the machine's shared memory (tmpfs), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="test-tier0-", dir=shm_root()))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def make(tmp_path: Path, shm: Path, *, run_name: str = "default", local: str = "ckpt") -> Checkpointer:

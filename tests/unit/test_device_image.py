@@ -5,9 +5,6 @@ whole file, bit for bit; on a CUDA machine the snapshots restore exactly and ver
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,6 @@ from ckpt.checksum import digest_parts, sum64_checksum, sum64_from_chunks
 from ckpt.device_image import HOST_BYTES_MAX, ImagePlan, device_sums
 from ckpt.snapshot import StagingLayout
 from ckpt.tier0 import snapshot_manifest
-from core.tier0_dir import shm_root
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,15 +93,6 @@ def test_a_given_checksum_that_does_not_fit_the_slot_is_refused_not_written() ->
         snapshot_manifest(image, step=1, rank=0, world_size=1, generation="g", run="r", run_uid="u",
                           chunk_bytes=8192, tensors={}, shards={}, skeleton={}, pool=None,
                           checksum=sum64_checksum([1, 2, 3], 8192))
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="test-device-image-", dir=shm_root()))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

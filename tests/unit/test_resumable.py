@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -74,16 +72,6 @@ def train(run: Resumable, model: nn.Module, opt: torch.optim.Optimizer, start: i
             settled(run)
     run.checkpointer.wait_persisted()  # async saves: the last one reaches disk before the "crash"
     return losses
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    """A tier-0 directory of its own in host shared memory, removed afterwards."""
-    from core.tier0_dir import shm_root  # noqa: PLC0415
-
-    path = Path(tempfile.mkdtemp(prefix="test-resumable-tier0-", dir=shm_root()))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_fresh_start_returns_step_zero(tmp_path: Path) -> None:
