@@ -270,16 +270,23 @@ class ElasticAgent(LocalElasticAgent):
             return False
 
     def _kill_hung_workers(self, worker_group: WorkerGroup, timeout: float) -> None:
-        now = time.time()
-        for worker in worker_group.workers:
+        for worker in self._judged_hung(worker_group.workers, timeout):
+            try:
+                os.kill(int(worker.id), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _judged_hung(self, workers: list[Any], timeout: float) -> list[Any]:
+        """The running `workers` whose last progress beat is older than `timeout` seconds, each reported
+        (`hang_detected`)."""
+        now, hung = time.time(), []
+        for worker in workers:
             age = progress.last_beat_age(self.progress_dir, worker.local_rank, now)
             if age is not None and age > timeout and worker.id is not None:
                 emit("hang_detected", local_rank=worker.local_rank, global_rank=worker.global_rank,
                      pid=worker.id, seconds_without_progress=round(age, 2), hang_timeout_s=timeout)
-                try:
-                    os.kill(int(worker.id), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                hung.append(worker)
+        return hung
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         if self._can_reform_in_place(worker_group):
@@ -593,14 +600,8 @@ class ElasticAgent(LocalElasticAgent):
         timeout = self.agent_config.hang_timeout
         if timeout is None:
             return []
-        now, hung = time.time(), []
-        for w in not_leaving:
-            age = progress.last_beat_age(self.progress_dir, w.local_rank, now)
-            if age is not None and age > timeout.total_seconds():
-                emit("hang_detected", local_rank=w.local_rank, global_rank=w.global_rank, pid=w.id,
-                     seconds_without_progress=round(age, 2), hang_timeout_s=timeout.total_seconds())
-                hung.append((w, "leave its process group (no progress: hung)", timeout))
-        return hung
+        return [(w, "leave its process group (no progress: hung)", timeout)
+                for w in self._judged_hung(not_leaving, timeout.total_seconds())]
 
 
 _HUNG_LEAVE_GRACE = timedelta(seconds=2)
