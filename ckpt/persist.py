@@ -26,6 +26,7 @@ from typing import Any
 
 from ckpt.checksum import CHUNK_BYTES, Checksum, PendingDigest, digest_parts
 from ckpt.commit import CommitMarker, parse_commit
+from ckpt.direct_io import direct_plan, write_parts
 from ckpt.durable import (
     discard_tree,
     fsync_dir,
@@ -139,7 +140,8 @@ def persist_rank(
 
     `release`, when given, is called as soon as `parts` are no longer read (they are a tier-0 slot,
     which the next snapshots want back): after the write() calls, before the fsync. The checksum is
-    then taken from the written file (in the page cache) while fsync runs, not from `parts`.
+    then taken from the written file (in the page cache) while fsync runs, not from `parts`, unless it
+    was taken from `parts` already: beside the writes, or where blocks went direct (ckpt/direct_io.py).
 
     With `shards` (a state with DTensor leaves, ckpt/sharding.py) the manifest also keeps every
     chunk digest, so that resharding can verify the byte ranges it reads.
@@ -159,20 +161,22 @@ def persist_rank(
             fsync_dir(step_dir.parent)
         tmp = layout.temp_rank_dir(step, rank)
         tmp.mkdir()
-        if pool is not None and OVERLAP_HASH_WITH_WRITES:
+        # Where blocks go around the page cache (ckpt/direct_io.py), writing costs no CPU: hash beside it.
+        blocks = direct_plan(parts)
+        if pool is not None and (OVERLAP_HASH_WITH_WRITES or any(blocks)):
             digest = PendingDigest(parts, algorithm=checksum, chunk_bytes=chunk_bytes, pool=pool)
-        nbytes = 0
+        nbytes = sum(len(part) for part in parts)
         fd = os.open(tmp / STATE_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         written: mmap.mmap | None = None
         source: Sequence[memoryview] = parts
         try:
-            for part in parts:
-                write_all(fd, part)
-                nbytes += len(part)
+            direct = write_parts(fd, tmp / STATE_FILE, parts, write_all, blocks)
             if release is not None:
                 if digest is not None:  # hashed beside the writes: `parts` are read once it is done
                     result = digest.result()
                     digest = None
+                elif direct:  # the page cache does not hold what went direct: hash `parts` before they go
+                    result = digest_parts(parts, algorithm=checksum, chunk_bytes=chunk_bytes)
                 release()
                 if result is None and nbytes:
                     written = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
