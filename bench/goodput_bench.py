@@ -30,7 +30,8 @@ Probes (not in the issue's table): ours_tier0_1_tier1_10_at_boundary (ResumeConf
   not 10), ours_tier0_1_tier1_10_pnice0 (the tier-1 pool at the helper's own niceness, as before session 38,
   not 9 nicer); ours_tier0_1_tier1_10_tmpfs (tier 1 written to /dev/shm: the tier-1 writes without the disk's
   writeback); ours_tier0_1_tier1_10_nospare and none_nospare (elastic-run without its warm spare, whose
-  warm-up runs beside the first steps: ELASTIC_WARM_SPARE=0).
+  warm-up runs beside the first steps: ELASTIC_WARM_SPARE=0); ours_tier0_1_tier1_10_buffered (the helper's tier-1
+  writes through the page cache, as before session 42: ELASTIC_DIRECT_IO=0, ckpt/direct_io.py).
 Floors (CUDA only; skipped on CPU): floor_tensors_1, floor_graph_1 and floor_gather_1 copy the model's and
   optimizer's device tensors into page-locked host memory after every step on a side stream, nothing else
   (goodput_worker.Floor): one copy per tensor, the same copies replayed from a CUDA graph, or one
@@ -148,6 +149,7 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_device_image": Variant("ours", 1, 10, device_image=True),
     "none_repeat": Variant("none"),
     "ours_tier0_1_tier1_10_nospare": Variant("ours", 1, 10, env=(("ELASTIC_WARM_SPARE", "0"),)),
+    "ours_tier0_1_tier1_10_buffered": Variant("ours", 1, 10, env=(("ELASTIC_DIRECT_IO", "0"),)),
     "none_nospare": Variant("none", env=(("ELASTIC_WARM_SPARE", "0"),)),
     "floor_tensors_1": Variant("floor_tensors", 1),
     "floor_gather_1": Variant("floor_gather", 1),
