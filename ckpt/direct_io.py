@@ -57,8 +57,11 @@ def direct_bytes(part: memoryview, offset: int) -> int:
     return part.nbytes - part.nbytes % ALIGN
 
 
-def direct_plan(parts: Sequence[memoryview]) -> list[int]:
-    """Per part, written one after the other from offset 0, how many of its bytes can go direct."""
+def direct_plan(parts: Sequence[memoryview], where: Path) -> list[int]:
+    """Per part, written one after the other from offset 0 into a new file in directory `where`, how many of
+    its bytes can go direct (none where that file system refused O_DIRECT before)."""
+    if not O_DIRECT or os.stat(where).st_dev in _refused:
+        return [0] * len(parts)
     plan, offset = [], 0
     for part in parts:
         plan.append(direct_bytes(part, offset))

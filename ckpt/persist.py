@@ -162,7 +162,7 @@ def persist_rank(
         tmp = layout.temp_rank_dir(step, rank)
         tmp.mkdir()
         # Where blocks go around the page cache (ckpt/direct_io.py), writing costs no CPU: hash beside it.
-        blocks = direct_plan(parts)
+        blocks = direct_plan(parts, tmp)
         if pool is not None and (OVERLAP_HASH_WITH_WRITES or any(blocks)):
             digest = PendingDigest(parts, algorithm=checksum, chunk_bytes=chunk_bytes, pool=pool)
         nbytes = sum(len(part) for part in parts)

@@ -59,7 +59,7 @@ class Recorder:
 def write(path: Path, parts: list[memoryview], recorder: Recorder) -> bool:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        return write_parts(fd, path, parts, recorder, direct_plan(parts))
+        return write_parts(fd, path, parts, recorder, direct_plan(parts, path.parent))
     finally:
         os.close(fd)
 
@@ -79,11 +79,11 @@ def test_parts_that_are_not_aligned_are_written_through_the_page_cache(tmp_path:
     header, body = os.urandom(100), os.urandom(2 * ALIGN)
     recorder = Recorder()
     # the worker's own file: a header, then the staging buffer at an offset that is not a block's
-    assert direct_plan([memoryview(header), aligned(body)]) == [0, 0]
+    assert direct_plan([memoryview(header), aligned(body)], tmp_path) == [0, 0]
     assert write(tmp_path / "f", [memoryview(header), aligned(body)], recorder) is False
     assert recorder.calls == [(False, 100), (False, 2 * ALIGN)]
     assert (tmp_path / "f").read_bytes() == header + body
-    assert direct_plan([memoryview(bytes(body))]) == [0]  # read-only memory: no address to hand the device
+    assert direct_plan([memoryview(bytes(body))], tmp_path) == [0]  # read-only memory: no address to hand over
 
 
 def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones_and_is_not_asked_again(
@@ -111,9 +111,10 @@ def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones_and_is_not_
     assert used is False and (tmp_path / "f").read_bytes() == data
     assert "refuses O_DIRECT" in caplog.text and str(tmp_path) in caplog.text
     assert os.stat(tmp_path / "f").st_dev in direct_io._refused
+    assert direct_plan([aligned(data)], tmp_path) == [0]  # not tried again on that device
     recorder = Recorder()
     assert write(tmp_path / "g", [aligned(data)], recorder) is False
-    assert all(not d for d, _ in recorder.calls)  # not tried again on that device
+    assert recorder.calls == [(False, len(data))]
 
 
 def test_a_persist_whose_blocks_went_direct_is_whole_and_verifies_though_its_slot_is_reused_at_once(
