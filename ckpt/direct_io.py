@@ -73,8 +73,10 @@ def write_parts(fd: int, path: Path, parts: Sequence[memoryview], write: Callabl
                 plan: Sequence[int]) -> bool:
     """Write `parts` one after the other into the new, empty file `path` open as `fd`: per part, the first
     `plan` bytes (`direct_plan`) direct where the file system accepts it, the rest through `fd`. `write(fd,
-    data)` writes all of `data` at `fd`'s position (persist.write_all, which tests replace). Returns whether
-    any byte went direct (then the page cache does not hold those bytes: their checksum comes from `parts`)."""
+    data)` writes all of `data` at `fd`'s position (persist.write_all, which tests replace; its chunks are
+    whole blocks). Returns whether any byte went direct (then the page cache does not hold those bytes: their
+    checksum comes from `parts`). No fsync here: the caller's fsync of `fd` covers the file's every byte, and
+    it comes after the slot is given back."""
     direct = _open_direct(path) if any(plan) else None
     used = False
     offset = 0
@@ -88,7 +90,10 @@ def write_parts(fd: int, path: Path, parts: Sequence[memoryview], write: Callabl
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
-                    _refuse(path, exc)
+                    # Refused before any byte went direct: the file system does not take O_DIRECT. After some
+                    # did, EINVAL means this write stopped short of a block (the next one was not aligned).
+                    if not used:
+                        _refuse(path, exc)
                     os.close(direct)
                     direct, bulk = None, 0  # this part's blocks again, through the page cache
             else:
@@ -97,8 +102,6 @@ def write_parts(fd: int, path: Path, parts: Sequence[memoryview], write: Callabl
                 os.lseek(fd, offset + bulk, os.SEEK_SET)
                 write(fd, part[bulk:])
             offset += part.nbytes
-        if direct is not None and used:
-            os.fsync(direct)  # the caller's fsync of `fd` covers the inode too; this one is cheap and explicit
     finally:
         if direct is not None:
             os.close(direct)
@@ -106,10 +109,9 @@ def write_parts(fd: int, path: Path, parts: Sequence[memoryview], write: Callabl
 
 
 def _open_direct(path: Path) -> int | None:
+    if os.stat(path.parent).st_dev in _refused:
+        return None
     try:
-        device = os.stat(path).st_dev
-        if device in _refused:
-            return None
         return os.open(path, os.O_WRONLY | O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
@@ -119,8 +121,9 @@ def _open_direct(path: Path) -> int | None:
 
 
 def _refuse(path: Path, exc: OSError) -> None:
+    """Remember that the file system of `path`'s directory (the key `direct_plan` looks up) refused O_DIRECT."""
     try:
-        device = os.stat(path).st_dev
+        device = os.stat(path.parent).st_dev
     except OSError:
         return
     if device not in _refused:
