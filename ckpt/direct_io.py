@@ -1,10 +1,11 @@
 """Writing a tier-1 file around the page cache (O_DIRECT), where its bytes allow it (issue J).
 
 A buffered write() copies every byte into the page cache on the CPU, and the kernel then has to find and later
-drop that memory (`persist.drop_cached`). For the node's checkpoint helper, which writes a tier-0 slot (a
-page-aligned shared mapping) to disk every `persist_every` steps, that copy is most of the persist's CPU time:
-1 GiB from /dev/shm to ext4 took 1.0-1.8 s of CPU and 1.4-2.3 s buffered, 0.04 s of CPU and 0.4-0.5 s direct
-(2-core VM). While it runs beside training, it takes memory bandwidth and cache from the training process.
+drop that memory (`persist.drop_cached`). For the node's checkpoint helper, which writes a tier-0 slot (its
+page-aligned mapping of the slot's file) to disk every `persist_every` steps, that copy is most of the persist's
+CPU time: writing 1 GiB from /dev/shm to ext4 took 1.0-1.8 s of CPU and 1.4-2.3 s buffered, 0.04 s of CPU and
+0.4-0.5 s direct (2-core VM, no checksum; with it, `bench/persist_bench.py`). While it runs beside training, it
+takes memory bandwidth and cache from the training process.
 
 O_DIRECT needs the buffer's address, the file offset and the length to be multiples of the device's logical
 block size; `ALIGN` (4096) covers 512-byte and 4K devices. So a part that starts page-aligned at an aligned file
