@@ -423,7 +423,9 @@ class LocalWriter:
                     rank=self.rank,
                     world_size=self.world_size,
                     generation=self.generation,
-                    parts=snapshot.parts(),
+                    # A tier-0 slot is the file's whole image, page-aligned: its blocks go around the page
+                    # cache (ckpt/direct_io.py), as the helper writes them.
+                    parts=[slot.view()] if slot is not None else snapshot.parts(),
                     tensors=entries,
                     skeleton=skeleton,
                     checksum=self.config.checksum,
