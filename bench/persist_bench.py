@@ -35,7 +35,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import ckpt.direct_io as direct_io  # noqa: E402
-from ckpt.helper_process import default_threads, persist_threads  # noqa: E402
+from ckpt.helper_process import SlotImages, default_threads, persist_threads  # noqa: E402
 from ckpt.layout import STATE_FILE, Layout  # noqa: E402
 from ckpt.persist import persist_rank  # noqa: E402
 
@@ -75,12 +75,7 @@ def slot_image(slot_dir: Path, nbytes: int) -> tuple[Path, memoryview]:
         for _ in range(nbytes // MIB):
             f.write(block)
         f.write(block[: nbytes % MIB])
-    fd = os.open(path, os.O_RDONLY)
-    try:  # as the helper maps a slot (ckpt/helper_process.py, SlotImages.view)
-        region = mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return path, memoryview(region)
+    return path, SlotImages().view(path, nbytes)  # mapped as the helper maps a slot
 
 
 def persist(root: Path, step: int, image: memoryview, pool: ThreadPoolExecutor, direct: bool) -> dict[str, float]:

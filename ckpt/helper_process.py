@@ -45,7 +45,7 @@ from core.heap import freeze_now
 logger = logging.getLogger("ckpt.helper_process")
 
 
-class _Images:
+class SlotImages:
     """Mappings of slot files, kept while their file (inode) and size stay the same."""
 
     def __init__(self) -> None:
@@ -85,7 +85,7 @@ class Helper:
         self.persist_pool = ThreadPoolExecutor(max_workers=persist_threads(threads),
                                                thread_name_prefix="helper-persist", initializer=_lower_priority,
                                                initargs=(persist_nice(),))
-        self.images = _Images()
+        self.images = SlotImages()
         self.sender = ReplicaSender(path.parent)
         self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}
         self._fs_lock = threading.Lock()

@@ -256,10 +256,11 @@ class HostSnapshot:
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
-        with self._after_lock, torch.no_grad():
-            for dst, src in self._after_device:
-                dst.copy_(src)
-            self._after_device = []
+        if self._after_device:  # only with a GPU image (CheckpointConfig.device_image): no lock on the default path
+            with self._after_lock, torch.no_grad():
+                for dst, src in self._after_device:
+                    dst.copy_(src)
+                self._after_device = []
         self._sources = []
         return True
 

@@ -20,6 +20,7 @@ import ckpt.persist
 from ckpt.checksum import digest_parts
 from ckpt.direct_io import ALIGN, direct_plan, write_parts
 from ckpt.errors import CheckpointWriteError
+from ckpt.helper_process import SlotImages
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.persist import persist_rank, write_all
 from tests.conftest import REPO
@@ -153,11 +154,7 @@ def slot_in_shm(shm: Path, data: bytes) -> tuple[Path, memoryview]:
     """A tier-0 slot file and the helper's view of it (ckpt/helper_process.py: private, writable, unwritten)."""
     path = shm / "state.safetensors"
     path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return path, memoryview(mmap.mmap(fd, len(data), mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE))
-    finally:
-        os.close(fd)
+    return path, SlotImages().view(path, len(data))
 
 
 def verify(written_dir: Path, data: bytes) -> None:
