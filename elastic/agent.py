@@ -146,6 +146,17 @@ class RoundAware(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _Awaiting:
+    """An in-place round under way: the kept workers must leave the old group and join the new one in time."""
+
+    generation: int
+    kept: frozenset[int]  # the local ranks kept in place
+    leave_by: Deadline  # to leave the old group (AgentConfig.reform_leave_timeout)
+    join_by: Deadline  # to join the new one (AgentConfig.reform_timeout)
+    grace: Deadline  # after it, a kept worker that neither leaves nor steps is hung (_hung_kept)
+
+
 class ElasticAgent(LocalElasticAgent):
     def __init__(self, spec: WorkerSpec, *, agent_config: AgentConfig, **kwargs: Any) -> None:
         super().__init__(spec, **kwargs)
@@ -163,9 +174,7 @@ class ElasticAgent(LocalElasticAgent):
         self.job = JobMetrics(self.progress_dir, self.metrics)  # workers' series, restarts by cause, summary
         self._failure_seen_at: float | None = None
         self._rounds = reform.RoundChannel(self.progress_dir)
-        # An in-place round: its generation, the local ranks kept in place, and the deadlines to leave the old
-        # group and to join the new one.
-        self._awaiting: tuple[int, frozenset[int], Deadline, Deadline, Deadline] | None = None
+        self._awaiting: _Awaiting | None = None  # an in-place round under way
         self._fell_back = False  # a kept worker was killed as stuck: the next failure restarts the node's workers
         self._spare: Spare | None = None
         self._spare_failures = 0
@@ -350,8 +359,10 @@ class ElasticAgent(LocalElasticAgent):
         self._rounds.publish(info.generation, str(worker_group.master_addr), int(worker_group.master_port or 0),
                              [(w.local_rank, w.global_rank, w.world_size) for w in worker_group.workers])
         if kept:
-            self._awaiting = (info.generation, frozenset(kept), Deadline.after(self.agent_config.reform_leave_timeout),
-                              Deadline.after(self.agent_config.reform_timeout), Deadline.after(_HUNG_LEAVE_GRACE))
+            self._awaiting = _Awaiting(info.generation, frozenset(kept),
+                                       leave_by=Deadline.after(self.agent_config.reform_leave_timeout),
+                                       join_by=Deadline.after(self.agent_config.reform_timeout),
+                                       grace=Deadline.after(_HUNG_LEAVE_GRACE))
         worker_group.state = WorkerState.HEALTHY
         self.metrics.update(members=worker_group.group_world_size or 0, generation=info.generation)
         return info.generation
@@ -556,14 +567,15 @@ class ElasticAgent(LocalElasticAgent):
         self._spare, self._prestarted = None, {}
 
     def _check_joined(self, worker_group: WorkerGroup) -> None:
-        assert self._awaiting is not None
-        generation, kept, leave_by, join_by, grace = self._awaiting
+        awaiting = self._awaiting
+        assert awaiting is not None
+        generation = awaiting.generation
         late = [w for w in worker_group.workers
-                if w.local_rank in kept and self._rounds.acked(w.local_rank) < generation]
+                if w.local_rank in awaiting.kept and self._rounds.acked(w.local_rank) < generation]
         if not late:
             seconds = round(time.monotonic() - (self._failure_seen_at or time.monotonic()), 3)
             self._awaiting, self._failure_seen_at = None, None
-            progress.clear(self.progress_dir, kept)  # hang detection starts again at their next step
+            progress.clear(self.progress_dir, awaiting.kept)  # hang detection starts again at their next step
             self.metrics.update(last_recovery_seconds=seconds)
             emit("reform_done", generation=generation, world_size=worker_group.group_world_size,
                  group_rank=worker_group.group_rank, recovery_s=seconds)
@@ -572,10 +584,11 @@ class ElasticAgent(LocalElasticAgent):
         # gloo's abort() does not end it), in a CUDA call, ... : the old way, a restart.
         config = self.agent_config
         not_leaving = [w for w in late if self._rounds.leaving(w.local_rank) < generation]
-        stuck = [(w, "leave its process group", config.reform_leave_timeout) for w in not_leaving if leave_by.expired()]
-        if not stuck and grace.expired():
+        stuck = [(w, "leave its process group", config.reform_leave_timeout)
+                 for w in not_leaving if awaiting.leave_by.expired()]
+        if not stuck and awaiting.grace.expired():
             stuck = self._hung_kept(not_leaving)
-        stuck += [(w, "join the new group", config.reform_timeout) for w in late if join_by.expired()]
+        stuck += [(w, "join the new group", config.reform_timeout) for w in late if awaiting.join_by.expired()]
         if not stuck:
             return
         self._awaiting = None
