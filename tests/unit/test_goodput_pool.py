@@ -58,3 +58,29 @@ def test_renames_pool_a_setting_that_ran_under_two_names_and_can_swap_them(tmp_p
     bad = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_pool.py"), str(tmp_path / "run_a.json"),
                           "--rename", "ours=ours_alt"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--rename 'ours=ours_alt': expected FILE:OLD=NEW" in bad.stderr
+
+
+def test_pair_sets_two_variants_side_by_side_round_by_round_with_their_slow_steps(tmp_path: Path) -> None:
+    def ran(*rounds: list[float]) -> dict:
+        return {"rounds": [{"raw": {"step_s": steps}} for steps in rounds]}
+
+    even = [0.1] * 9
+    a = run("a", [0.98, 0.99], "c1")
+    a["summary"]["alt"] = {"ratio_to_none_median": 0.99, "ratio_to_none_per_round": [0.985, 0.999]}
+    # "alt" ran a third round that time ran out for before `none` ran it: no pair, its steps left out.
+    a["variants"] = {"ours": ran(even + [0.11], even + [0.104, 0.1029]), "alt": ran(even, even, even + [9.0])}
+    b = run("b", [0.97], "c1")  # no "alt": not paired
+    files = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, result in zip(files, (a, b), strict=True):
+        path.write_text(json.dumps(result))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_pool.py"), *map(str, files),
+                          "--pair", "ours", "alt"], capture_output=True, text=True, timeout=60, check=True).stdout
+    pooled = json.loads(out)
+    (pair,) = pooled["pairs"]
+    assert pair["b_minus_a_per_run"] == {"a.json": [0.005, 0.009]} and pair["rounds"] == 2
+    assert pair["median"] == 0.007 and pair["rounds_b_ahead"] == 2
+    # ours: 10 ms over in round 0, 4 ms in round 1 (2.9 ms is under SLOW_OVER); alt: none in its paired rounds
+    assert pair["slow_steps_per_round"] == {"ours": 1.0, "alt": 0.0}
+    assert pair["slow_ms_per_round"] == {"ours": 7.0, "alt": 0.0}
+    assert pooled["variants"]["ours"]["rounds_with_step_times"] == 2  # run b kept no step times
+    assert pooled["variants"]["alt"]["slow_steps_per_round"] == 0.0
