@@ -23,7 +23,8 @@
                                      process on its node; a lost or cut-off node: none elsewhere; an added node:
                                      its own); every other worker keeps its pid. A worker its agent restarts as
                                      stuck (`reform_fallback`) or hung (`hang_detected`: a peer waiting on a hung
-                                     worker makes no progress either) is allowed and named
+                                     worker makes no progress either) is allowed and named, but not a peer of
+                                     hang-worker's stopped worker judged hung (a stopped one is judged first)
 
 A check that cannot be made (e.g. the script emits no `final_digest` event) is `None` with the reason: it never
 counts as passed.
@@ -379,8 +380,11 @@ def only_hit_processes_restart(ev: Evidence) -> Check:
             if begin <= e.t < end and (e.node, e.pid) not in seen:
                 new.setdefault(e.node, set()).add(e.pid)
         # A stuck worker its agent restarted, or one judged hung: a worker waiting in a collective on a hung peer
-        # makes no progress either, so its own agent's --hang-timeout may end it too.
-        excused = {e.node for e in fallbacks if begin <= e.t < end}
+        # makes no progress either, so its own agent's --hang-timeout may end it too. Not for hang-worker's
+        # SIGSTOP on another node: a stopped worker is judged at half the timeout, so its blocked peers re-form
+        # in place before their own agents judge them (elastic/agent.py STOPPED_SHARE).
+        excused = {e.node for e in fallbacks if begin <= e.t < end
+                   and not (fault.kind == "hang-worker" and e.name == "hang_detected" and e.node != fault.node)}
         for node, pids in sorted(new.items()):
             limit = allowed[0] if node == fault.node else allowed[1]
             if limit is not None and len(pids) > limit and node not in excused:

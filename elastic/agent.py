@@ -2,7 +2,8 @@
 
 1. Hang detection. Workers report progress (`elastic.progress.beat`); a worker with no progress for
    `hang_timeout` is killed (SIGKILL works on a SIGSTOPped process too), so the group restarts
-   instead of waiting for a collective timeout.
+   instead of waiting for a collective timeout. A stopped worker is judged at half of it, before the
+   agents of its peers, which wait in a collective with it, judge theirs: they re-form in place.
 2. Membership-aware restart accounting. A worker group that failed because a peer node was lost is
    restarted without consuming `--max-restarts`: if membership already shows the loss when the
    failure is seen, the restart is a membership restart (as torch does for scale-up); if the loss
@@ -286,14 +287,22 @@ class ElasticAgent(LocalElasticAgent):
                 pass
 
     def _judged_hung(self, workers: list[Any], timeout: float) -> list[Any]:
-        """The running `workers` whose last progress beat is older than `timeout` seconds, each reported
-        (`hang_detected`)."""
+        """The running `workers` whose last progress beat is older than `timeout` seconds, or a stopped one's
+        older than STOPPED_SHARE of it, each reported (`hang_detected`).
+
+        Why the stopped one sooner: its peers on other nodes wait in a collective with it, and their last beats
+        are as old as its own, so at `timeout` their agents judge them hung too and restart healthy workers. A
+        stopped process cannot make progress; ended first, its connections close, its peers' collectives fail
+        at once and they re-form in place, their hang detection paused for the round."""
         now, hung = time.time(), []
         for worker in workers:
             age = progress.last_beat_age(self.progress_dir, worker.local_rank, now)
-            if age is not None and age > timeout and worker.id is not None:
+            if age is None or worker.id is None:
+                continue
+            stopped = _stopped(worker.id)
+            if age > (timeout * STOPPED_SHARE if stopped else timeout):
                 emit("hang_detected", local_rank=worker.local_rank, global_rank=worker.global_rank,
-                     pid=worker.id, seconds_without_progress=round(age, 2), hang_timeout_s=timeout)
+                     pid=worker.id, seconds_without_progress=round(age, 2), hang_timeout_s=timeout, stopped=stopped)
                 hung.append(worker)
         return hung
 
@@ -615,6 +624,21 @@ class ElasticAgent(LocalElasticAgent):
             return []
         return [(w, "leave its process group (no progress: hung)", timeout)
                 for w in self._judged_hung(not_leaving, timeout.total_seconds())]
+
+
+STOPPED_SHARE = 0.5
+"""A stopped worker (SIGSTOP or a job-control stop: state T) is judged hung after this share of --hang-timeout:
+early enough that its peers' agents, whose workers wait in a collective with it and are judged at the full
+timeout, see the new round first."""
+
+
+def _stopped(pid: Any) -> bool:
+    """Whether the worker `pid` is stopped by a signal (not by a debugger's trace: that one is someone's choice)."""
+    try:
+        st = procfs.stat(int(pid))
+    except (TypeError, ValueError):
+        return False
+    return st is not None and st.state == "T"
 
 
 _HUNG_LEAVE_GRACE = timedelta(seconds=2)

@@ -106,8 +106,8 @@ def build_parser() -> ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="Kill a worker that reported progress (trainer steps) but none for this long, so the group restarts. "
-        "Off by default.",
+        help="Kill a worker that reported progress (trainer steps) but none for this long, so the group restarts "
+        "(a stopped worker, SIGSTOP: after half of it). Off by default.",
     )
     ours.add_argument(
         "--metrics-port",

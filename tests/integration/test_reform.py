@@ -251,17 +251,18 @@ def test_below_the_minimum_the_survivor_persists_its_newest_step_and_exits_75(
 @pytest.mark.timeout(180)
 def test_a_stopped_worker_kept_for_a_peers_round_is_restarted_once_hung_not_after_the_leave_timeout(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
-    """n1's worker is SIGSTOPped. n0's agent (--hang-timeout 3) judges its own worker, blocked in the all-reduce with
-    the stopped one, hung first and opens a round; n1's agent (--hang-timeout 6) keeps its worker for that round, in
-    place, and its hang detection pauses while the group re-forms. The stopped worker is restarted once it has made no
-    progress for 6 s (`hang_detected`), not only after the 10 s it is given to leave its process group (seen in a
-    chaos soak: a hang-worker fault took 17 s to resume, where its detection took 5). The job then finishes."""
+    """n1's worker is SIGSTOPped. n0's agent (--hang-timeout 2) judges its own worker, blocked in the all-reduce
+    with the stopped one, hung first and opens a round; n1's agent (--hang-timeout 10: a stopped worker is judged at
+    half of it, 5 s) keeps its worker for that round, in place, and its hang detection pauses while the group
+    re-forms. The stopped worker is restarted once it has made no progress for 5 s (`hang_detected`), not only after
+    the 10 s it is given to leave its process group (seen in a chaos soak: a hang-worker fault took 17 s to resume,
+    where its detection took 5). The job then finishes."""
     import os
     import signal
 
     run_id = f"reform-{uuid.uuid4().hex[:8]}"
-    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", 60, launcher=("--hang-timeout", str(3 + 3 * i)))
-            for i in range(2)]
+    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", 60, launcher=("--hang-timeout", timeout))
+            for i, timeout in enumerate(("2", "10"))]
     wait_until("2 nodes training", lambda: all(last_step(j) >= 8 for j in jobs), jobs)
     n1 = jobs[1]
     [victim] = [int(e["pid"]) for e in n1.events("worker_started", restart=0)]
@@ -271,4 +272,29 @@ def test_a_stopped_worker_kept_for_a_peers_round_is_restarted_once_hung_not_afte
     assert victim in [int(e["pid"]) for e in n1.events("hang_detected")], n1.events("reform_fallback")
     waited_out = [e for e in n1.events("reform_fallback") if e["stage"] == "leave its process group"]
     assert not waited_out, waited_out  # the 10 s wait for a worker that cannot leave
+    assert all(last_step(j) == 60 for j in jobs)
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_worker_is_judged_hung_before_its_blocked_peer_which_keeps_its_process(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """Both agents --hang-timeout 6; n1's worker is SIGSTOPped. n0's worker waits in the all-reduce with it, so its
+    last beat is as old as the stopped one's: judged at the same 6 s, both would be restarted. A stopped process
+    cannot make progress, so its agent judges it at half the timeout: it is restarted, its connections close, n0's
+    worker leaves the old group at once and re-forms in place, keeping its process. The job finishes."""
+    import os
+    import signal
+
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", 60, launcher=("--hang-timeout", "6")) for i in range(2)]
+    wait_until("2 nodes training", lambda: all(last_step(j) >= 8 for j in jobs), jobs)
+    n0, n1 = jobs
+    [victim] = [int(e["pid"]) for e in n1.events("worker_started", restart=0)]
+    [healthy] = step_pids(n0)
+    os.kill(victim, signal.SIGSTOP)
+    for j in jobs:
+        j.finish(timeout=150)
+    assert [(int(e["pid"]), e["stopped"]) for e in n1.events("hang_detected")] == [(victim, True)]
+    assert not n0.events("hang_detected"), n0.events("hang_detected")
+    assert step_pids(n0) == {healthy}  # the blocked peer kept its process to the end
     assert all(last_step(j) == 60 for j in jobs)

@@ -455,12 +455,17 @@ def test_reference_is_the_first_attempt_that_finished() -> None:
         reference_of(_job(midway), config)
 
 
-def _killed_worker_run(*, node0_restarts: bool, fallback: bool = False, in_place: bool = True) -> inv.Evidence:
-    """2 nodes; rank 1's worker (node1) is killed at t=5: its node replaces it, node0 re-forms in place (or, with
-    `node0_restarts`, starts a new process too)."""
+def _killed_worker_run(*, node0_restarts: bool, fallback: bool = False, in_place: bool = True,
+                       kind: str = "kill-worker", node0_judged_hung: bool = False) -> inv.Evidence:
+    """2 nodes; rank 1's worker (node1) is killed (or, `kind` hang-worker, stopped) at t=5: its node replaces it,
+    node0 re-forms in place (or, with `node0_restarts`, starts a new process too)."""
     log = Log().start().steps(1, 5)
-    fault = inv.FaultOutcome(kind="kill-worker", injected=True, skipped=None, steps_lost=0, lost_bound=1,
+    fault = inv.FaultOutcome(kind=kind, injected=True, skipped=None, steps_lost=0, lost_bound=1,
                              injected_t=log.t + 0.05, node="node1")
+    if kind == "hang-worker":
+        log.emit("hang_detected", "node1", local_rank=0, stopped=True)
+    if node0_judged_hung:
+        log.emit("hang_detected", "node0", local_rank=0, stopped=False)
     if in_place:
         log.emit("restart", "node1", replaced=[0], warm_spare=True)
         log.emit("reform", "node0")
@@ -481,6 +486,19 @@ def test_only_the_hit_process_restarts_after_a_worker_kill() -> None:
     assert excused.ok is True and "judged stuck or hung" in excused.detail, excused
     restart_mode = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, in_place=False))
     assert restart_mode.ok is None, restart_mode
+
+
+def test_a_stopped_workers_blocked_peer_judged_hung_is_not_excused() -> None:
+    """hang-worker SIGSTOPs node1's worker: its agent judges it at half the timeout, so node0's worker, blocked in a
+    collective with it, re-forms in place. node0's agent judging its own worker hung (and restarting it) broke that;
+    after another fault, a worker judged hung on a node it did not hit is still excused."""
+    kept = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=False, kind="hang-worker"))
+    assert kept.ok is True, kept
+    broken = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, kind="hang-worker",
+                                                               node0_judged_hung=True))
+    assert broken.ok is False and "hang-worker on node1" in broken.detail and "[300]" in broken.detail, broken
+    other = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, node0_judged_hung=True))
+    assert other.ok is True and "judged stuck or hung" in other.detail, other
 
 
 def test_a_killed_checkpoint_helper_must_be_started_again_by_its_agent() -> None:
