@@ -297,10 +297,10 @@ class ElasticAgent(LocalElasticAgent):
         now, hung = time.time(), []
         for worker in workers:
             age = progress.last_beat_age(self.progress_dir, worker.local_rank, now)
-            if age is None or worker.id is None:
+            if age is None or worker.id is None or age <= timeout * STOPPED_SHARE:
                 continue
             stopped = _stopped(worker.id)
-            if age > (timeout * STOPPED_SHARE if stopped else timeout):
+            if stopped or age > timeout:
                 emit("hang_detected", local_rank=worker.local_rank, global_rank=worker.global_rank,
                      pid=worker.id, seconds_without_progress=round(age, 2), hang_timeout_s=timeout, stopped=stopped)
                 hung.append(worker)
