@@ -6,11 +6,15 @@ the bf16 cast of the weights 8.8 -> 26.6 us) and matmuls unaffected. Their own m
 the device's bandwidth, and the copies' (52 GB/s) a smaller one, so this probe asks where the cost comes from: the
 same kernels (48 fp32 tensors of 768 x 3072, the size of the GPT's MLP weights) timed with CUDA events, alone and
 while another stream copies 1.2 GB (the loop's state) device -> pinned host, host -> device or device -> device,
-in chunks of 1, 16 or 256 MiB. Both are replayed from CUDA graphs, so that neither is bound by the host's
-launches. Prints JSON: per background, per kernel, the median time a kernel and its ratio to
-the kernel alone (measured between the backgrounds, so that drift shows), and the copies' bandwidth.
+in chunks of 1, 16 or 256 MiB. The host side is torch's pinned memory (cudaHostAlloc), or with `--host
+registered` what tier 0 copies into: a /dev/shm file's mapping page-locked with cudaHostRegister
+(ckpt/snapshot.py `host_register`, as ckpt/tier0.py pins its slots). Both sides are replayed from CUDA graphs,
+so that neither is bound by the host's launches. Prints JSON: per background, per kernel, the median time a
+kernel and its ratio to the kernel alone (measured between the backgrounds, so that drift shows), and the
+copies' bandwidth.
 
     python bench/copy_contention.py --out /tmp/copy_contention.json      # on a CUDA host; ~20 s
+    PYTHONPATH=$PWD python bench/copy_contention.py --host registered     # tier 0's kind of host memory
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import mmap
+import os
 import statistics
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,22 +102,66 @@ def copy_pass(kind: str, chunk: int, buffers: dict[str, torch.Tensor]) -> Callab
     return run
 
 
+@contextmanager
+def host_buffer(kind: str, numel: int) -> Iterator[torch.Tensor]:
+    """`numel` fp32 of page-locked host memory: torch's pinned memory, or a registered /dev/shm mapping."""
+    if kind == "pinned":
+        yield torch.empty(numel, pin_memory=True)
+        return
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from ckpt.snapshot import host_register, host_unregister
+
+    nbytes = numel * 4
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.NamedTemporaryFile(dir=where, prefix="copy_contention_") as f:
+        os.ftruncate(f.fileno(), nbytes)
+        mapping = mmap.mmap(f.fileno(), nbytes)
+        host = torch.frombuffer(mapping, dtype=torch.float32)
+        if not host_register(host.data_ptr(), nbytes):
+            raise SystemExit(f"cudaHostRegister of {nbytes} bytes of {f.name} failed: see the log above")
+        address = host.data_ptr()
+        try:
+            yield host
+        finally:
+            torch.cuda.synchronize()
+            host_unregister(address)
+            del host
+            try:
+                mapping.close()
+            except BufferError:  # a tensor still views it: the GC unmaps it with the tensor
+                pass
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-gb", type=float, default=1.2, help="bytes copied a pass, in GB (the GPT's state)")
     p.add_argument("--count", type=int, default=48, help="kernels a launch")
     p.add_argument("--iterations", type=int, default=40, help="launches in one timed graph")
     p.add_argument("--repeats", type=int, default=5, help="measurements per kernel and background (median)")
+    p.add_argument("--host", choices=("pinned", "registered"), default="pinned",
+                   help="the host memory: torch's pinned memory, or a /dev/shm mapping registered as tier 0's slots")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         result: dict[str, Any] = {"skipped": "needs a CUDA device: the probe times a GPU's streams"}
         print(json.dumps(result))
         return result
-    device = torch.device("cuda")
     n = int(args.state_gb * 1e9) // 4
-    buffers = {"dev": torch.randn(n, device=device), "dev2": torch.empty(n, device=device),
-               "host": torch.empty(n, pin_memory=True)}
+    with host_buffer(args.host, n) as host:
+        result = measure(args, n, host)
+        del host  # before the mapping under it closes
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return result
+
+
+def measure(args: argparse.Namespace, n: int, host: torch.Tensor) -> dict[str, Any]:
+    device = torch.device("cuda")
+    buffers = {"dev": torch.randn(n, device=device), "dev2": torch.empty(n, device=device), "host": host}
     per = args.iterations * args.count
     launchers = kernels(device, args.count)  # kept: a graph reads their tensors, but does not hold them
     graphs = {}
@@ -124,9 +176,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         end.synchronize()
         return start.elapsed_time(end) * 1e3 / per
 
-    result = {"what": "per-kernel time on one stream beside copies on another (bench/copy_contention.py)",
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "alone_us": {}, "beside": {}}
+    result: dict[str, Any] = {
+        "what": "per-kernel time on one stream beside copies on another (bench/copy_contention.py)",
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "settings": {k: v for k, v in vars(args).items() if k != "out"}, "alone_us": {}, "beside": {}}
     for kind in BACKGROUNDS:
         for chunk in CHUNKS:
             key = f"{kind}_{chunk // MiB}MiB"
@@ -157,10 +210,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 entry[name] = {"us": round(beside, 2), "ratio": round(beside / base, 3), "copy_passes": passes}
             result["beside"][key] = entry
             print(key, json.dumps(entry), file=sys.stderr, flush=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
     return result
 
 
