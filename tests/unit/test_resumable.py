@@ -107,11 +107,14 @@ def test_a_restore_from_tier_0_without_a_copy_resumes_bitwise_through_the_saves_
     first = train(run, model, opt, 0, 5, settle=True)  # (under two CPU hogs steps 2-5 were once all skipped)
     run.close()
     run2, model2, opt2, _ = make(tmp_path / "cut", every=1, persist_every=100, tier0_dir=shm)
-    step = run2.restore()  # 5: each step_done waits for the snapshot before it, so none is skipped
-    assert step == 5 and run2.restored is not None and run2.restored.tier == "memory", step
-    rest = train(run2, model2, opt2, step, 8)  # the second save after it goes into the restored slot
-    assert first[:step] + rest == ref_losses
-    assert training_digest(model2, opt2) == training_digest(ref_model, ref_opt)
+    try:
+        step = run2.restore()  # 5: each step_done waits for the snapshot before it, so none is skipped
+        assert step == 5 and run2.restored is not None and run2.restored.tier == "memory", step
+        rest = train(run2, model2, opt2, step, 8)  # the second save after it goes into the restored slot
+        assert first[:step] + rest == ref_losses
+        assert training_digest(model2, opt2) == training_digest(ref_model, ref_opt)
+    finally:
+        run2.close()  # its tier-0 thread done before `shm` is removed (it wrote into a removed directory)
 
 
 def settled(run: Resumable) -> None:
@@ -378,6 +381,7 @@ def test_a_stuck_publication_is_waited_for_once_then_the_loop_goes_on_skipping_s
         assert run.checkpointer.newest_snapshot is not None and run.checkpointer.newest_snapshot.step == 8
     finally:
         gate.set()
+        run.close()  # its tier-0 thread done before `shm` is removed
 
 
 def test_a_persist_due_while_the_disk_is_still_writing_the_last_one_goes_to_tier_0_and_then_the_next_step(
