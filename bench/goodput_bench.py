@@ -94,6 +94,7 @@ from core.procfs import kill_tree  # noqa: E402
 
 if str(REPO / "bench") not in sys.path:  # for the forkserver's preload of goodput_worker too (Launcher)
     sys.path.insert(0, str(REPO / "bench"))
+from goodput_pool import SLOW_OVER  # noqa: E402
 from gpu_telemetry import GpuTelemetry  # noqa: E402
 
 WORKER = REPO / "bench" / "goodput_worker.py"
@@ -389,7 +390,7 @@ def device_split(split: dict[int, dict[str, float]], duration: dict[int, float])
     that grows in the slow steps is where they lose their time."""
     parts = sorted({name for v in split.values() for name in v})
     median = statistics.median(duration.values()) if duration else 0.0
-    slow = [s for s, d in duration.items() if d >= median + 0.003]
+    slow = [s for s, d in duration.items() if d >= median + SLOW_OVER]
     rest = [s for s in duration if s not in slow]
 
     def mean(steps: list[int], name: str) -> float | None:

@@ -32,7 +32,7 @@ from typing import Any
 
 TARGET = 0.99
 SLOW_OVER = 0.003
-"""A step this many seconds or more over its round's median step is slow (as bench/goodput_bench.py counts them)."""
+"""A step this many seconds or more over its round's median step is slow (also goodput_bench.py's `split_s`)."""
 
 
 def slow_steps(step_s: list[float]) -> tuple[int, float]:
