@@ -67,6 +67,7 @@ from ckpt.tiers import Tier
 from ckpt.tree import Flat
 from ckpt.writer import LocalWriter, PendingSave
 from core.deadline import Deadline
+from core.numbers import decimal
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class Checkpointer:
             raise ValueError(f"rank {rank} must be below world_size {world_size}")
         if local_world_size is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
-            local_world_size = int(env) if env and env.isdigit() else world_size
+            parsed = decimal(env or "")
+            local_world_size = world_size if parsed is None else parsed
         _check_index("local_world_size", local_world_size, minimum=1)
         if local_world_size > world_size:
             raise ValueError(f"local_world_size {local_world_size} must not exceed world_size {world_size}")

@@ -30,6 +30,7 @@ from ckpt.format import (
     get_str,
     loads_object,
 )
+from core.numbers import decimal
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -88,11 +89,12 @@ def parse_commit(data: bytes, *, path: Path, step: int) -> CommitMarker:
             raise corrupt(path, "key 'manifests' is not an object")
         manifests = {}
         for key, digest in raw.items():
-            if not (key.isdigit() and int(key) < world_size and str(int(key)) == key):
-                raise corrupt(path, f"manifests key {key!r} is not a rank below {world_size}")
+            rank = decimal(key)
+            if rank is None or rank >= world_size or str(rank) != key:
+                raise corrupt(path, f"manifests key {key[:40]!r} is not a rank below {world_size}")
             if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
                 raise corrupt(path, f"manifests entry of rank {key} is {digest!r}, not a sha256")
-            manifests[int(key)] = digest
+            manifests[rank] = digest
     return CommitMarker(
         found,
         world_size,

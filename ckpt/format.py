@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ckpt.errors import CheckpointCorruptError, CheckpointVersionError
 
@@ -24,14 +25,25 @@ reader says "upgrade" instead of "corrupt". Version 3 (sharded states, ckpt/shar
 that a rank can read and verify only the byte ranges it needs."""
 
 
+INT64_MAX = 2**63 - 1
+"""The largest int a record may hold: steps, sizes and offsets become torch or C integers of 64 bits."""
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf: the writer never writes one (dumps refuses it)
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
 
 
 def loads_object(data: bytes, *, path: Path, what: str) -> dict[str, Any]:
     """Parse strict JSON (no NaN/Infinity literals) that must be an object."""
     try:
-        obj = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        obj = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(
             f"{path}: {what} is not valid JSON ({exc}); the file is damaged: "
@@ -66,11 +78,25 @@ def check_format_version(obj: dict[str, Any], *, path: Path, newest: int = FORMA
     return version
 
 
-def get_int(obj: dict[str, Any], key: str, *, path: Path, minimum: int = 0) -> int:
+def get_int(obj: dict[str, Any], key: str, *, path: Path, minimum: int = 0, maximum: int = INT64_MAX) -> int:
     value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise corrupt(path, f"key {key!r} is {value!r}, expected an int >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise corrupt(path, f"key {key!r} is {_short(value)}, expected an int from {minimum} to {maximum}")
     return value
+
+
+def is_shape(value: Any) -> TypeGuard[list[int]]:
+    """Whether `value` is a tensor shape a record may hold: a list of ints >= 0 whose product fits in an int64
+    (torch.empty of a larger one raises a TypeError, not a refusal)."""
+    if not isinstance(value, list) or not all(type(d) is int and 0 <= d <= INT64_MAX for d in value):
+        return False
+    return 0 in value or math.prod(value) <= INT64_MAX
+
+
+def _short(value: Any) -> str:
+    """`value` for a message: a crafted one may be a number of thousands of digits."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def get_str(obj: dict[str, Any], key: str, *, path: Path) -> str:

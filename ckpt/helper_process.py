@@ -41,6 +41,7 @@ from ckpt.shared import put_file
 from ckpt.tier0 import SlotLock, snapshot_manifest
 from core.frames import recv_frame, send_frame
 from core.heap import freeze_now
+from core.numbers import decimal
 
 logger = logging.getLogger("ckpt.helper_process")
 
@@ -240,8 +241,8 @@ def env_count(name: str, default: int, *, minimum: int = 1) -> int:
     """$name when it is a whole number >= `minimum`, else `default`: the probes of bench/goodput_bench.py
     ($ELASTIC_HELPER_THREADS, $ELASTIC_HELPER_PERSIST_THREADS, $ELASTIC_HELPER_NICE) reach the helper through
     the agent's environment."""
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() and int(value) >= minimum else default
+    value = decimal(os.environ.get(name, ""))
+    return value if value is not None and value >= minimum else default
 
 
 def persist_threads(threads: int) -> int:

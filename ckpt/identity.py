@@ -215,9 +215,10 @@ class LockRecord:
     def parse(data: bytes) -> LockRecord | None:
         try:
             obj: Any = loads_object(data, path=Path(LOCK_FILE), what="lock record")
-            return LockRecord(
-                int(obj["pid"]), str(obj["host"]), str(obj["run_name"]), str(obj["job"]), str(obj["started"])
-            )
+            pid = obj["pid"]
+            if type(pid) is not int or not 0 < pid < 1 << 31:  # a pid is a C int (os.kill of a larger one overflows)
+                return None
+            return LockRecord(pid, str(obj["host"]), str(obj["run_name"]), str(obj["job"]), str(obj["started"]))
         except (CheckpointError, KeyError, TypeError, ValueError):
             return None
 

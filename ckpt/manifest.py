@@ -16,6 +16,7 @@ from typing import Any
 
 from ckpt.checksum import DIGEST_BYTES, READ_ALGORITHMS, Checksum
 from ckpt.format import (
+    INT64_MAX,
     MANIFEST_VERSION,
     check_format_version,
     corrupt,
@@ -24,12 +25,16 @@ from ckpt.format import (
     get_object,
     get_optional_strs,
     get_str,
+    is_shape,
     loads_object,
 )
 from ckpt.sharding import ShardInfo, parse_shard_info
 
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_MAX_CHUNK_BYTES = 1 << 40
+_MIN_CHUNK_BYTES = 1 << 12
+_MAX_CHUNK_BYTES = 1 << 30
+"""The chunk sizes a manifest may give (the writers use 64 KiB and 64 MiB): a reader holds one chunk, and
+verifies each with a digest of its own, so a crafted 1-byte or 1-TiB chunk would cost memory without bound."""
 
 
 @functools.cache
@@ -177,15 +182,13 @@ def parse_manifest(data: bytes, *, path: Path) -> Manifest:
         if not isinstance(entry, dict):
             raise corrupt(path, f"tensors entry {name!r} is not an object")
         file = entry.get("file")
-        if file not in files:
+        if not isinstance(file, str) or file not in files:
             raise corrupt(path, f"tensor {name!r} refers to file {file!r}, not listed in 'files'")
         shape = entry.get("shape")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not is_shape(shape):
             raise corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
         offset = entry.get("offset")
-        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0):
+        if offset is not None and not (type(offset) is int and 0 <= offset <= INT64_MAX):
             raise corrupt(path, f"tensor {name!r} has invalid offset {offset!r}")
         tensors[name] = TensorEntry(file, get_str(entry, "dtype", path=path), tuple(shape), offset)
 
@@ -244,9 +247,7 @@ def _parse_file_entry(name: str, entry: object, *, path: Path, version: int) -> 
             f"files entry {name!r} has checksum algorithm {algorithm!r}; this version knows "
             f"{', '.join(READ_ALGORITHMS)}",
         )
-    chunk_bytes = get_int(checksum, "chunk_bytes", path=path, minimum=1)
-    if chunk_bytes > _MAX_CHUNK_BYTES:
-        raise corrupt(path, f"files entry {name!r} has chunk_bytes {chunk_bytes}, over 1 TiB")
+    chunk_bytes = get_int(checksum, "chunk_bytes", path=path, minimum=_MIN_CHUNK_BYTES, maximum=_MAX_CHUNK_BYTES)
     digest = checksum.get("digest")
     if not isinstance(digest, str) or not _SHA256_RE.fullmatch(digest):
         raise corrupt(path, f"files entry {name!r} has invalid digest {digest!r}")

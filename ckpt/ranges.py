@@ -160,7 +160,8 @@ class VerifiedFile:
         """The last chunk of the previous read (index, verified bytes; b"" when it is in `_scratch`):
         a read that starts in it does not fetch or verify it again (consecutive reads of one file
         meet inside a chunk)."""
-        self._scratch = memoryview(bytearray(entry.chunk_bytes)) if isinstance(source, LocalRange) else memoryview(b"")
+        self._scratch = (memoryview(bytearray(min(entry.chunk_bytes, entry.bytes))) if isinstance(source, LocalRange)
+                         else memoryview(b""))  # one chunk, or the whole file where that is smaller
 
     @property
     def window(self) -> int:

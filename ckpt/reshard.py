@@ -158,10 +158,10 @@ def load_sharded(
     for name, entry in part.tensors.items():
         if name in part.shards:
             continue
-        assert entry.offset is not None  # parse_manifest: format 3 records offsets
-        dest = torch.empty(entry.shape, dtype=_dtype(entry.dtype, name, where))
+        offset = _stored_at(part, name, where)
+        dest = _empty(entry.shape, _dtype(entry.dtype, name, where), torch.device("cpu"), name, where)
         box = full_box(entry.shape)
-        copies.append(Copying(name, Piece(part.rank, box, entry.file, entry.offset), box, dest, box))
+        copies.append(Copying(name, Piece(part.rank, box, entry.file, offset), box, dest, box))
         tensors[name] = dest
     for name, info in part.shards.items():
         target = template.get(name)
@@ -176,8 +176,9 @@ def load_sharded(
         else:
             box = full_box(info.global_shape)
             device = torch.device("cpu")
-        dest = torch.empty(box.sizes, dtype=_dtype(info.dtype, name, where), device=device)
-        copies.extend(_covering(files, name, pieces[name], box, dest))
+        covering = _covering(files, name, pieces[name], box)  # before the allocation: a gap is named, not allocated
+        dest = _empty(box.sizes, _dtype(info.dtype, name, where), device, name, where)
+        copies.extend(Copying(name, piece, common, dest, box) for piece, common in covering)
         if dtensor is not None and isinstance(target, dtensor):
             tensors[name] = dtensor.from_local(
                 dest, target.device_mesh, target.placements, run_check=False, shape=target.shape,
@@ -210,6 +211,33 @@ class Copying:
     dest_box: Box
 
 
+def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device, name: str, where: str) -> torch.Tensor:
+    """The tensor a saved one is read into; one too large to allocate is an error naming it (its shape comes from
+    a manifest, which a damaged or crafted step may make anything), not a bare RuntimeError."""
+    try:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as exc:
+        raise CheckpointError(f"{where}: tensor {name!r} of shape {list(shape)} ({dtype}) cannot be allocated on "
+                              f"{device}: {exc}") from exc
+
+
+def _stored_at(manifest: Manifest, name: str, where: str) -> int:
+    """Where tensor `name`'s bytes begin in its file, checked to lie inside it (as `manifest` gives its size):
+    a rank reads by range, and allocates what it reads into before it reads a byte."""
+    entry = manifest.tensors[name]
+    problem = None
+    if entry.offset is None:
+        problem = "has no offset (a sharded step's tensors are read by range)"
+    else:
+        end = entry.offset + math.prod(entry.shape) * _dtype(entry.dtype, name, where).itemsize
+        if end > manifest.files[entry.file].bytes:
+            problem = f"ends at byte {end} of {entry.file!r}, which has {manifest.files[entry.file].bytes}"
+    if problem is not None:
+        raise corrupt(Path(where), f"rank {manifest.rank}'s tensor {name!r} {problem}")
+    assert entry.offset is not None
+    return entry.offset
+
+
 def _dtype(name: str, tensor: str, where: str) -> torch.dtype:
     dtype = DTYPES.get(name)
     if dtype is None:
@@ -234,9 +262,7 @@ def _pieces(files: StepFiles, part: Manifest, *, where: str) -> dict[str, list[P
                     f"tensor {name!r} is {info.dtype}{list(info.global_shape)} in rank {rank}'s manifest but "
                     f"{mine.dtype}{list(mine.global_shape)} in rank {part.rank}'s",
                 )
-            stored = manifest.tensors[name]
-            assert stored.offset is not None  # parse_manifest checks it for a piece
-            found[name].append(Piece(rank, info.piece, stored.file, stored.offset))
+            found[name].append(Piece(rank, info.piece, manifest.tensors[name].file, _stored_at(manifest, name, where)))
     for name, saved in found.items():
         for i, a in enumerate(saved):
             for b in saved[i + 1 :]:
@@ -258,14 +284,15 @@ def _pieces(files: StepFiles, part: Manifest, *, where: str) -> dict[str, list[P
     return found
 
 
-def _covering(files: StepFiles, name: str, saved: Sequence[Piece], box: Box, dest: torch.Tensor) -> list[Copying]:
-    """The copies that fill `box` of tensor `name`; ShardMissingError when the saved pieces leave a gap."""
+def _covering(files: StepFiles, name: str, saved: Sequence[Piece], box: Box) -> list[tuple[Piece, Box]]:
+    """The saved pieces that fill `box` of tensor `name`, each with its part of it; ShardMissingError when they
+    leave a gap."""
     copies = []
     for piece in saved:
         common = piece.box.intersect(box)
         if common is not None:
-            copies.append(Copying(name, piece, common, dest, box))
-    covered = sum(c.common.numel for c in copies)
+            copies.append((piece, common))
+    covered = sum(common.numel for _, common in copies)
     if covered != box.numel:
         details = [f"rank {r}: {'; '.join(why)}" for r, why in sorted(files.unreadable.items())[:4]]
         absent = files.world_size() - len(files.ranks())

@@ -24,9 +24,11 @@ The verified reading of one rank directory is ckpt/reader.py's.
 from __future__ import annotations
 
 import logging
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ckpt.commit import CommitMarker
@@ -34,7 +36,7 @@ from ckpt.config import CheckpointConfig
 from ckpt.errors import CheckpointError, CheckpointVersionError, SharedStorageError
 from ckpt.identity import RunIdentity
 from ckpt.init_source import open_source
-from ckpt.layout import MANIFEST_FILE
+from ckpt.layout import MANIFEST_FILE, list_dir
 from ckpt.local import LocalTier
 from ckpt.reader import load_rank_dir
 from ckpt.reshard import StepFiles, load_sharded
@@ -305,7 +307,7 @@ class Restorer:
             )
             if copy.tier.name == "memory" and detach:
                 state = copy_out(state)  # the slot is rewritten by later snapshots
-            nbytes = sum(p.stat().st_size for p in rank_dir.iterdir() if p.name != MANIFEST_FILE)  # all verified
+            nbytes = _bytes_read(rank_dir)
         return Restored(
             step=step,
             state=state,
@@ -325,3 +327,17 @@ class Restorer:
         reason = f"{tier.name} copy of rank {rank} is unusable: {exc}"
         logger.warning("skipping checkpoint step %d: %s", step, reason)
         emit("ckpt_skipped", step=step, reason=reason, tier=tier.name, source_rank=rank)
+
+
+def _bytes_read(rank_dir: Path) -> int:
+    """The bytes of the rank directory's regular files but the manifest (what a restore read, for its metrics).
+    Not stat() of every entry: a stray dangling link, or a file removed meanwhile, would fail a verified load."""
+    total = 0
+    for entry in list_dir(rank_dir):
+        try:
+            st = entry.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and entry.name != MANIFEST_FILE:
+            total += st.st_size
+    return total

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ckpt.format import corrupt, loads_object
+from ckpt.format import corrupt, is_shape, loads_object
 
 MAX_HEADER_BYTES = 100_000_000
 """Largest header accepted (the limit of the safetensors library itself)."""
@@ -265,11 +265,9 @@ def _parse_entry(path: Path, name: str, entry: object) -> TensorInfo:
     dtype = entry.get("dtype")
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise corrupt(path, f"tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if not is_shape(shape):
         raise corrupt(path, f"tensor {name!r} has invalid shape {shape!r}")
     if (
         not isinstance(offsets, list)

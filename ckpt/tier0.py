@@ -61,6 +61,7 @@ from ckpt.sharding import ShardInfo
 from ckpt.snapshot import host_register, host_unregister
 from ckpt.tiers import TierName
 from core import premap
+from core.numbers import decimal
 
 logger = logging.getLogger(__name__)
 
@@ -273,8 +274,8 @@ class HostSlots:
         # Slots a predecessor with more of them left: never written again here, so never trusted again (a
         # restore of an older step would not drop them as a future it went back from).
         for extra in list_dir(root / rank_dir_name(rank)):
-            number = extra.name.removeprefix("slot_")
-            if extra.name.startswith("slot_") and number.isdigit() and int(number) >= count:
+            number = decimal(extra.name.removeprefix("slot_"))
+            if extra.name.startswith("slot_") and number is not None and number >= count:
                 shutil.rmtree(extra, ignore_errors=True)
         premap.drop_except(root / rank_dir_name(rank))  # a former spare's mappings of other ranks' slots
         self._busy: set[int] = set()

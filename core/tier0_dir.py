@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from core import procfs
+from core.numbers import decimal
 
 ENV = "ELASTIC_TIER0_DIR"
 """The variable that names the node's tier-0 directory for its workers."""
@@ -34,8 +35,8 @@ def make_node_dir(root: Path | None = None) -> str:
     """A fresh tier-0 directory for this agent (0700), after removing those of dead agents."""
     base = root if root is not None else shm_root()
     for old in base.glob(f"{_PREFIX}*-*"):
-        pid = old.name[len(_PREFIX):].split("-")[0]
-        if pid.isdigit() and not procfs.alive(int(pid)):
+        pid = decimal(old.name[len(_PREFIX):].split("-")[0])
+        if pid is not None and not procfs.alive(pid):
             shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
 

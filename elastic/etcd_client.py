@@ -26,6 +26,7 @@ import etcd3.watch
 import grpc
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
+from core.numbers import decimal
 from elastic.credentials import protect, read_secret_file, redact
 from elastic.errors import EtcdUnavailableError
 
@@ -73,9 +74,10 @@ def parse_endpoints(spec: str) -> tuple[tuple[str, int, bool], ...]:
                 item = item[len(scheme):]
         item = item.rstrip("/")
         host, sep, port_s = item.rpartition(":")
-        if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        port = decimal(port_s)
+        if not sep or not host or port is None or not 0 < port < 65536:
             raise ValueError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
-        result.append((host.strip("[]"), int(port_s), secure))
+        result.append((host.strip("[]"), port, secure))
     if not result:
         raise ValueError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
     return tuple(result)

@@ -25,6 +25,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from core.numbers import decimal
 from elastic.spare import Spare, stop_all
 
 ENV_WARM_SPARE = "ELASTIC_WARM_SPARE"
@@ -80,14 +81,14 @@ def planned_workers(argv: Sequence[str], environ: dict[str, str] | os._Environ[s
     if backend is not None and backend != _BACKEND:
         return 0
     nnodes = flags.get("--nnodes", "1")
-    fixed_multi_node = ":" not in nnodes and nnodes.isdigit() and int(nnodes) > 1
+    fixed_multi_node = (decimal(nnodes) or 0) > 1
     if (backend is None and "--rdzv-endpoint" not in flags and "--standalone" not in flags
             and (fixed_multi_node or "--master-port" in flags)):
         return 0  # torchrun's static rendezvous: restarts only
-    nproc = flags.get("--nproc-per-node", "1")
-    if not nproc.isdigit() or not 0 < int(nproc) <= _MAX_WORKERS:
+    nproc = decimal(flags.get("--nproc-per-node", "1"))
+    if nproc is None or not 0 < nproc <= _MAX_WORKERS:
         return 0  # "auto", "gpu", ...: the agent works it out with torch
-    return int(nproc)
+    return nproc
 
 
 def begin(argv: Sequence[str]) -> None:

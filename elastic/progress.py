@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from core import procfs
+from core.numbers import decimal
 from core.tier0_dir import shm_root
 
 ENV_DIR = "ELASTIC_PROGRESS_DIR"
@@ -77,8 +78,8 @@ def make_dir(root: Path | None = None) -> str:
     # checkpoints' disk those can wait behind a tier-1 fsync (seen: 1.6 s behind a 1 GiB write).
     tmp = root if root is not None else shm_root()
     for old in tmp.glob("elastic-progress-*-*"):
-        pid = old.name.split("-")[2]
-        if pid.isdigit() and not procfs.alive(int(pid)):
+        pid = decimal(old.name.split("-")[2])
+        if pid is not None and not procfs.alive(pid):
             shutil.rmtree(old, ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"elastic-progress-{os.getpid()}-", dir=tmp)
 

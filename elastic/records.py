@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from core.numbers import decimal
 from elastic.errors import EtcdRecordError
 from elastic.keys import RunKeys
 from elastic.round import RoundState
@@ -132,7 +133,8 @@ def parse_node(key: str, node_id: str, value: bytes, lease_id: int, mod_revision
 
 
 def parse_store(key: str, suffix: str, value: bytes, mod_revision: int = 0) -> StoreRecord:
-    if not suffix.isdigit():
+    generation = decimal(suffix)
+    if generation is None:
         raise EtcdRecordError(key, "not a round store key: the part after rdzv/store/ must be a round number",
                               mod_revision=mod_revision)
     doc = _object(key, value, "a round store address", mod_revision)
@@ -140,7 +142,7 @@ def parse_store(key: str, suffix: str, value: bytes, mod_revision: int = 0) -> S
     if not isinstance(addr, str) or not addr or type(port) is not int or not 0 < port < 65536:
         raise EtcdRecordError(key, f"not a round store address: expected {{\"addr\": host, \"port\": 1..65535}}, "
                                    f"got {_excerpt(value)}", mod_revision=mod_revision)
-    return StoreRecord(generation=int(suffix), addr=addr, port=port)
+    return StoreRecord(generation=generation, addr=addr, port=port)
 
 
 def _object(key: str, value: bytes, what: str, mod_revision: int) -> dict[str, object]:
@@ -159,7 +161,8 @@ def _is_host_port(value: object) -> bool:
     if not isinstance(value, str):
         return False
     host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    number = decimal(port)
+    return bool(sep and host and number is not None and 0 < number < 65536)
 
 
 def _excerpt(value: bytes, limit: int = 80) -> str:

@@ -28,6 +28,7 @@ from typing import IO, Any, NoReturn
 
 from core import premap
 from core.heap import imports_without_gc
+from core.numbers import decimal
 from core.tier0_dir import ENV as TIER0_ENV
 from elastic.progress import ENV_DIR as ENV_PROGRESS_DIR
 
@@ -249,11 +250,11 @@ def become(order: dict[str, Any], set_by_imports: dict[str, str]) -> None:
 def _set_threads_from_env() -> None:
     """torch's intra-op threads as OMP_NUM_THREADS says (torchrun sets 1 for several workers a node): torch read the
     variable when it loaded, before the worker's environment was known (in the launcher, for a forked spare)."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    if value.isdigit() and int(value) > 0:
+    value = decimal(os.environ.get("OMP_NUM_THREADS", ""))
+    if value:
         import torch
 
-        torch.set_num_threads(int(value))
+        torch.set_num_threads(value)
 
 
 def _forked_child(control_fd: int, write_end: int, pipes: Sequence[IO[bytes]], env: dict[str, str]) -> NoReturn:

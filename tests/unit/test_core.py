@@ -121,3 +121,11 @@ def test_bad_fault_config_names_the_variable(monkeypatch):
     monkeypatch.setenv(faults.FAULTS_ENV, '[{"point": "lunch", "step": 1}]')
     with pytest.raises(ValueError, match="ELASTIC_FAULTS: point 'lunch'"):
         faults.fire("step", 1)
+
+
+def test_decimal_takes_ascii_digits_that_fit_an_int64_only():
+    from core.numbers import decimal
+
+    assert [decimal(t) for t in ("0", "7", "007", "9" * 18)] == [0, 7, 7, 10**18 - 1]
+    # str.isdigit() is true of the Unicode digits and of any length; int() then raises or overflows a pid
+    assert [decimal(t) for t in ("\u00b2", "\u0663", "1" * 19, "1" * 5000, "", "-1", "+1", " 1", "1_0")] == [None] * 9

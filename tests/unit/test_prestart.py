@@ -29,6 +29,7 @@ ON = {ENV_WARM_SPARE: "1"}
     (["--master-port", "29500", "train.py"], ON, 0),
     (["--nproc-per-node", "gpu", "train.py"], ON, 0),  # counted by torch, after the imports
     (["--nproc-per-node", "0", "train.py"], ON, 0),
+    (["--nproc-per-node", "\u00b2", "train.py"], ON, 0),  # isdigit() is true of it: int() raised in the launcher
     (["--no-python", "/bin/true"], ON, 0),
     (["--help"], ON, 0),
     (["train.py"], {**ON, ENV_PRESTART: "0"}, 0),

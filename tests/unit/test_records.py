@@ -64,6 +64,8 @@ def test_malformed_state_is_reported_naming_the_key_not_raised() -> None:
         (KEYS.node("x"), {"node_id": "x", "addr": 3}, 5),
         (KEYS.node("x"), {"node_id": "x"}, 0),  # no lease: no live agent wrote it
         (KEYS.stores + "abc", {"addr": "h", "port": 1}, 5),
+        (KEYS.stores + "\u00b2", {"addr": "h", "port": 1}, 5),  # isdigit() is true of it; int() refused it
+        (KEYS.node("x"), {"node_id": "x", "beacon": "h:\u0663"}, 5),  # an Arabic-Indic three
         (KEYS.store(3), "junk", 5),
         (KEYS.store(3), {"addr": "h", "port": "1"}, 5),
         (KEYS.store(3), {"addr": "h", "port": 70000}, 5),
