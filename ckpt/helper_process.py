@@ -37,6 +37,7 @@ from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import Manifest, parse_manifest
 from ckpt.persist import commit_if_complete, persist_rank
 from ckpt.replica import ReplicaReceiver, ReplicaSender
+from ckpt.safe_io import check_regular, open_regular
 from ckpt.shared import put_file
 from ckpt.tier0 import SlotLock, snapshot_manifest
 from core.frames import recv_frame, send_frame
@@ -54,14 +55,16 @@ class SlotImages:
         self._lock = threading.Lock()
 
     def view(self, path: Path, size: int) -> memoryview:
-        st = os.stat(path)
+        if size <= 0:
+            raise ValueError(f"a snapshot of {size} bytes in {path}")
+        st = check_regular(path)  # a FIFO's open would block, here with the lock held: every worker's map waits
         if st.st_size < size:
             raise ValueError(f"{path} holds {st.st_size} bytes, fewer than the snapshot's {size}")
         key = (st.st_ino, size)
         with self._lock:
             found = self._maps.get(str(path))
             if found is None or found[0] != key:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_regular(path)
                 try:
                     # Private and writable, though never written: the checksum's readers (numpy, torch)
                     # copy read-only buffers first (50x slower). Unwritten private pages are the file's

@@ -14,10 +14,13 @@ scratch of an unfinished (or crashed) write.
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -59,10 +62,14 @@ def parse_rank_dir_name(name: str) -> int | None:
 
 
 def list_dir(path: Path) -> list[Path]:
-    """The entries of `path`, sorted; none when it is missing or not a directory."""
+    """The entries of `path`, sorted; none when it is missing, not a directory or unreadable (a symlink loop, no
+    permission: logged), so that one bad entry of a tier is skipped, not the whole restore."""
     try:
         return sorted(path.iterdir())
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        logger.warning("cannot list %s (%s); its entries are skipped", path, exc)
         return []
 
 

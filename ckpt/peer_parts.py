@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckpt.errors import CheckpointNotFoundError
+from ckpt.format import corrupt
 from ckpt.layout import MANIFEST_FILE, STATE_FILE
 from ckpt.manifest import parse_manifest
 from ckpt.replica import keep_replica
@@ -52,7 +53,9 @@ def open_part(tiers: Sequence[Tier], step: int, rank: int) -> Iterator[Part]:
         expected = marker.manifests.get(rank) if marker.manifests else None
         with tier.open_rank(step, rank, expected_manifest_sha256=expected) as path:
             manifest = (path / MANIFEST_FILE).read_bytes()
-            entry = parse_manifest(manifest, path=path / MANIFEST_FILE).files[STATE_FILE]
+            entry = parse_manifest(manifest, path=path / MANIFEST_FILE).files.get(STATE_FILE)
+            if entry is None:
+                raise corrupt(path / MANIFEST_FILE, f"it lists no {STATE_FILE}")
             yield Part(manifest, path / STATE_FILE, entry.bytes)
             return
     raise CheckpointNotFoundError(f"no tier of this node holds rank {rank}'s part of step {step}")

@@ -34,6 +34,7 @@ the socket, never through a shared path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import mmap
@@ -53,9 +54,11 @@ from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, rank_dir_name
 from ckpt.manifest import parse_manifest
+from ckpt.safe_io import open_own_file
 from ckpt.tier0 import PEERS_DIR, SLOTS, SlotLock
+from core.deadline import Deadline
 from core.events import emit
-from core.frames import recv_frame, send_frame
+from core.frames import check_before, recv_frame, send_frame
 from core.replica_targets import read_targets
 
 logger = logging.getLogger(__name__)
@@ -63,17 +66,25 @@ logger = logging.getLogger(__name__)
 CONNECT_S = 5.0
 IO_TIMEOUT_S = 60.0
 """Deadline of each socket operation of a push (a peer that stops reading)."""
+MIN_RATE = 10e6
+"""Bytes a second below which a push is given up: its whole deadline is IO_TIMEOUT_S + size / MIN_RATE (a peer
+that sends a byte now and then would otherwise hold the receiver, or the sender's one thread, for ever)."""
+
+
+def push_deadline(size: int, timeout: float | None = None) -> Deadline:
+    return Deadline.after((IO_TIMEOUT_S if timeout is None else timeout) + size / MIN_RATE)
 _CHUNK = 8 << 20
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-class ReplicaError(Exception):
-    """A push was refused or did not complete."""
+class ReplicaError(CheckpointError):
+    """A push (or a part sent over the process group) was refused or did not complete."""
 
 
 def node_dir_name(node: str) -> str:
-    """A directory name for node id `node` (node ids may hold ':' or '/')."""
-    safe = _SAFE.sub("_", node)[:100] or "_"
+    """A directory name for node id `node` (node ids may hold ':' or '/'); never "." or ".." (a push naming
+    node ".." wrote into this node's own tier-0 slots) nor hidden."""
+    safe = _SAFE.sub("_", node)[:100].lstrip(".") or "_"
     return safe if safe == node else f"{safe}-{hashlib.sha256(node.encode()).hexdigest()[:8]}"
 
 
@@ -160,6 +171,8 @@ class ReplicaSender:
             sent: list[dict[str, Any]] = []
             try:
                 sent = self._send_all(item)
+            except Exception:  # noqa: BLE001 - a thread boundary: this replica is lost, the thread serves the next
+                logger.exception("sending rank %d's replica of step %d failed", item.rank, item.step)
             finally:
                 with self._cond:
                     self._busy.discard(rank)
@@ -195,12 +208,14 @@ class ReplicaSender:
 def push(addr: str, *, node: str, rank: int, step: int, manifest: bytes, data: memoryview,
          timeout: float = IO_TIMEOUT_S) -> None:
     """Send one snapshot (its file image `data` and `manifest`) to the replica listener at `addr`."""
+    deadline = push_deadline(len(data), timeout)
     with socket.create_connection(_split_addr(addr), timeout=CONNECT_S) as sock:
         sock.settimeout(timeout)
         send_frame(sock, {"op": "replica", "node": node, "rank": rank, "step": step, "size": len(data)}, manifest)
         for offset in range(0, len(data), _CHUNK):
+            check_before(deadline, sock, f"a reply, {len(data) - offset} bytes still to send")
             sock.sendall(data[offset: offset + _CHUNK])
-        reply, _ = recv_frame(sock)
+        reply, _ = recv_frame(sock, deadline)
     if not reply.get("ok"):
         raise ReplicaError(str(reply.get("error", "refused")))
 
@@ -231,14 +246,14 @@ class ReplicaReceiver:
         with conn:
             conn.settimeout(IO_TIMEOUT_S)
             try:
-                header, body = recv_frame(conn)
-            except (OSError, ValueError, ConnectionError):
+                header, body = recv_frame(conn, Deadline.after(IO_TIMEOUT_S))
+            except (OSError, ValueError):
                 return
             try:
                 self.receive(conn, header, body)
                 reply: dict[str, Any] = {"ok": True}
-            except (ReplicaError, CheckpointError, OSError, ValueError, KeyError) as exc:
-                logger.warning("refused a replica from %s (node %s, rank %s, step %s): %s", peer,
+            except (ReplicaError, CheckpointError, OSError, ValueError) as exc:
+                logger.warning("refused a replica from %s (node %.100s, rank %.20s, step %.20s): %s", peer,
                                header.get("node"), header.get("rank"), header.get("step"), exc)
                 reply = {"ok": False, "error": str(exc)}
             try:
@@ -248,13 +263,20 @@ class ReplicaReceiver:
 
     def receive(self, conn: socket.socket, header: dict[str, Any], body: bytes) -> Path:
         if header.get("op") != "replica":
-            raise ReplicaError(f"unknown request {header.get('op')!r}")
-        node, rank, step, size = str(header["node"]), int(header["rank"]), int(header["step"]), int(header["size"])
-        if not node or rank < 0 or size <= 0:
-            raise ReplicaError(f"a push without a node, rank or size: {header}")
-        with self._lock(node, rank):
+            raise ReplicaError(f"unknown request {str(header.get('op'))[:40]!r}")
+        node, rank, step, size = (header.get(k) for k in ("node", "rank", "step", "size"))
+        if not (isinstance(node, str) and 0 < len(node) <= 1024 and type(rank) is int and 0 <= rank < 1 << 31
+                and type(step) is int and 0 <= step < 1 << 63 and type(size) is int and 0 < size < 1 << 48):
+            raise ReplicaError(f"a push without a valid node, rank, step or size: {str(header)[:200]}")
+        deadline = push_deadline(size)
+        lock = self._lock(node, rank)
+        if not lock.acquire(timeout=deadline.capped(IO_TIMEOUT_S)):
+            raise ReplicaError(f"another push of node {node[:100]!r} rank {rank} is still being received")
+        try:
             slot = keep_replica(self.tier0, node=node, rank=rank, step=step, size=size, manifest=body,
-                                fill=lambda view: _recv_into(conn, view, size), pool=self.pool)
+                                fill=lambda view: _recv_into(conn, view, size, deadline), pool=self.pool)
+        finally:
+            lock.release()
         self.received += 1
         return slot
 
@@ -277,15 +299,21 @@ def keep_replica(tier0: Path, *, node: str, rank: int, step: int, size: int, man
     slot = _older_slot(tier0, node, rank)
     (slot / MANIFEST_FILE).unlink(missing_ok=True)
     slot.mkdir(parents=True, exist_ok=True)
-    image = _map_file(slot / STATE_FILE, size)
     try:
-        with memoryview(image) as view:
-            fill(view)
-            checksum = digest_parts([view], algorithm=entry.algorithm, chunk_bytes=entry.chunk_bytes, pool=pool)
-    finally:
-        image.close()
-    if checksum.digest != entry.digest:
-        raise ReplicaError(f"the bytes received do not match the manifest's {entry.algorithm} checksum")
+        image = _map_file(slot / STATE_FILE, size)
+        try:
+            with memoryview(image) as view:
+                fill(view)
+                checksum = digest_parts([view], algorithm=entry.algorithm, chunk_bytes=entry.chunk_bytes,
+                                        pool=pool)
+        finally:
+            image.close()
+        if checksum.digest != entry.digest:
+            raise ReplicaError(f"the bytes received do not match the manifest's {entry.algorithm} checksum")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            (slot / STATE_FILE).unlink(missing_ok=True)  # a push that failed holds no host memory
+        raise
     write_atomic(slot / MANIFEST_FILE, manifest)
     return slot
 
@@ -302,9 +330,10 @@ def _older_slot(tier0: Path, node: str, rank: int) -> Path:
     return peer_slot_dir(tier0, node, rank, index)
 
 
-def _recv_into(conn: socket.socket, view: memoryview, size: int) -> None:
+def _recv_into(conn: socket.socket, view: memoryview, size: int, deadline: Deadline) -> None:
     got = 0
     while got < size:
+        check_before(deadline, conn, f"{size - got} of the push's {size} bytes")
         n = conn.recv_into(view[got:], min(_CHUNK, size - got))
         if n == 0:
             raise ReplicaError(f"the connection closed after {got} of {size} bytes")
@@ -312,7 +341,7 @@ def _recv_into(conn: socket.socket, view: memoryview, size: int) -> None:
 
 
 def _map_file(path: Path, size: int) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = open_own_file(path)
     try:
         os.ftruncate(fd, size)
         try:

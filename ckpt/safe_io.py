@@ -11,6 +11,7 @@ read bounded in size and in time.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
@@ -63,6 +64,20 @@ def open_regular(path: Path) -> int:
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def open_own_file(path: Path) -> int:
+    """A read-write descriptor of the regular file `path` this process writes (a tier-0 slot's, a replica's),
+    created if missing. What someone left in its place is removed first: a symlink is not written through
+    (to a file outside tier 0) and a FIFO is not opened (it has no pages to map)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)  # a directory raises here: refused, not written into
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced again between the two calls
+        os.close(fd)
+        raise corrupt(path, "it is not a regular file")
     return fd
 
 

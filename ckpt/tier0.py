@@ -56,7 +56,7 @@ from ckpt.layout import MANIFEST_FILE, STATE_FILE, list_dir, parse_rank_dir_name
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, parse_manifest, resolve_file
 from ckpt.ranges import LocalRange
 from ckpt.reader import read_manifest
-from ckpt.safe_io import read_regular
+from ckpt.safe_io import open_own_file, read_regular
 from ckpt.sharding import ShardInfo
 from ckpt.snapshot import host_register, host_unregister
 from ckpt.tiers import TierName
@@ -102,7 +102,11 @@ class HostSlot:
     def invalidate(self) -> None:
         """Remove the manifest: from now on readers see no snapshot here."""
         self.step = None
-        self.manifest_path.unlink(missing_ok=True)
+        try:
+            self.manifest_path.unlink(missing_ok=True)
+        except NotADirectoryError:  # a file in place of the slot's directory (left it stuck busy): made anew
+            self.close()
+            self.path.unlink()
 
     def buffer(self, prefix: bytes, data_bytes: int, *, pin: bool, room: int) -> torch.Tensor:
         """The slot's data region (uint8) for a file of `prefix` + `data_bytes`, its header written.
@@ -119,7 +123,7 @@ class HostSlot:
     def _remap(self, size: int, *, pin: bool, room: int) -> None:
         self.close()
         self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.data_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_own_file(self.data_path)
         try:
             os.ftruncate(fd, size)
             try:

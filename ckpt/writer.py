@@ -567,8 +567,12 @@ class LocalWriter:
                         f"the node's checkpoint helper did not finish step {step} in time and still writes it "
                         f"({exc}); this save is counted as failed, the next one goes on") from exc
             return None
-        return WrittenRank(Path(reply["path"]), int(reply["nbytes"]), str(reply["manifest_sha256"])), \
-            bool(reply["committed"])
+        try:
+            return WrittenRank(Path(reply["path"]), int(reply["nbytes"]), str(reply["manifest_sha256"])), \
+                bool(reply["committed"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointWriteError(f"the node's checkpoint helper's reply to the write of step {step} lacks "
+                                       f"{exc} ({str(reply)[:200]}); this save is counted as failed") from exc
 
     def _template(self, entries: dict[str, TensorEntry], shards: dict[str, ShardInfo],
                   chunk_bytes: int) -> tuple[int, bytes]:

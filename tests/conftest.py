@@ -12,6 +12,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,3 +125,12 @@ def procs() -> Iterator[Procs]:
         yield p
     finally:
         p.cleanup()
+
+
+def join_or_kill(processes: list[Any], timeout: float = 30) -> None:
+    """Wait for multiprocessing `processes` to end; kill those still running after `timeout` s."""
+    for p in processes:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join(10)

@@ -116,28 +116,37 @@ def _send(checkpointer: Checkpointer, me: int, step: int, send: Send) -> int:
     device = collective_device()
     with ExitStack() as stack:
         part: Part | None = None
+        source: mmap.mmap | None = None
         if me == send.holder:
-            try:
+            try:  # opened and mapped whole before the header goes out: past it, the receivers wait for every chunk
                 part = stack.enter_context(checkpointer.open_part(step, send.part))
-            except (CheckpointError, OSError) as exc:
+                source = stack.enter_context(_mapped(part.state, part.nbytes))
+            except (CheckpointError, OSError, ValueError) as exc:  # ValueError: a file shorter than its manifest
                 log.warning("rank %d: cannot send part %d of step %d: %s", me, send.part, step, exc)
+                part = None
         header = torch.tensor([len(part.manifest), part.nbytes] if part is not None else [-1, -1], dtype=torch.int64)
         manifest_len, size = (int(v) for v in _broadcast(header, send.holder, device).tolist())
         if manifest_len < 0:
             return 0  # the holder could not open it: the agreement will not find the step
         sent = _bytes(part.manifest) if part is not None else torch.empty(manifest_len, dtype=torch.uint8)
         manifest = _broadcast(sent, send.holder, device).numpy().tobytes()
-        source = stack.enter_context(_mapped(part.state, size)) if part is not None else None
         if me not in send.receivers:
             _chunks(send.holder, size, device, source, None)
             return 0
+        filled = False
+
+        def fill(view: memoryview) -> None:
+            nonlocal filled
+            filled = True
+            _chunks(send.holder, size, device, None, view)
+
         try:
-            checkpointer.keep_part(step, send.part, manifest=manifest, size=size,
-                                   fill=lambda view: _chunks(send.holder, size, device, None, view))
+            checkpointer.keep_part(step, send.part, manifest=manifest, size=size, fill=fill)
             return 1
         except (CheckpointError, OSError, ValueError) as exc:
-            # The fill ran every broadcast before any check could fail: the group stays in step; this rank will
-            # not find the step, and the agreement goes on without it.
+            if not filled:  # refused before the data came (its manifest, no room): its chunks still go by
+                _chunks(send.holder, size, device, None, None)
+            # The group stays in step; this rank will not find the step, and the agreement goes on without it.
             log.warning("rank %d: part %d of step %d sent by rank %d not kept: %s", me, send.part, step,
                         send.holder, exc)
             return 0

@@ -10,6 +10,8 @@ import os
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ from ckpt import CheckpointConfig, Checkpointer, SharedConfig
 from ckpt.checksum import CHUNK_BYTES, Checksum, digest_parts, sum64_checksum
 from ckpt.helper import HelperClient, socket_path
 from ckpt.helper_process import NICE
+from ckpt.layout import STATE_FILE
 from ckpt.snapshot import HostSnapshot
 from ckpt.tier0 import SlotLock
 from tests import s3_fixtures
@@ -156,6 +159,43 @@ def test_the_helper_publishes_snapshots_and_a_restore_reads_them_bitwise(
     ck.close()
     assert manifest_steps(shm) == [3, 4]
     assert restored(tmp_path, shm) == (4, "memory")
+
+
+def test_a_bad_request_is_answered_with_an_error_and_the_helper_serves_on(
+    tmp_path: Path, shm: Path, helpers: list[HelperProcess]
+) -> None:
+    from core.frames import recv_frame, send_frame
+
+    helpers.append(HelperProcess(shm, tmp_path / "helper.log"))
+    fifo = shm / "rank_00005" / "slot_0"
+    fifo.mkdir(parents=True)
+    os.mkfifo(fifo / STATE_FILE)
+
+    def call(header: dict[str, object], raw: bytes | None = None) -> dict[str, object] | None:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(20)
+            sock.connect(str(helpers[0].socket))
+            if raw is not None:
+                sock.sendall(raw)
+            else:
+                send_frame(sock, header)
+            try:
+                return recv_frame(sock)[0]
+            except OSError:
+                return None  # the helper closed the connection: fine, it is not the one waiting
+
+    # A FIFO in place of a slot's data file: its open blocked with the mappings' lock held, and every worker's
+    # map and publish after it waited on that lock for good.
+    for size in (0, 100):
+        reply = call({"op": "map", "path": str(fifo), "size": size})
+        assert reply is not None and reply["ok"] is False, reply
+    nested = b"[" * 100_000 + b"]" * 100_000  # its thread died of RecursionError
+    assert call({}, struct.pack("!I", len(nested)) + nested + struct.pack("!I", 0)) is None
+    ck = make(tmp_path, shm, helper_timeout=20)
+    for step in (1, 2):
+        snapshot(ck, step)
+    assert published(ck) == 2
+    ck.close()
 
 
 def test_a_dead_helper_leaves_the_work_to_the_worker_and_a_new_one_takes_it_back(

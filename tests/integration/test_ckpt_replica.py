@@ -195,6 +195,68 @@ def test_a_torn_damaged_or_mismatched_push_is_refused_and_the_previous_replica_s
     assert found is not None and found.step == 4 and torch.equal(found.state["w"], state(4)["w"])
 
 
+def raw_push(addr: str, header_json: bytes, manifest: bytes = b"", data: bytes = b"", *,
+             drip: float = 0.0) -> tuple[dict[str, object], int]:
+    """A push built by hand (`header_json` as sent), its data sent at once then the sending side closed, or a
+    byte every `drip` s until the receiver replies. The reply, and how many bytes of `data` went out."""
+    import select
+    import struct
+
+    from core.frames import recv_frame
+
+    host, port = addr.split(":")
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(struct.pack("!I", len(header_json)) + header_json + struct.pack("!I", len(manifest)) + manifest)
+        if not drip:
+            sock.sendall(data)
+            sent = len(data)
+            sock.shutdown(socket.SHUT_WR)
+        while drip and sent < len(data) and not select.select([sock], [], [], drip)[0]:
+            sock.sendall(data[sent:sent + 1])
+            sent += 1
+        reply, _ = recv_frame(sock)
+    return reply, sent
+
+
+def test_a_crafted_push_is_refused_never_touches_this_nodes_own_slots_and_holds_no_memory(
+        nodes: tuple[Path, Path], receiver: tuple[Path, str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckpt.replica
+
+    a, _ = nodes
+    b, addr = receiver
+    snapshot_of(b, tmp_path, 3)  # node b's own newest snapshot
+    own = {p: p.read_bytes() for p in b.glob("rank_00000/slot_*/*")}
+    image, manifest = snapshot_of(a, tmp_path, 4)
+
+    # Node "..": its replica went to <tier0>/peers/../rank_00000, node b's own slots (its worker then died of SIGBUS).
+    push(addr, node="..", rank=0, step=4, manifest=manifest, data=memoryview(image))
+    assert {p: p.read_bytes() for p in b.glob("rank_00000/slot_*/*")} == own
+    found = restore_on(b, tmp_path)
+    assert found is not None and found.step == 4 and found.tier == "memory"
+
+    # Header fields of the wrong kind: refused with a reply (the receiving thread raised TypeError/OverflowError).
+    for fields in (b'"rank":[0],"step":4,"size":9', b'"rank":0,"step":4,"size":null',
+                   b'"rank":1e400,"step":4,"size":9'):
+        reply, _ = raw_push(addr, b'{"op":"replica","node":"x",' + fields + b"}", manifest)
+        assert reply["ok"] is False and "valid node, rank, step or size" in str(reply["error"]), reply
+
+    # A push that stops midway, and one that drips (a byte now and then, each read within its timeout): given up
+    # by the push's deadline, and neither leaves its data in tmpfs.
+    monkeypatch.setattr(ckpt.replica, "IO_TIMEOUT_S", 1.0)
+    header = b'{"op":"replica","node":"x","rank":0,"step":4,"size":%d}' % len(image)
+    assert "closed after" in str(raw_push(addr, header, manifest, image[:100])[0]["error"])
+    reply, sent = raw_push(addr, header, manifest, image[:300], drip=0.1)  # 30 s of bytes, each within 1 s
+    assert reply["ok"] is False and sent < 300, (reply, sent)
+    left = [p for p in (b / PEERS_DIR).rglob(STATE_FILE) if not (p.parent / MANIFEST_FILE).exists()]
+    assert left == []
+
+    monkeypatch.setattr(ckpt.replica, "IO_TIMEOUT_S", 60.0)
+    push(addr, node="a", rank=0, step=4, manifest=manifest, data=memoryview(image))  # the listener serves on
+    assert replica_steps(b) == [4]
+
+
 @pytest.mark.timeout(300)
 def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:

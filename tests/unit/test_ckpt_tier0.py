@@ -245,6 +245,33 @@ def test_a_snapshot_whose_copy_fails_gives_its_slot_back(tmp_path: Path, shm: Pa
         assert torch.equal(restored.state["w"], saved)
 
 
+def test_what_someone_left_in_tier0_is_not_written_through_and_stops_neither_snapshots_nor_restores(
+        tmp_path: Path, shm: Path) -> None:
+    with make(tmp_path, shm) as ck:
+        train(ck, range(1, 3), persist_every=10)
+    # A link in place of a slot's data file (it was written through, to a file outside tier 0), a file in place
+    # of the other slot's directory (its slot stayed busy: tier 0 off for the run), a symlink loop beside the
+    # rank's slots and one in place of another rank's directory (the restore raised ELOOP, no fallback).
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"precious" * 4096)
+    data = slot_of(shm, 1) / "state.safetensors"
+    data.unlink()
+    data.symlink_to(outside)
+    other = slot_of(shm, 2)
+    for entry in other.iterdir():
+        entry.unlink()
+    other.rmdir()
+    other.write_bytes(b"x")
+    (shm / "rank_00000" / "slot_9").symlink_to(shm / "rank_00000" / "slot_9")
+    (shm / "rank_00001").symlink_to(shm / "rank_00001")
+    with make(tmp_path, shm) as ck:
+        assert ck.restore() is None  # neither slot holds a snapshot now (tier 1 has none either)
+        train(ck, range(3, 6), persist_every=10)
+        restored = ck.restore()
+        assert restored is not None and (restored.step, restored.tier) == (5, "memory")
+    assert outside.read_bytes() == b"precious" * 4096
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_snapshots_copy_into_page_locked_slots_overlapped_and_restore_exactly(tmp_path: Path, shm: Path) -> None:
     config = CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm, mode="overlapped")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import join_or_kill
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -90,11 +92,7 @@ def test_a_sharded_group_sends_the_parts_a_new_node_lacks_or_stops_but_never_sta
     try:
         results = {(r, t): text for r, t, text in (out.get(timeout=150) for _ in range(4))}
     finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        join_or_kill(procs)
         import shutil
         shutil.rmtree(shm, ignore_errors=True)
     for rank in (0, 1):  # no tier 0 on the new node: stopped, not started over
