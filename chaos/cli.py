@@ -134,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
             reference = load_reference(args.reference, config)
         except ValueError as exc:
             args.run_parser.error(str(exc))
+    for flag, where in (("--report", config.report_dir), ("--work-dir", config.work_dir)):
+        try:  # made now, once the flags are known good: a file or /proc/... there was a traceback from the runner
+            if where is not None:
+                where.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            args.run_parser.error(f"{flag} {where}: cannot make that directory ({exc.strerror})")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[elastic-chaos] %(asctime)s %(message)s")
     become_subreaper()

@@ -88,10 +88,10 @@ class ChaosConfig:
             raise ValueError(f"--etcd-members must be 1 or 3, got {self.etcd_members}")
         if self.reform not in ("in-process", "restart"):
             raise ValueError(f"--reform must be in-process or restart, got {self.reform!r}")
-        if self.hang_timeout_s <= 0:
-            raise ValueError(f"--hang-timeout must be positive, got {self.hang_timeout_s}")
-        if self.timeout_s <= 0 or self.recovery_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
+        for flag, seconds in (("--hang-timeout", self.hang_timeout_s), ("--timeout", self.timeout_s),
+                              ("the recovery timeout", self.recovery_timeout_s)):
+            if not 0 < seconds < math.inf:  # nan fails too
+                raise ValueError(f"{flag} must be a positive, finite number of seconds, got {seconds}")
         if not self.script.is_file():
             raise ValueError(f"training script {str(self.script)!r} does not exist")
         problems = check_feasible(self.faults, nodes=self.nodes, nproc_per_node=self.nproc_per_node,
@@ -105,6 +105,8 @@ class ChaosConfig:
                         raise ValueError(f"script argument {arg!r} uses unknown placeholder {{{name}}}; "
                                          f"known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)}")
         batch = self.effective_global_batch
+        if batch < 1:  # 0 divides every world size; each worker then refused it, restarted until --timeout
+            raise ValueError(f"--global-batch must be at least 1, got {batch}")
         bad = [w for w in self.world_sizes if batch % w]
         if bad:
             raise ValueError(f"global batch {batch} does not divide world size(s) {bad} that this run can reach "
@@ -182,3 +184,4 @@ def _substitute(arg: str, values: dict[str, str]) -> str:
     for name, value in values.items():
         arg = arg.replace("{" + name + "}", value)
     return arg
+

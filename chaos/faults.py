@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from core.numbers import decimal
+
 Target = Literal["worker", "node", "etcd", "none"]
 
 
@@ -105,8 +107,8 @@ def parse_faults(text: str) -> tuple[FaultSpec, ...]:
                 raise ValueError(f"fault {name!r} takes no target, got {item!r}")
             if target_text == "last":
                 target = "last"
-            elif target_text.isdigit():
-                target = int(target_text)
+            elif (rank := decimal(target_text)) is not None:
+                target = rank
             else:
                 raise ValueError(f"fault target in {item!r} must be a rank number or 'last'")
         specs.append(FaultSpec(name, target))

@@ -49,6 +49,7 @@ from ckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    CheckpointWriteError,
     SharedStorageError,
 )
 from ckpt.helper import HelperClient
@@ -175,6 +176,10 @@ class Checkpointer:
         self._local.identity = self._writer.identity = self.identity
         self._host: HostTier | None = None
         tier0_root = config.tier0_root
+        if tier0_root is not None and Path(tier0_root).exists() and not Path(tier0_root).is_dir():
+            raise CheckpointWriteError(f"tier0_dir {tier0_root} (CheckpointConfig.tier0_dir or $ELASTIC_TIER0_DIR) is "
+                                       "not a directory; point it at one in tmpfs (/dev/shm), or leave it unset",
+                                       path=tier0_root)
         if tier0_root is not None:
             self._host = HostTier(Path(tier0_root), read_timeout=read_timeout, local_world_size=local_world_size)
             self._host.identity = self.identity

@@ -33,7 +33,7 @@ from typing import Any
 
 from ckpt.commit import CommitMarker
 from ckpt.config import CheckpointConfig
-from ckpt.errors import CheckpointError, CheckpointVersionError, SharedStorageError
+from ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointVersionError, SharedStorageError
 from ckpt.identity import RunIdentity
 from ckpt.init_source import open_source
 from ckpt.layout import MANIFEST_FILE, list_dir
@@ -212,13 +212,15 @@ class Restorer:
         try:
             markers = source.committed()
         except CheckpointError as exc:
-            logger.warning("init_from %s not listed: %s", source.url, exc)
-            return None
+            raise _init_from_unusable(source.url, f"it cannot be listed ({exc})") from exc
         candidates = sorted(markers, reverse=True)
+        if not candidates:  # a mistyped path: starting from random weights without a word would be the worse error
+            raise _init_from_unusable(source.url, "it holds no committed checkpoint step")
         if fixed is not None:
             candidates = [s for s in candidates if s == fixed]
             if not candidates:
-                logger.warning("init_from %s: step %d is not committed there", source.url, fixed)
+                raise _init_from_unusable(source.url, f"step {fixed} is not committed there "
+                                                      f"(it holds steps {sorted(markers)})")
         for candidate in _select(candidates, step, max_step):
             marker = markers[candidate]
             restored = self._restore_step(
@@ -341,3 +343,9 @@ def _bytes_read(rank_dir: Path) -> int:
         if stat.S_ISREG(st.st_mode) and entry.name != MANIFEST_FILE:
             total += st.st_size
     return total
+
+
+def _init_from_unusable(url: str, why: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(
+        f"init_from {url}: {why}; check the path or URL (a run with no checkpoint of its own starts from it), or "
+        f"leave init_from out to start from scratch")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import re
 import threading
@@ -160,6 +161,9 @@ class SharedTier:
             ) from exc
         self.fs = fs
         self.is_local = isinstance(fs, LocalFileSystem)
+        if root_url is None and self.is_local and os.path.exists(base) and not os.path.isdir(base):
+            # Not transient: every upload would fail and be retried for the whole run, and close wait for them.
+            raise ValueError(f"shared.url {url!r} is a file, not a directory; point it at a directory (or a bucket)")
         if root_url is None:
             self.root = posixpath.join(base.rstrip("/") or "/", self.run_name)
             self.url = f"{url.rstrip('/')}/{self.run_name}"

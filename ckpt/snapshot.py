@@ -54,6 +54,7 @@ from ckpt.device_image import DeviceImage, ImagePlan, plan_image
 from ckpt.errors import CheckpointTimeoutError
 from ckpt.safetensors_io import check_storable, plan_layout
 from core.deadline import Deadline
+from core.numbers import decimal
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ StateMark = dict[torch.device, torch.cuda.Event]
 """StagingArea.mark(): per device, an event recorded on its training stream at the moment of the mark."""
 
 
-LAUNCH_BATCH = int(os.environ.get("ELASTIC_COPY_BATCH", "32")) or None
+LAUNCH_BATCH = decimal(os.environ.get("ELASTIC_COPY_BATCH") or "32") or None  # junk: all in one call
 """Tensors per copy call when a background thread launches a snapshot's copies (DeviceCopies.issue);
 $ELASTIC_COPY_BATCH overrides it (0: all in one call, as before; for benchmarks)."""
 

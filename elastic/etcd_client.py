@@ -75,9 +75,12 @@ def parse_endpoints(spec: str) -> tuple[tuple[str, int, bool], ...]:
         item = item.rstrip("/")
         host, sep, port_s = item.rpartition(":")
         port = decimal(port_s)
-        if not sep or not host or port is None or not 0 < port < 65536:
+        if not sep or not host.strip() or port is None or not 0 < port < 65536:
             raise ValueError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
-        result.append((host.strip("[]"), port, secure))
+        host = host.strip()
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):
+            raise ValueError(f"bad etcd endpoint {raw.strip()!r}: an IPv6 address goes in brackets, e.g. [::1]:2379")
+        result.append((host, port, secure))  # brackets kept: grpc reads "[::1]:2379", not "::1:2379"
     if not result:
         raise ValueError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
     return tuple(result)
@@ -104,6 +107,9 @@ class EtcdClientConfig:
 
     def __post_init__(self) -> None:
         parse_endpoints(self.endpoints)
+        for name, path in (("cacert", self.ca_cert), ("cert", self.cert), ("key", self.key)):
+            if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                raise ValueError(f"--rdzv-conf {name}={path}: not a readable file (a PEM file is expected)")
         if (self.cert is None) != (self.key is None):
             raise ValueError("etcd TLS needs both a client certificate and its key (cert= and key=), or neither")
         if (self.user is None) != (self.password is None):
@@ -121,7 +127,10 @@ class EtcdClientConfig:
 
     @property
     def secure(self) -> bool:
-        return self.ca_cert is not None or any(s for _, _, s in parse_endpoints(self.endpoints))
+        # A client certificate is for TLS too (the servers' CA then from the system's roots): over plain http it was
+        # silently not sent.
+        return self.ca_cert is not None or self.cert is not None or any(
+            s for _, _, s in parse_endpoints(self.endpoints))
 
 
 def resolve_password(user: str | None, password: str | None, password_file: str | None,

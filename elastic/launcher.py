@@ -36,7 +36,9 @@ if __name__ == "__main__":  # `python -m elastic.launcher`: the workers' torch i
 import argparse
 import logging
 import os
+import shutil
 import signal
+import socket
 import uuid
 from argparse import ArgumentParser, Namespace
 from collections.abc import Mapping
@@ -55,6 +57,7 @@ from elastic.agent import AgentConfig, launch
 from elastic.credentials import mask_conf
 from elastic.errors import EXIT_BELOW_MIN, BelowMinimumError, ElasticError
 from elastic.etcd_server import EtcdServer
+from elastic.rdzv_settings import MAX_SECONDS
 
 log = logging.getLogger("elastic.launcher")
 
@@ -64,6 +67,11 @@ STATIC = "static"
 TORCHRUN_DEFAULT_RUN_ID = "none"
 TORCHRUN_DEFAULT_MASTER_PORT = 29500
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_MAX_WORKERS = 1024
+"""The most --nproc-per-node takes (10^20 made the launcher allocate without end, never starting a worker)."""
+_MAX_MONITOR_INTERVAL = 60.0
+"""The agent sleeps --monitor-interval between checks: a job that ended waited that long to be seen."""
+_MIN_HANG_TIMEOUT = 0.1
 
 
 def build_parser() -> ArgumentParser:
@@ -250,14 +258,16 @@ def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
         raise ValueError(f"--nnodes {args.nnodes!r}: need 0 < MIN <= MAX")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0")
-    if args.monitor_interval <= 0:
-        raise ValueError(f"--monitor-interval {args.monitor_interval}: must be positive")
+    if not 0 < args.monitor_interval <= _MAX_MONITOR_INTERVAL:  # nan fails too
+        raise ValueError(f"--monitor-interval {args.monitor_interval}: must be a number of seconds in "
+                         f"(0, {_MAX_MONITOR_INTERVAL:g}] (the agent sleeps this long between checks of its workers)")
     try:
         nproc = torchrun.determine_local_world_size(args.nproc_per_node)
     except ValueError as exc:
         raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: {exc}") from exc
-    if nproc <= 0:
-        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: must be a positive count or auto/cpu/gpu/xpu")
+    if not 0 < nproc <= _MAX_WORKERS:
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: must be a count from 1 to {_MAX_WORKERS} or "
+                         "auto/cpu/gpu/xpu")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port {args.master_port}: must be 1..65535")
     try:
@@ -282,15 +292,46 @@ def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
             parse_endpoints(args.rdzv_endpoint)
         except ValueError as exc:
             raise ValueError(f"--rdzv-endpoint: {exc}") from exc
-    if args.hang_timeout is not None and args.hang_timeout <= 0:
-        raise ValueError(f"--hang-timeout {args.hang_timeout}: must be a positive number of seconds")
+    if args.hang_timeout is not None and not _MIN_HANG_TIMEOUT <= args.hang_timeout <= MAX_SECONDS:  # nan too
+        raise ValueError(f"--hang-timeout {args.hang_timeout}: must be a number of seconds from "
+                         f"{_MIN_HANG_TIMEOUT:g} to {MAX_SECONDS:g}")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be 0..65535")
     needs_file = not args.module and not args.no_python
     if needs_file and not os.path.isfile(args.training_script):
-        raise ValueError(f"training script {args.training_script!r} does not exist")
+        what = "is a directory" if os.path.isdir(args.training_script) else "does not exist"
+        raise ValueError(f"training script {args.training_script!r} {what}")
+    if args.no_python and shutil.which(args.training_script) is None:
+        raise ValueError(f"--no-python: command {args.training_script!r} is not found or not executable")
     events.route_to_torch(args.event_log_handler)  # raises ValueError naming an unknown handler
+    _check_sockets(args)
+    log_dir = getattr(args, "log_dir", None)
+    if log_dir:
+        try:  # torchrun makes it later, with a traceback for a file or /proc path
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--log-dir {log_dir}: cannot make that directory ({exc.strerror})") from exc
     return plan
+
+
+def _check_sockets(args: Namespace) -> None:
+    """--local-addr must be this host's and --metrics-port free on it: the agent binds them once running, where
+    a failure was a socket traceback."""
+    addr = getattr(args, "local_addr", None)
+    port = args.metrics_port or 0
+    if addr is None and not port:
+        return
+    try:
+        family = socket.getaddrinfo(addr or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    except OSError as exc:
+        raise ValueError(f"--local-addr {addr}: not an address of this host ({exc})") from exc
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((addr or "0.0.0.0", port))
+    except OSError as exc:
+        flag = f"--metrics-port {port}" if port else f"--local-addr {addr}"
+        raise ValueError(f"{flag}: cannot listen there ({exc.strerror}); "
+                         f"{'pick a free port, or 0 for any' if port else 'pass an address of this host'}") from exc
 
 
 def run(args: Namespace, plan: Plan) -> dict[int, Any]:

@@ -251,7 +251,7 @@ def _set_threads_from_env() -> None:
     """torch's intra-op threads as OMP_NUM_THREADS says (torchrun sets 1 for several workers a node): torch read the
     variable when it loaded, before the worker's environment was known (in the launcher, for a forked spare)."""
     value = decimal(os.environ.get("OMP_NUM_THREADS", ""))
-    if value:
+    if value and value <= 1 << 16:  # more overflowed torch's C int: every warm worker died (plain torch ignores it)
         import torch
 
         torch.set_num_threads(value)

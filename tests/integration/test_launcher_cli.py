@@ -166,9 +166,24 @@ def short_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, S
         (["--node-id", "a", "--rdzv-conf", "node_id=b"], ["--node-id", "node_id"]),
         (["--rdzv-endpoint", "nohostport"], ["--rdzv-endpoint", "nohostport"]),
         (["--nproc-per-node", "0"], ["--nproc-per-node", "0"]),
+        # Past these, the launcher allocated without end (10^20 workers), slept for ever between checks, or died of
+        # a bare OverflowError / "Invalid value NaN" that named no flag.
+        (["--nproc-per-node", "99999999999999999999"], ["--nproc-per-node"]),
+        (["--monitor-interval", "nan"], ["--monitor-interval", "nan"]),
+        (["--monitor-interval", "100000"], ["--monitor-interval"]),
+        (["--hang-timeout", "inf"], ["--hang-timeout", "inf"]),
+        (["--hang-timeout", "1e-300"], ["--hang-timeout"]),
+        (["--rdzv-endpoint", "::1:2379"], ["--rdzv-endpoint", "brackets"]),  # parsed as host ":" port 1
+        (["--standalone", "--rdzv-conf", "cacert=/no/such.pem"], ["--rdzv-conf", "cacert=/no/such.pem"]),
+        # These were tracebacks from the agent's or torch's start (a socket, a mkdir, Popen).
+        (["--local-addr", "no.such.host.invalid"], ["--local-addr", "no.such.host.invalid"]),
+        (["--log-dir", "/proc/no/such"], ["--log-dir", "/proc/no/such"]),
+        (["--no-python", "/no/such/bin"], ["--no-python", "/no/such/bin"]),
     ],
     ids=["standalone-and-endpoint", "nnodes-min-above-max", "nnodes-not-a-number", "negative-max-restarts",
-         "node-id-disagrees", "endpoint-without-port", "zero-nproc-per-node"],
+         "node-id-disagrees", "endpoint-without-port", "zero-nproc-per-node", "huge-nproc-per-node",
+         "nan-monitor-interval", "day-long-monitor-interval", "infinite-hang-timeout", "tiny-hang-timeout",
+         "ipv6-without-brackets", "missing-cacert", "unknown-local-addr", "log-dir-in-proc", "no-python-missing"],
 )
 def test_bad_flags_exit_2_naming_the_flag(
     argv: list[str], named: list[str], noop_script: Path, capsys: pytest.CaptureFixture[str]

@@ -15,7 +15,7 @@ import pytest
 from elastic.admission import TOKEN_ENV, Admission, load_join_token
 from elastic.credentials import protect, read_secret_file, redact
 from elastic.errors import AdmissionError
-from elastic.etcd_client import PASSWORD_ENV, EtcdClientConfig, resolve_password
+from elastic.etcd_client import PASSWORD_ENV, EtcdClientConfig, parse_endpoints, resolve_password
 from elastic.keys import RunKeys, run_prefix
 from elastic.rdzv_settings import parse_conf
 from elastic.records import parse_run
@@ -170,7 +170,7 @@ def test_the_etcd_password_comes_from_a_file_the_environment_or_argv_with_a_warn
     assert resolve_password(None, None, None, {PASSWORD_ENV: "stray"}) is None  # no user: not used (and warned)
 
 
-def test_password_auth_over_plain_http_is_refused_and_tls_is_accepted() -> None:
+def test_password_auth_over_plain_http_is_refused_and_tls_is_accepted(tmp_path: Path) -> None:
     for endpoints, ca in [("127.0.0.1:2379", None), ("http://a:2379,http://b:2379", None)]:
         with pytest.raises(
             ValueError,
@@ -179,7 +179,17 @@ def test_password_auth_over_plain_http_is_refused_and_tls_is_accepted() -> None:
         ):
             EtcdClientConfig(endpoints=endpoints, ca_cert=ca, user="u", password="pw-never-sent")
     EtcdClientConfig(endpoints="https://a:2379", user="u", password="pw")
-    EtcdClientConfig(endpoints="a:2379", ca_cert="/etc/etcd/ca.pem", user="u", password="pw")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    EtcdClientConfig(endpoints="a:2379", ca_cert=str(ca), user="u", password="pw")
+    # A client certificate is for TLS as well (it was silently not sent over plain http); a missing file is named.
+    assert EtcdClientConfig(endpoints="a:2379", cert=str(ca), key=str(ca), user="u", password="pw").secure
+    with pytest.raises(ValueError, match="cacert=/etc/etcd/missing.pem: not a readable file"):
+        EtcdClientConfig(endpoints="a:2379", ca_cert="/etc/etcd/missing.pem")
+    # IPv6 in brackets, kept for grpc; without them, refused (it parsed as host ":" port 1)
+    assert parse_endpoints("[::1]:2379, https://[fe80::1]:2380") == (("[::1]", 2379, False), ("[fe80::1]", 2380, True))
+    with pytest.raises(ValueError, match="brackets"):
+        parse_endpoints("::1")
 
 
 def test_no_repr_shows_the_password_or_the_token(monkeypatch: pytest.MonkeyPatch) -> None:

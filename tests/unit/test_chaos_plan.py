@@ -132,6 +132,12 @@ def test_scenarios_are_valid(tmp_path: Path) -> None:
     (["run", "--faults", "kill-etcd-member"], "needs --etcd-members 3"),
     (["run", "--"], "must be followed by the training script"),
     (["run", "--runs", "0"], "--runs must be at least 1"),
+    # Each of these started etcd and the agents, then failed (or restarted workers until --timeout).
+    (["run", "--global-batch", "0"], "--global-batch must be at least 1"),
+    (["run", "--faults", "hang-worker", "--hang-timeout", "nan"], "--hang-timeout must be a positive, finite"),
+    (["run", "--timeout", "inf"], "--timeout must be a positive, finite"),
+    (["run", "--faults", "kill-worker@\u00b2"], "must be a rank number or 'last'"),
+    (["run", "--report", "/proc/no/such"], "--report /proc/no/such: cannot make that directory"),
 ])
 def test_cli_bad_input_exits_2_before_starting(argv: list[str], message: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:

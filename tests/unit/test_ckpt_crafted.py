@@ -269,3 +269,10 @@ def test_a_lock_record_with_an_impossible_pid_is_not_taken_for_a_holder() -> Non
     for pid in ("1e999", "1e5", str(1 << 40), "-3", '"7"'):  # 1e999: OverflowError in int() before
         assert LockRecord.parse(f'{{"pid": {pid}, {rest}}}'.encode()) is None, pid
     assert LockRecord.parse(f'{{"pid": 7, {rest}}}'.encode()) == LockRecord(7, "h", "r", "j", "s")
+
+
+def test_a_shared_url_that_is_a_file_is_refused_at_start(tmp_path: Path) -> None:
+    afile = tmp_path / "shared"
+    afile.write_text("x")  # every upload failed with NotADirectoryError, retried all run long as if transient
+    with pytest.raises(ValueError, match=f"shared.url '{afile}' is a file"):
+        make(tmp_path / "ckpt", shared=SharedConfig(url=str(afile), run_name="run"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +26,7 @@ from ckpt import (
     CheckpointConfig,
     CheckpointConflictError,
     Checkpointer,
+    CheckpointNotFoundError,
     SharedConfig,
 )
 from ckpt.owner import OWNER_FILE
@@ -135,6 +137,18 @@ def test_init_from_starts_a_new_run_from_another_runs_checkpoint(tmp_path: Path)
         assert restored is not None and (restored.step, restored.init_from) == (40, True)
     with run_in(tmp_path / "pre", "pretrain") as a:
         assert a.committed_steps() == [60, 40]  # the source is only read
+
+
+@pytest.mark.parametrize("where", ["no/such/dir", "a-file", "step_000000000050"])
+def test_an_init_from_that_holds_nothing_is_an_error_naming_it_not_a_start_from_scratch(
+        tmp_path: Path, where: str) -> None:
+    with run_in(tmp_path / "pre", "pretrain") as a:
+        save(a, 40)
+    (tmp_path / "pre" / "a-file").write_text("x")
+    source = tmp_path / "pre" / where  # a typo: the run trained from random weights, logging only "no checkpoint"
+    with run_in(tmp_path / "ft", "finetune", init_from=str(source)) as b:
+        with pytest.raises(CheckpointNotFoundError, match=re.escape(f"init_from {tmp_path / 'pre'}")):
+            b.restore()
 
 
 HOLDER = textwrap.dedent(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import CheckpointConfig, Checkpointer
+from ckpt import CheckpointConfig, Checkpointer, CheckpointWriteError
 from ckpt.identity import RunIdentity
 from ckpt.tier0 import HostMemoryError, HostSlots
 
@@ -159,6 +159,14 @@ def test_fewer_slots_than_a_predecessor_had_drop_the_extra_ones(shm: Path) -> No
     assert len(list(shm.glob("rank_00000/slot_*"))) == 3
     HostSlots(shm, 0, identity, 2).close()  # slot_2 is never written again: a restore must not find it
     assert sorted(p.name for p in shm.glob("rank_00000/slot_*")) == ["slot_0", "slot_1"]
+
+
+def test_a_tier0_dir_that_is_a_file_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(CheckpointWriteError, match=f"tier0_dir {afile} .* not a directory"):
+        Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=afile), rank=0, world_size=1)
+    Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt"), rank=0, world_size=1).close()  # nothing held
 
 
 def test_tier0_slots_below_two_is_refused_naming_the_option(tmp_path: Path) -> None:
