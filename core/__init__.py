@@ -4,4 +4,6 @@
   metrics read events, never log text).
 - `core.deadline`: one deadline type for every bounded wait.
 - `core.procfs`: the one place that parses `/proc`.
+- `core.owned_dir`: directories in shared tmpfs that one process owns, and the sweep of those left by dead ones.
+- `core.numbers`: numbers read from names and keys that others may have written.
 """

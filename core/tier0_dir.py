@@ -6,7 +6,7 @@ newest snapshots there (ckpt/tier0.py), so they outlive a worker that is killed:
 restores from memory instead of disk. The directory is private to the node (mode 0700, named after
 the agent's pid), so simulated nodes on one machine never see each other's. An agent killed with
 SIGKILL cannot remove its directory: each new agent first removes those of agents that no longer
-exist, as elastic/progress.py does for its beat files.
+exist (core/owned_dir.py), as elastic/progress.py does for its beat files.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from core import procfs
-from core.numbers import decimal
+from core import owned_dir
 
 ENV = "ELASTIC_TIER0_DIR"
 """The variable that names the node's tier-0 directory for its workers."""
@@ -32,13 +31,8 @@ def shm_root() -> Path:
 
 
 def make_node_dir(root: Path | None = None) -> str:
-    """A fresh tier-0 directory for this agent (0700), after removing those of dead agents."""
-    base = root if root is not None else shm_root()
-    for old in base.glob(f"{_PREFIX}*-*"):
-        pid = decimal(old.name[len(_PREFIX):].split("-")[0])
-        if pid is not None and not procfs.alive(pid):
-            shutil.rmtree(old, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
+    """A fresh tier-0 directory for this agent (0700), after removing those of dead agents (core/owned_dir.py)."""
+    return owned_dir.make(root if root is not None else shm_root(), _PREFIX)
 
 
 def remove_node_dir(directory: str | Path) -> None:

@@ -12,14 +12,11 @@ the end can take longer than the hang timeout without anything being stuck.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from core import procfs
-from core.numbers import decimal
+from core import owned_dir
 from core.tier0_dir import shm_root
 
 ENV_DIR = "ELASTIC_PROGRESS_DIR"
@@ -72,16 +69,11 @@ def make_dir(root: Path | None = None) -> str:
     """A fresh beat directory for this agent, named after its pid.
 
     An agent killed with SIGKILL cannot remove its directory, so each new agent first removes the
-    directories of agents that no longer exist (only ones named after a dead pid).
+    directories of agents that no longer exist (core/owned_dir.py).
     """
     # In tmpfs where there is one: a beat is a write and a rename on the training thread, and on the
     # checkpoints' disk those can wait behind a tier-1 fsync (seen: 1.6 s behind a 1 GiB write).
-    tmp = root if root is not None else shm_root()
-    for old in tmp.glob("elastic-progress-*-*"):
-        pid = decimal(old.name.split("-")[2])
-        if pid is not None and not procfs.alive(pid):
-            shutil.rmtree(old, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"elastic-progress-{os.getpid()}-", dir=tmp)
+    return owned_dir.make(root if root is not None else shm_root(), "elastic-progress-")
 
 
 def clear(directory: str | Path, local_ranks: Iterable[int] | None = None) -> None:

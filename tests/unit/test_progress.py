@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from core import owned_dir
 from elastic import progress
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,3 +43,26 @@ def test_make_dir_removes_directories_of_dead_agents_only(tmp_path: Path) -> Non
     assert mine.parent == tmp_path and mine.name.startswith(f"elastic-progress-{os.getpid()}-")
     assert not dead_dir.exists()
     assert live_dir.exists()
+
+
+def test_a_directory_whose_owner_holds_its_lock_is_kept_whatever_its_pid_says(tmp_path: Path) -> None:
+    # An agent in another PID namespace sharing /dev/shm: its pid number is dead here, but it is alive and holds
+    # its directory's lock. Its tier 0 was removed by a sweep that went by the pid alone.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    held = tmp_path / f"elastic-progress-{dead}-abc"
+    held.mkdir()
+    (held / owned_dir.OWNER_FILE).touch()
+    owner = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'r+'); "
+                              "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+                              str(held / owned_dir.OWNER_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "locked"
+        mine = Path(progress.make_dir(tmp_path))
+        assert held.exists()
+        assert (mine / owned_dir.OWNER_FILE).exists()
+    finally:
+        owner.kill()
+        owner.wait(10)
+    progress.make_dir(tmp_path)  # its owner gone: removed by the next sweep
+    assert not held.exists() and mine.exists()  # this process's own directory is alive by its pid
