@@ -59,7 +59,7 @@ from ckpt.tier0 import PEERS_DIR, SLOTS, SlotLock
 from core.deadline import Deadline
 from core.events import emit
 from core.frames import check_before, recv_frame, send_frame
-from core.replica_targets import read_targets
+from core.replica_targets import read_job, read_targets
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class ReplicaSender:
             started = time.monotonic()
             try:
                 push(target.addr, node=node, rank=item.rank, step=item.step, manifest=item.manifest,
-                     data=memoryview(item.buffer)[: item.size])
+                     data=memoryview(item.buffer)[: item.size], job=read_job(self.tier0))
             except (OSError, ReplicaError, ValueError) as exc:
                 if target.node not in self._failing:
                     self._failing.add(target.node)
@@ -206,12 +206,13 @@ class ReplicaSender:
 
 
 def push(addr: str, *, node: str, rank: int, step: int, manifest: bytes, data: memoryview,
-         timeout: float = IO_TIMEOUT_S) -> None:
-    """Send one snapshot (its file image `data` and `manifest`) to the replica listener at `addr`."""
+         timeout: float = IO_TIMEOUT_S, job: str = "") -> None:
+    """Send one snapshot (its file image `data` and `manifest`) of job `job` to the replica listener at `addr`."""
     deadline = push_deadline(len(data), timeout)
     with socket.create_connection(_split_addr(addr), timeout=CONNECT_S) as sock:
         sock.settimeout(timeout)
-        send_frame(sock, {"op": "replica", "node": node, "rank": rank, "step": step, "size": len(data)}, manifest)
+        send_frame(sock, {"op": "replica", "node": node, "rank": rank, "step": step, "size": len(data), "job": job},
+                   manifest)
         for offset in range(0, len(data), _CHUNK):
             check_before(deadline, sock, f"a reply, {len(data) - offset} bytes still to send")
             sock.sendall(data[offset: offset + _CHUNK])
@@ -268,6 +269,9 @@ class ReplicaReceiver:
         if not (isinstance(node, str) and 0 < len(node) <= 1024 and type(rank) is int and 0 <= rank < 1 << 31
                 and type(step) is int and 0 <= step < 1 << 63 and type(size) is int and 0 < size < 1 << 48):
             raise ReplicaError(f"a push without a valid node, rank, step or size: {str(header)[:200]}")
+        job, mine = header.get("job", ""), read_job(self.tier0)
+        if job != mine:
+            raise ReplicaError(f"a push of job {str(job)[:100]!r}; this node runs job {mine!r}")
         deadline = push_deadline(size)
         lock = self._lock(node, rank)
         if not lock.acquire(timeout=deadline.capped(IO_TIMEOUT_S)):

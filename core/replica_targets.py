@@ -1,6 +1,6 @@
 """Where a node's checkpoint helper sends its tier-0 replicas: a file the agent writes, the helper reads.
 
-    <tier0 dir>/replica_targets.json   {"node": "<this node>", "targets": [{"node", "addr"}, ...]}
+    <tier0 dir>/replica_targets.json   {"node": "<this node>", "targets": [{"node", "addr"}, ...], "job": "<run id>"}
 
 elastic-run's agent knows the round (its members in rank order) and each member's replica address (its
 membership record's "replica", elastic/rendezvous.py); the helper (ckpt/replica.py) knows neither. The
@@ -35,8 +35,11 @@ def ring_targets(members: tuple[str, ...], me: str, addrs: dict[str, str]) -> li
     return [Target(n, addrs[n]) for n in ring if addrs.get(n)]
 
 
-def write_targets(tier0: Path, node: str, targets: list[Target]) -> None:
-    doc = {"node": node, "targets": [{"node": t.node, "addr": t.addr} for t in targets]}
+def write_targets(tier0: Path, node: str, targets: list[Target], job: str = "") -> None:
+    """`job`: the job's rendezvous run id. Pushes carry it, and a node keeps only its own job's (a stale sender of
+    another job, whose old target's port this node's listener now has, would fill its tier 0 with that job's
+    state under the same default run name)."""
+    doc = {"node": node, "targets": [{"node": t.node, "addr": t.addr} for t in targets], "job": job}
     tmp = tier0 / f".{TARGETS_FILE}.{os.getpid()}"
     tmp.write_text(json.dumps(doc))
     os.replace(tmp, tier0 / TARGETS_FILE)
@@ -49,3 +52,12 @@ def read_targets(tier0: Path) -> tuple[str, list[Target]]:
         return str(doc["node"]), [Target(str(t["node"]), str(t["addr"])) for t in doc["targets"]]
     except (OSError, ValueError, KeyError, TypeError):
         return "", []
+
+
+def read_job(tier0: Path) -> str:
+    """The job the agent wrote the targets for; "" before it wrote any (or a file of before jobs were named)."""
+    try:
+        job = json.loads((tier0 / TARGETS_FILE).read_bytes()).get("job", "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return job if isinstance(job, str) else ""

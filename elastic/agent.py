@@ -254,7 +254,7 @@ class ElasticAgent(LocalElasticAgent):
             self.ckpt_helper.ensure_running()
             if self._round_info is not None:
                 self.ckpt_helper.update_targets(self._round_info.node_id, self._membership(),
-                                                self._round_info.advertised(REPLICA_KEY))
+                                                self._round_info.advertised(REPLICA_KEY), self._handler.get_run_id())
         # Not while a re-formation is under way: it has deadlines of its own, and kept workers make no steps then.
         if (result.state == WorkerState.HEALTHY and self.agent_config.hang_timeout is not None
                 and self._awaiting is None):

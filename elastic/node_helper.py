@@ -49,7 +49,7 @@ class NodeHelper:
         self.tier0 = Path(tier0_dir)
         self.socket = self.tier0 / SOCKET_NAME
         self.replica_listener = replica_listener
-        self._targets: tuple[str, tuple[object, ...]] | None = None
+        self._targets: tuple[str, tuple[object, ...], str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._begun = False  # its process was started once (or the helper stopped): begin() does nothing
         self._started_at = 0.0
@@ -112,19 +112,20 @@ class NodeHelper:
         emit("ckpt_helper_restarted", dead_pid=proc.pid, pid=self.pid, exit_code=proc.returncode,
              restarts=self.restarts)
 
-    def update_targets(self, node: str, members: tuple[str, ...], addrs: dict[str, str]) -> None:
-        """Tell the helper where to send this node's replicas: the round's next members (a ring)."""
+    def update_targets(self, node: str, members: tuple[str, ...], addrs: dict[str, str], job: str = "") -> None:
+        """Tell the helper where to send this node's replicas: the round's next members (a ring); `job`, the run
+        id its pushes carry and the only one it keeps pushes of."""
         if self.replica_listener is None:
             return
         targets = ring_targets(members, node, addrs)
-        if self._targets == (node, tuple(targets)):
+        if self._targets == (node, tuple(targets), job):
             return
         try:
-            write_targets(self.tier0, node, targets)
+            write_targets(self.tier0, node, targets, job)
         except OSError as exc:
             log.warning("agent: could not write the replica targets in %s: %s", self.tier0, exc)
             return
-        self._targets = (node, tuple(targets))
+        self._targets = (node, tuple(targets), job)
         if targets:
             log.info("agent: tier-0 replicas of this node go to %s", ", ".join(f"{t.node} ({t.addr})" for t in targets))
 

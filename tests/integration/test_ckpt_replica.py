@@ -257,6 +257,21 @@ def test_a_crafted_push_is_refused_never_touches_this_nodes_own_slots_and_holds_
     assert replica_steps(b) == [4]
 
 
+def test_a_push_of_another_job_is_refused(nodes: tuple[Path, Path], receiver: tuple[Path, str],
+                                         tmp_path: Path) -> None:
+    # A stale sender of another job (its old target's port now this node's listener), under the same default
+    # run name: its state was kept, and restored by this job.
+    a, _ = nodes
+    b, addr = receiver
+    write_targets(b, "b", [], job="job-y")
+    image, manifest = snapshot_of(a, tmp_path, 4)
+    with pytest.raises(ReplicaError, match="a push of job 'job-x'; this node runs job 'job-y'"):
+        push(addr, node="a", rank=0, step=4, manifest=manifest, data=memoryview(image), job="job-x")
+    assert replica_steps(b) == []
+    push(addr, node="a", rank=0, step=4, manifest=manifest, data=memoryview(image), job="job-y")
+    assert replica_steps(b) == [4]
+
+
 @pytest.mark.timeout(300)
 def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
