@@ -108,13 +108,15 @@ class Checkpointer:
         _check_index("rank", rank, minimum=0)
         if rank >= world_size:
             raise ValueError(f"rank {rank} must be below world_size {world_size}")
+        source = "local_world_size"
         if local_world_size is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             parsed = decimal(env or "")
             local_world_size = world_size if parsed is None else parsed
-        _check_index("local_world_size", local_world_size, minimum=1)
+            source = "$LOCAL_WORLD_SIZE" if parsed is not None else source
+        _check_index(source, local_world_size, minimum=1)
         if local_world_size > world_size:
-            raise ValueError(f"local_world_size {local_world_size} must not exceed world_size {world_size}")
+            raise ValueError(f"{source} {local_world_size} must not exceed world_size {world_size}")
         _check_generation(generation)
         self.config = config
         self.rank = rank

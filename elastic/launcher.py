@@ -187,6 +187,8 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
     min_nodes, max_nodes = torchrun.parse_min_max_nnodes(args.nnodes)
     given_id = args.rdzv_id if args.rdzv_id != TORCHRUN_DEFAULT_RUN_ID else None
     derived = given_id or scheduler_run_id(env)
+    if args.node_id is not None and not args.node_id.strip():
+        raise ValueError("--node-id: must not be empty (leave it out for the host name and pid)")
     backend = args.rdzv_backend
     if backend is None:
         fixed_multi_node = min_nodes == max_nodes > 1
@@ -209,6 +211,9 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
         if args.standalone:  # torchrun's --standalone: a c10d store on a free local port
             args.rdzv_endpoint, derived = "localhost:0", None
         return Plan(backend=backend, embedded_etcd=False, run_id=derived or str(uuid.uuid4()), notes=(note,))
+    if derived is not None and "/" in derived:  # a part of etcd keys: named here, with where it came from
+        source = "--rdzv-id" if given_id else "the scheduler's job id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID or JOB_UID)"
+        raise ValueError(f"{source}: run id {derived!r} must contain no '/'; pass --rdzv-id with another")
     if env.get(SHARE_STORE_ENV) == "1":
         raise ValueError(
             f"{SHARE_STORE_ENV}=1 is not supported by {rendezvous.BACKEND_NAME}: the rank-0 agent hosts each "

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core.numbers import decimal
+from trainer.errors import TrainerError
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -22,8 +25,8 @@ class Topology:
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
-            rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        return Topology(rank=rank, world_size=world, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+            rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        return Topology(rank=rank, world_size=world, local_rank=_env_int("LOCAL_RANK", 0))
 
     @staticmethod
     def _grouped() -> bool:
@@ -56,3 +59,14 @@ def collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _env_int(name: str, default: int) -> int:
+    """$name as a count (what a launcher sets); junk is an error naming the variable, not int()'s."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    value = decimal(text)
+    if value is None:
+        raise TrainerError(f"${name} is {text[:40]!r}, not a count: run under elastic-run or torchrun, or unset it")
+    return value

@@ -179,11 +179,14 @@ def short_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, S
         (["--local-addr", "no.such.host.invalid"], ["--local-addr", "no.such.host.invalid"]),
         (["--log-dir", "/proc/no/such"], ["--log-dir", "/proc/no/such"]),
         (["--no-python", "/no/such/bin"], ["--no-python", "/no/such/bin"]),
+        (["--rdzv-id", "a/b"], ["--rdzv-id", "a/b"]),
+        (["--node-id", ""], ["--node-id"]),
     ],
     ids=["standalone-and-endpoint", "nnodes-min-above-max", "nnodes-not-a-number", "negative-max-restarts",
          "node-id-disagrees", "endpoint-without-port", "zero-nproc-per-node", "huge-nproc-per-node",
          "nan-monitor-interval", "day-long-monitor-interval", "infinite-hang-timeout", "tiny-hang-timeout",
-         "ipv6-without-brackets", "missing-cacert", "unknown-local-addr", "log-dir-in-proc", "no-python-missing"],
+         "ipv6-without-brackets", "missing-cacert", "unknown-local-addr", "log-dir-in-proc", "no-python-missing",
+         "slash-in-rdzv-id", "empty-node-id"],
 )
 def test_bad_flags_exit_2_naming_the_flag(
     argv: list[str], named: list[str], noop_script: Path, capsys: pytest.CaptureFixture[str]

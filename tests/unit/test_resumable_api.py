@@ -26,6 +26,7 @@ from trainer import (
     wrap_ddp,
 )
 from trainer.accumulate import accumulate
+from trainer.errors import TrainerError
 from trainer.samples import SAMPLE_LOG_ENV
 
 DATA = torch.randn(24, 4, generator=torch.Generator().manual_seed(5))
@@ -199,6 +200,9 @@ def test_the_sampler_takes_its_place_from_the_job(monkeypatch: pytest.MonkeyPatc
         Resumable(ResumeConfig.at(tmp_path, save_every=2), model=nn.Linear(4, 1),
                   sampler=ElasticSampler(DataConfig(dataset_size=24, global_batch=6), rank=0, world_size=1))
     assert Topology.from_env() == Topology(rank=1, world_size=2, local_rank=0)
+    monkeypatch.setenv("RANK", "abc")  # was int()'s "invalid literal for int() with base 10: 'abc'"
+    with pytest.raises(TrainerError, match=r"\$RANK is 'abc', not a count"):
+        Topology.from_env()
 
 
 def test_teardown_ends_the_process_group_after_the_digest(tmp_path: Path) -> None:
