@@ -98,26 +98,24 @@ class Layout:
 
     def rank_dirs(self, step: int) -> dict[int, Path]:
         """Every published rank directory of `step`; empty if the step directory is missing."""
-        try:
-            entries = list(self.step_dir(step).iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
         found: dict[int, Path] = {}
-        for entry in entries:
+        for entry in list_dir(self.step_dir(step)):
             rank = parse_rank_dir_name(entry.name)
-            if rank is not None and entry.is_dir():
+            if rank is not None and is_real_dir(entry):
                 found[rank] = entry
         return found
 
     def step_dirs(self) -> dict[int, Path]:
         """Every step directory under the root, committed or not; empty if the root is missing."""
-        try:
-            entries = list(self.root.iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
         found: dict[int, Path] = {}
-        for entry in entries:
+        for entry in list_dir(self.root):
             step = parse_step_dir_name(entry.name)
-            if step is not None and entry.is_dir():
+            if step is not None and is_real_dir(entry):
                 found[step] = entry
         return found
+
+
+def is_real_dir(path: Path) -> bool:
+    """A directory, not a symlink to one: every checkpoint directory is made here, so a link in its place leads
+    reads outside the root (another tree's files taken for this run's step)."""
+    return path.is_dir() and not path.is_symlink()

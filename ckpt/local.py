@@ -28,7 +28,7 @@ from ckpt.errors import (
     CheckpointVersionError,
 )
 from ckpt.identity import RunIdentity, foreign
-from ckpt.layout import FETCH_PREFIX, MANIFEST_FILE, TMP_PREFIX, Layout, list_dir
+from ckpt.layout import FETCH_PREFIX, MANIFEST_FILE, TMP_PREFIX, Layout, is_real_dir, list_dir
 from ckpt.manifest import Manifest, resolve_file
 from ckpt.ranges import LocalRange
 from ckpt.reader import load_rank_dir, read_manifest
@@ -140,7 +140,7 @@ class LocalTier:
     # -- reading a rank (the Tier interface) ------------------------------------------------
 
     def has_rank(self, step: int, rank: int, marker: CommitMarker) -> bool:
-        return holds_rank(marker, rank) and self.layout.rank_dir(step, rank).is_dir()
+        return holds_rank(marker, rank) and is_real_dir(self.layout.rank_dir(step, rank))
 
     def ranks_here(self, step: int, marker: CommitMarker) -> list[int]:
         return [r for r in sorted(self.layout.rank_dirs(step)) if self.has_rank(step, r, marker)]
@@ -166,7 +166,7 @@ class LocalTier:
         Checkpointer.load for the errors)."""
         marker = self.require_commit(step)
         rank_dir = self.layout.rank_dir(step, rank)
-        if rank >= marker.world_size or not rank_dir.is_dir():
+        if rank >= marker.world_size or not is_real_dir(rank_dir):
             raise CheckpointNotFoundError(
                 f"rank {rank} of step {step} is not in {self.layout.step_dir(step)} "
                 f"(saved by world size {marker.world_size}); this node did not write it: "

@@ -36,6 +36,7 @@ def _kind(mode: int) -> str:
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
         (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
     ):
         if test(mode):
             return name
@@ -44,8 +45,9 @@ def _kind(mode: int) -> str:
 
 def check_regular(path: Path) -> os.stat_result:
     """stat `path` (without opening it) and raise CheckpointCorruptError unless it is a regular
-    file. FileNotFoundError passes through."""
-    st = os.stat(path)
+    file, not a link to one: a checkpoint's files are all written here, so a link in place of one leads
+    reads outside its directory. FileNotFoundError passes through."""
+    st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise corrupt(path, f"it is {_kind(st.st_mode)}, not a regular file")
     return st
@@ -54,7 +56,7 @@ def check_regular(path: Path) -> os.stat_result:
 def open_regular(path: Path) -> int:
     """A read-only descriptor of the regular file `path` (see the module docstring)."""
     check_regular(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -276,3 +276,16 @@ def test_a_shared_url_that_is_a_file_is_refused_at_start(tmp_path: Path) -> None
     afile.write_text("x")  # every upload failed with NotADirectoryError, retried all run long as if transient
     with pytest.raises(ValueError, match=f"shared.url '{afile}' is a file"):
         make(tmp_path / "ckpt", shared=SharedConfig(url=str(afile), run_name="run"))
+
+
+@pytest.mark.parametrize("moved", [STEP2, f"{STEP2}/rank_00000", f"{STEP2}/rank_00000/manifest.json"])
+def test_a_link_in_place_of_a_checkpoint_directory_or_record_is_not_followed(tmp_path: Path, moved: str) -> None:
+    # Moved out of the root and linked back: it was read from there (another tree's files taken for this step).
+    root = tmp_path / "ckpt"
+    two_steps(root)
+    elsewhere = tmp_path / "elsewhere"
+    (root / moved).rename(elsewhere)
+    (root / moved).symlink_to(elsewhere)
+    with make(root) as c:
+        restored = c.restore()
+    assert restored is not None and restored.step == 1
