@@ -34,7 +34,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.errors import StateMismatchError
+from trainer.errors import InvalidStateError, StateMismatchError
 from trainer.samples import SampleLog
 from trainer.sharding import Layout
 from trainer.topology import Topology
@@ -232,9 +232,10 @@ class ElasticSampler:
         self.epoch = state["epoch"]
         self.position = state["position"]
 
-    def check_state(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any], step: int | None = None) -> None:
         """Raise StateMismatchError, saying what differs, unless `load_state_dict(state)` would
-        succeed; changes nothing."""
+        succeed; InvalidStateError when the settings match but the position is damaged, or (with `step`, the
+        checkpoint's step) is not where that many steps leave the data. Changes nothing."""
         c = self.config
         differ = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in
                   (("seed", c.seed), ("dataset_size", c.dataset_size), ("global_batch", c.global_batch))
@@ -242,16 +243,24 @@ class ElasticSampler:
         if differ:
             raise StateMismatchError("the checkpoint's data settings differ from this run's: " + "; ".join(differ)
                                      + ". Resume with the same data settings, or start from a fresh --ckpt-dir.")
+        # The settings match: a bad position is damage (the restore falls back to an older step), not a mismatch.
         position, epoch = state.get("position"), state.get("epoch")
         if not isinstance(position, int) or not isinstance(epoch, int) or epoch < 0:
-            raise StateMismatchError(f"the checkpoint's data position is malformed (epoch {epoch!r}, "
-                                     f"position {position!r}); the checkpoint is damaged")
+            raise InvalidStateError(f"the checkpoint's data position is malformed (epoch {epoch!r}, "
+                                    f"position {position!r}); the checkpoint is damaged")
         if not 0 <= position <= c.dataset_size - c.global_batch or position % c.global_batch:
-            raise StateMismatchError(
+            raise InvalidStateError(
                 f"the checkpoint's data position {position} is beyond the dataset ({c.dataset_size} samples, "
                 f"global batch {c.global_batch}: the last step of an epoch starts at "
-                f"{(c.dataset_size // c.global_batch - 1) * c.global_batch}); the checkpoint does not "
-                "belong to this dataset")
+                f"{(c.dataset_size // c.global_batch - 1) * c.global_batch}); the checkpoint is damaged")
+        if step is not None and self._step_of(epoch, position) - 1 != step:
+            # Each step advances the data by one global batch from (0, 0): any other position skips or repeats
+            # samples without a word (an epoch of 10^6 restored as if it were step 4's).
+            expected_epoch, at = divmod(step, self.steps_per_epoch)
+            raise InvalidStateError(
+                f"the checkpoint's data position (epoch {epoch}, position {position}) is not where {step} steps "
+                f"leave the data (epoch {expected_epoch}, position {at * c.global_batch}); the checkpoint is "
+                "damaged")
 
 
 class StepBatchSampler:

@@ -260,7 +260,8 @@ class Resumable:
         template = self.state() if self.sharded else None
         agree = partial(agree_on_checkpoint, self.checkpointer, self.topology, where=self.config.ckpt_dir,
                         into=template, check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
-                                                                   sampler=self.sampler, template=template))
+                                                                   sampler=self.sampler, template=template,
+                                                                   step=r.step, stateful=self._stateful()))
         restored = agree()
         if restored is None and not self.sharded:
             # Not every rank can read a checkpoint (a replacement node's empty --ckpt-dir): a peer's, sent
@@ -268,7 +269,7 @@ class Resumable:
             peer = regroup.peer_checkpoint(
                 self.topology, self.checkpointer.restore(),
                 check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
-                                            sampler=self.sampler),
+                                            sampler=self.sampler, step=r.step, stateful=self._stateful()),
                 apply_own=lambda r: apply_state.whole(self, r.state, own_rank=True),
                 apply_peer=lambda state: apply_state.whole(self, state, own_rank=False))
             if peer is not None:
@@ -562,6 +563,10 @@ class Resumable:
             return self._view.boundary(rest, groups)
 
         return flattened
+
+    def _stateful(self) -> dict[str, Any]:
+        """The run's scheduler and scaler, by their names in the state tree (for check_state)."""
+        return {"scheduler": self.scheduler, "scaler": self.scaler}
 
     def _param_names(self, key: ParamKey | None = None) -> list[list[str | None]]:
         """param_names(model, optimizer), walked again only when the optimizer's parameters change: a

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 
 from trainer.errors import InvalidStateError
+
+log = logging.getLogger(__name__)
 
 try:
     import numpy as np
@@ -149,6 +152,12 @@ def _as_numpy_state(s: Mapping[str, Any]) -> tuple[Any, ...]:
     for key in ("pos", "has_gauss"):
         if isinstance(s[key], bool) or not isinstance(s[key], int):
             raise TypeError(f"{key} is {s[key]!r}, not an int")
+    # numpy's set_state takes any of these: pos past 624 read out of bounds (zeros, then a segfault), all-zero keys
+    # draw only zeros
+    if not 0 <= s["pos"] <= 624 or s["has_gauss"] not in (0, 1):
+        raise ValueError(f"pos {s['pos']} / has_gauss {s['has_gauss']}: an MT19937 state has pos 0..624, has_gauss 0/1")
+    if not bool(s["keys"].any()):
+        raise ValueError("its 624 keys are all zero (a generator that draws only zeros)")
     if not isinstance(s["cached_gaussian"], (int, float)) or not isinstance(s["kind"], str):
         raise TypeError(f"kind {s['kind']!r} / cached_gaussian {s['cached_gaussian']!r} have the wrong type")
     return (s["kind"], s["keys"].numpy().view(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
@@ -160,6 +169,9 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if np is not None and "numpy" in state:
         np.random.set_state(_as_numpy_state(state["numpy"]))
+    elif np is not None:  # saved where numpy was not installed: its stream goes on from where it is (not exact)
+        log.warning("the checkpoint's RNG streams have no numpy state (saved without numpy?): numpy's stream is "
+                    "not restored, so numpy draws differ from an uninterrupted run's")
     if "cuda" in state and _cuda_available():
         devices = state["cuda"]
         if len(devices) == torch.cuda.device_count():

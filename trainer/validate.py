@@ -20,7 +20,9 @@ shape of each DTensor against the saved one is ckpt's check (ShardMismatchError,
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
@@ -56,8 +58,12 @@ def check_state(
     optimizer: torch.optim.Optimizer | None,
     sampler: ElasticSampler | None,
     template: Mapping[str, Any] | None = None,
+    step: int | None = None,
+    stateful: Mapping[str, Any] | None = None,
 ) -> None:
-    """Raise InvalidStateError or StateMismatchError (see the module docstring); change nothing.
+    """Raise InvalidStateError or StateMismatchError (see the module docstring); change nothing. `step`: the
+    checkpoint's step, where the data position must be. `stateful`: the run's scheduler and scaler by name
+    ("scheduler", "scaler"), whose saved states must hold what theirs do.
 
     `template` (a sharded model's): this run's own state tree, to check against instead of `model`
     and `optimizer` (its model and optimizer state are `get_state_dict`'s, keyed by parameter name;
@@ -72,7 +78,10 @@ def check_state(
         if state.get("data") is None:
             raise StateMismatchError("the checkpoint has no data position but this run has a sampler; "
                                      "resume without one, or start from a fresh --ckpt-dir")
-        sampler.check_state(state["data"])
+        sampler.check_state(state["data"], step)
+    for name, obj in (stateful or {}).items():
+        if obj is not None and state.get(name):
+            _check_stateful(name, obj, state[name])
     if optimizer is not None and template is not None:
         saved = _check_optimizer_fits(optimizer, state.get("optimizer"))
         _check_param_names(template["optimizer"]["param_groups"], saved["param_groups"])
@@ -83,6 +92,105 @@ def check_state(
         if saved_names is not None:
             _check_param_order(param_names(model, optimizer), saved_names)
         _check_optimizer_tensors(optimizer, saved)
+    if optimizer is not None:
+        _check_optimizer_values(optimizer, state["optimizer"])
+
+
+def _check_stateful(name: str, obj: Any, saved: Mapping[str, Any]) -> None:
+    """A scheduler's or scaler's saved state holds what its state_dict() does, and loads into a copy of it:
+    load_state_dict takes almost anything (an unknown key 'optimizer' replaced the scheduler's optimizer), and the
+    next step failed on it, after the model and the optimizer were already loaded, on every restart."""
+    live = obj.state_dict()
+    _check_like(live, saved, name)
+    if name == "scaler" and isinstance(saved.get("scale"), (int, float)) and not 0 < saved["scale"] < math.inf:
+        raise InvalidStateError(f"'scaler' scale is {saved['scale']!r}: a GradScaler's scale is positive and finite")
+    try:
+        copy.copy(obj).load_state_dict(dict(saved))
+    except Exception as exc:  # noqa: BLE001 - whatever it raises, the saved state does not load
+        raise InvalidStateError(f"{name!r} state does not load into this {type(obj).__name__}: {exc!r}") from exc
+
+
+_COUNTS = frozenset({"last_epoch", "_step_count", "growth_interval", "_growth_tracker", "step_size"})
+"""Scheduler and scaler entries that are whole numbers (a float one shifted the schedule without a word)."""
+_PER_GROUP = frozenset({"base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs", "initial_lrs", "betas"})
+"""Sequences of a fixed length: one entry per parameter group (torch's schedulers), Adam's two betas."""
+
+
+def _check_like(live: Any, saved: Any, where: str) -> None:
+    """`saved` holds the kinds of value `live` (the object's own state_dict now) does: numbers where it has numbers
+    (int for the counts in _COUNTS), strings, tensors, sequences of its length, mappings with no key it lacks."""
+    if live is None or callable(live):
+        return
+    problem = None
+    if saved is None:
+        problem = f"a {type(live).__name__}"  # an lr of None failed at the first step
+    elif isinstance(live, bool) or isinstance(saved, bool):
+        problem = None if type(live) is type(saved) else "a bool"
+    elif isinstance(live, (int, float)):
+        count = where.rsplit(".", 1)[-1] in _COUNTS
+        ok = type(saved) is int if count else isinstance(saved, (int, float))
+        problem = None if ok else ("an int" if count else "a number")
+    elif isinstance(live, str):
+        problem = None if isinstance(saved, str) else "a string"
+    elif isinstance(live, torch.Tensor):
+        problem = None if isinstance(saved, torch.Tensor) and saved.shape == live.shape else \
+            f"a tensor of shape {tuple(live.shape)}"
+    elif _is_list(live):
+        per_group = where.rsplit(".", 1)[-1] in _PER_GROUP
+        if not _is_list(saved) or (per_group and len(saved) != len(live)):
+            problem = f"a sequence of {len(live)}" if per_group else "a sequence"
+        elif per_group or len(saved) == len(live):  # others may grow (a user's schedule's history)
+            for i, (a, b) in enumerate(zip(live, saved, strict=True)):
+                _check_like(a, b, f"{where}[{i}]")
+    elif isinstance(live, Mapping):
+        if not _is_str_mapping(saved):
+            problem = "a mapping"
+        else:
+            unknown = sorted(set(saved) - set(live))
+            if unknown:
+                raise InvalidStateError(f"{where!r} has entries {unknown[:5]} that this run's {where} does not")
+            for key in saved:
+                _check_like(live[key], saved[key], f"{where}.{key}")
+    if problem is not None:
+        raise InvalidStateError(f"{where!r} is {_short(saved)}, not {problem} as this run's")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_VERSION_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused", "amsgrad",
+                            "decoupled_weight_decay"})
+"""Optimizer options torch versions added (an older checkpoint lacks them; the optimizer's __setstate__ fills
+them in). Any other option of the live group must be in the saved one: torch's load takes the saved group whole."""
+
+
+def _check_optimizer_values(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """The saved groups' hyperparameters are of the live ones' kinds (and lr >= 0); per-parameter state is tensors
+    where torch keeps tensors, of a floating dtype, and a step that is a number >= 0. torch's load_state_dict takes
+    the groups whole: a missing 'betas' or an lr that is a string failed at the first step, a negative lr was used."""
+    for i, (group, saved_group) in enumerate(zip(optimizer.param_groups, saved["param_groups"], strict=False)):
+        where = f"optimizer param_groups[{i}]"
+        missing = sorted(k for k in set(group) - set(saved_group) - _VERSION_FLAGS if k in optimizer.defaults)
+        if missing:
+            raise InvalidStateError(f"'{where}' lacks {missing}, which this {type(optimizer).__name__} steps with")
+        for key in set(group) & set(saved_group) - {"params", "param_names"}:
+            _check_like(group[key], saved_group[key], f"{where}.{key}")
+        lr = saved_group.get("lr")
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not 0 <= lr < math.inf:
+            raise InvalidStateError(f"'{where}' lr is {lr!r}: a learning rate is >= 0 and finite")
+    for pid, entry in saved["state"].items():
+        for key, value in entry.items():
+            where = f"'optimizer' state {key!r} of parameter {pid!r}"
+            if key in _PARAM_SHAPED and not (isinstance(value, torch.Tensor) and (
+                    value.is_floating_point() or value.is_complex())):
+                got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+                raise InvalidStateError(f"{where} is {got}, not a floating-point tensor")
+            if key == "step":
+                number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < math.inf:
+                    raise InvalidStateError(f"{where} is {_short(value)}, not a count >= 0")
 
 
 def _check_structure(state: Mapping[str, Any], *, by_name: bool = False) -> None:

@@ -61,6 +61,20 @@ MALFORMED: dict[str, Callable[[State], None]] = {
     "data-epoch-not-an-int": _set("data/epoch", lambda _: "one"),
     "scheduler-as-list": _set("scheduler", lambda _: [1, 2]),
     "extras-as-list": _set("extras", lambda _: ["x"]),
+    # Values that loaded without a word and then trained on skipped or repeated samples, drew zeros (or crashed
+    # numpy), or failed at the next step after the model and optimizer were loaded (session 44's audit):
+    "data-position-not-the-steps": _set("data/position", lambda p: (p + 8) % 64),
+    "data-epoch-far": _set("data/epoch", lambda _: 10**6),
+    "rng-numpy-pos-past-624": _set("rng/numpy/pos", lambda _: 10**8),
+    "rng-numpy-keys-zero": _set("rng/numpy/keys", torch.zeros_like),
+    "scheduler-unknown-key": lambda s: s["scheduler"].update(optimizer="x"),
+    "scheduler-step-size-str": _set("scheduler/step_size", lambda _: "1"),
+    "scheduler-last-epoch-fractional": _set("scheduler/last_epoch", lambda e: e + 0.5),
+    "optimizer-lr-str": _set("optimizer/param_groups/0/lr", lambda _: "0.1"),
+    "optimizer-lr-negative": _set("optimizer/param_groups/0/lr", lambda _: -1.0),
+    "optimizer-betas-missing": lambda s: s["optimizer"]["param_groups"][0].pop("betas"),
+    "optimizer-exp-avg-int": _set("optimizer/state/0/exp_avg", lambda t: t.long()),
+    "optimizer-step-str": _set("optimizer/state/0/step", lambda _: "one"),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trainer import DataConfig, ElasticSampler, StateMismatchError
+from trainer.errors import InvalidStateError
 
 
 def consume(cfg: DataConfig, world: int, steps: int, start: dict | None = None) -> tuple[list[int], dict]:
@@ -178,9 +179,18 @@ def test_resuming_with_other_data_settings_says_what_differs(field: str, value: 
 def test_position_beyond_dataset_is_rejected(position: int) -> None:
     s = ElasticSampler(DataConfig(dataset_size=64, global_batch=8))
     bad = {**s.state_dict(), "position": position}
-    with pytest.raises(StateMismatchError, match="beyond the dataset"):
+    with pytest.raises(InvalidStateError, match="beyond the dataset"):  # the settings match: damage
         s.load_state_dict(bad)
     assert (s.epoch, s.position) == (0, 0)
+
+
+@pytest.mark.parametrize(("epoch", "position"), [(1_000_000, 32), (0, 48), (0, 0), (1, 24)])
+def test_a_position_that_is_not_where_the_steps_leave_the_data_is_damage(epoch: int, position: int) -> None:
+    s = ElasticSampler(DataConfig(dataset_size=64, global_batch=8))  # 8 steps an epoch: step 4 is (0, 32)
+    with pytest.raises(InvalidStateError, match="not where 4 steps leave the data \\(epoch 0, position 32\\)"):
+        s.check_state({**s.state_dict(), "epoch": epoch, "position": position}, step=4)
+    s.check_state({**s.state_dict(), "epoch": 0, "position": 32}, step=4)
+    s.check_state({**s.state_dict(), "epoch": 2, "position": 8}, step=17)
 
 
 def test_last_full_step_of_an_epoch_is_a_valid_position() -> None:
@@ -191,7 +201,7 @@ def test_last_full_step_of_an_epoch_is_a_valid_position() -> None:
 
 def test_malformed_position_is_rejected() -> None:
     s = ElasticSampler(DataConfig(dataset_size=64, global_batch=8))
-    with pytest.raises(StateMismatchError, match="malformed"):
+    with pytest.raises(InvalidStateError, match="malformed"):
         s.load_state_dict({**s.state_dict(), "epoch": -1})
 
 
