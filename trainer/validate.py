@@ -218,9 +218,9 @@ def _check_structure(state: Mapping[str, Any], *, by_name: bool = False) -> None
             raise InvalidStateError(f"'data' holds epoch {data['epoch']}, position {data['position']}: "
                                     "both must be >= 0")
     layout = state.get("layout")
-    if layout is not None and not (_is_str_mapping(layout) and all(type(layout.get(k)) is int and layout[k] >= 1
-                                                                   for k in ("dp", "tp"))):
-        raise InvalidStateError(f"'layout' is {layout!r}, not a mapping of positive ints 'dp' and 'tp'")
+    if layout is not None and not (_is_str_mapping(layout) and set(layout) == {"dp", "tp"} and all(
+            type(layout[k]) is int and layout[k] >= 1 for k in ("dp", "tp"))):
+        raise InvalidStateError(f"'layout' is {layout!r}, not a mapping of positive ints 'dp' and 'tp' (only)")
     optimizer = state.get("optimizer")
     if optimizer is not None:
         _check_optimizer_structure(optimizer, by_name=by_name)

@@ -75,6 +75,7 @@ MALFORMED: dict[str, Callable[[State], None]] = {
     "optimizer-betas-missing": lambda s: s["optimizer"]["param_groups"][0].pop("betas"),
     "optimizer-exp-avg-int": _set("optimizer/state/0/exp_avg", lambda t: t.long()),
     "optimizer-step-str": _set("optimizer/state/0/step", lambda _: "one"),
+    "layout-with-another-key": lambda s: s.update(layout={"dp": 1, "tp": 1, "pp": 1}),
 }
 
 
