@@ -14,6 +14,7 @@ scratch of an unfinished (or crashed) write.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import uuid
@@ -62,13 +63,16 @@ def parse_rank_dir_name(name: str) -> int | None:
 
 
 def list_dir(path: Path) -> list[Path]:
-    """The entries of `path`, sorted; none when it is missing, not a directory or unreadable (a symlink loop, no
-    permission: logged), so that one bad entry of a tier is skipped, not the whole restore."""
+    """The entries of `path`, sorted; none when it is missing, not a directory, or a symlink loop (logged: one
+    crafted entry of a tier is skipped, not the whole restore). Other errors (EIO, ESTALE on NFS) are raised: an
+    empty listing would look like no checkpoint, and retention would then delete the real steps."""
     try:
         return sorted(path.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
         logger.warning("cannot list %s (%s); its entries are skipped", path, exc)
         return []
 

@@ -270,7 +270,7 @@ class ReplicaReceiver:
                 and type(step) is int and 0 <= step < 1 << 63 and type(size) is int and 0 < size < 1 << 48):
             raise ReplicaError(f"a push without a valid node, rank, step or size: {str(header)[:200]}")
         job, mine = header.get("job", ""), read_job(self.tier0)
-        if job != mine:
+        if mine and job != mine:  # mine unknown until the agent's first tick (a node that just joined): taken
             raise ReplicaError(f"a push of job {str(job)[:100]!r}; this node runs job {mine!r}")
         deadline = push_deadline(size)
         lock = self._lock(node, rank)

@@ -216,6 +216,8 @@ def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device, name:
     a manifest, which a damaged or crafted step may make anything), not a bare RuntimeError."""
     try:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
+    except torch.OutOfMemoryError:
+        raise  # the device's memory, now (a predecessor's context still freeing it): not the checkpoint's fault
     except (RuntimeError, MemoryError) as exc:
         raise CheckpointError(f"{where}: tensor {name!r} of shape {list(shape)} ({dtype}) cannot be allocated on "
                               f"{device}: {exc}") from exc

@@ -30,10 +30,13 @@ def make(base: Path, prefix: str) -> str:
     for old in base.glob(f"{prefix}*-*"):
         if _gone(old, decimal(old.name[len(prefix):].split("-")[0])):
             shutil.rmtree(old, ignore_errors=True)
-    made = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
-    fd = os.open(os.path.join(made, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # Locked under a hidden name, then renamed into place: another owner's sweep never sees it without its lock.
+    hidden = tempfile.mkdtemp(prefix=f".{prefix}{os.getpid()}-", dir=base)
+    fd = os.open(os.path.join(hidden, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     _held.append(fd)
+    made = os.path.join(base, os.path.basename(hidden)[1:])
+    os.rename(hidden, made)
     return made
 
 

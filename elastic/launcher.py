@@ -69,7 +69,7 @@ TORCHRUN_DEFAULT_MASTER_PORT = 29500
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _MAX_WORKERS = 1024
 """The most --nproc-per-node takes (10^20 made the launcher allocate without end, never starting a worker)."""
-_MAX_MONITOR_INTERVAL = 60.0
+_MAX_MONITOR_INTERVAL = 3600.0
 """The agent sleeps --monitor-interval between checks: a job that ended waited that long to be seen."""
 _MIN_HANG_TIMEOUT = 0.1
 
@@ -332,6 +332,7 @@ def _check_sockets(args: Namespace) -> None:
         raise ValueError(f"--local-addr {addr}: not an address of this host ({exc})") from exc
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the metrics server does (TIME_WAIT)
             probe.bind((addr or "0.0.0.0", port))
     except OSError as exc:
         flag = f"--metrics-port {port}" if port else f"--local-addr {addr}"

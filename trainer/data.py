@@ -250,8 +250,8 @@ class ElasticSampler:
                                     f"position {position!r}); the checkpoint is damaged")
         if not 0 <= position <= c.dataset_size - c.global_batch or position % c.global_batch:
             raise InvalidStateError(
-                f"the checkpoint's data position {position} is beyond the dataset ({c.dataset_size} samples, "
-                f"global batch {c.global_batch}: the last step of an epoch starts at "
+                f"the checkpoint's data position {position} is not a step's start within the dataset "
+                f"({c.dataset_size} samples, global batch {c.global_batch}: the last step of an epoch starts at "
                 f"{(c.dataset_size // c.global_batch - 1) * c.global_batch}); the checkpoint is damaged")
         if step is not None and self._step_of(epoch, position) - 1 != step:
             # Each step advances the data by one global batch from (0, 0): any other position skips or repeats

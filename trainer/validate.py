@@ -97,28 +97,44 @@ def check_state(
 
 
 def _check_stateful(name: str, obj: Any, saved: Mapping[str, Any]) -> None:
-    """A scheduler's or scaler's saved state holds what its state_dict() does, and loads into a copy of it:
-    load_state_dict takes almost anything (an unknown key 'optimizer' replaced the scheduler's optimizer), and the
-    next step failed on it, after the model and the optimizer were already loaded, on every restart."""
+    """A scheduler's or scaler's saved state holds the kinds of value its state_dict() does, names none of its
+    objects (a key 'optimizer' replaced the scheduler's optimizer), and loads into a copy of it: load_state_dict
+    takes almost anything, and the next step failed on it after the model and optimizer were loaded, on every
+    restart. Other differences of keys pass (another torch version's, another scheduler class's): as before."""
     live = obj.state_dict()
-    _check_like(live, saved, name)
+    if not live:  # a disabled GradScaler (saved enabled): loading is a no-op
+        return
+    objects = sorted(k for k in saved if k not in live and not _plain(getattr(obj, k, None)))
+    if objects:
+        raise InvalidStateError(f"{name!r} has entries {objects[:5]} that would replace its {objects[0]} object")
+    _check_like(live, saved, name, counts=type(obj).__module__.startswith("torch."))
     if name == "scaler" and isinstance(saved.get("scale"), (int, float)) and not 0 < saved["scale"] < math.inf:
         raise InvalidStateError(f"'scaler' scale is {saved['scale']!r}: a GradScaler's scale is positive and finite")
+    try:  # a deep copy (its optimizer shared): a shallow one loaded into the live nested schedulers and lambdas
+        optimizer = getattr(obj, "optimizer", None)
+        trial = copy.deepcopy(obj, {} if optimizer is None else {id(optimizer): optimizer})
+    except Exception:  # noqa: BLE001 - cannot copy it now (a GradScaler mid-step): not judged by a load
+        return
     try:
-        copy.copy(obj).load_state_dict(dict(saved))
+        trial.load_state_dict(copy.deepcopy(dict(saved)))
     except Exception as exc:  # noqa: BLE001 - whatever it raises, the saved state does not load
         raise InvalidStateError(f"{name!r} state does not load into this {type(obj).__name__}: {exc!r}") from exc
 
 
-_COUNTS = frozenset({"last_epoch", "_step_count", "growth_interval", "_growth_tracker", "step_size"})
-"""Scheduler and scaler entries that are whole numbers (a float one shifted the schedule without a word)."""
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, list, tuple, dict, torch.Tensor))
+
+
+_COUNTS = frozenset({"_step_count", "growth_interval", "_growth_tracker"})
+"""Entries of torch's schedulers and scaler that are whole numbers (a float one shifted the schedule)."""
 _PER_GROUP = frozenset({"base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs", "initial_lrs", "betas"})
 """Sequences of a fixed length: one entry per parameter group (torch's schedulers), Adam's two betas."""
 
 
-def _check_like(live: Any, saved: Any, where: str) -> None:
-    """`saved` holds the kinds of value `live` (the object's own state_dict now) does: numbers where it has numbers
-    (int for the counts in _COUNTS), strings, tensors, sequences of its length, mappings with no key it lacks."""
+def _check_like(live: Any, saved: Any, where: str, *, counts: bool = True) -> None:
+    """`saved` holds the kinds of value `live` (the object's own state_dict now) does where both have a value:
+    numbers where it has numbers (ints for torch's counts in _COUNTS), strings, tensors, sequences (of its length
+    for the per-group ones), mappings. Keys only one side has pass; a value may grow (a user's history)."""
     if live is None or callable(live):
         return
     problem = None
@@ -127,30 +143,26 @@ def _check_like(live: Any, saved: Any, where: str) -> None:
     elif isinstance(live, bool) or isinstance(saved, bool):
         problem = None if type(live) is type(saved) else "a bool"
     elif isinstance(live, (int, float)):
-        count = where.rsplit(".", 1)[-1] in _COUNTS
+        count = counts and where.rsplit(".", 1)[-1] in _COUNTS
         ok = type(saved) is int if count else isinstance(saved, (int, float))
         problem = None if ok else ("an int" if count else "a number")
     elif isinstance(live, str):
         problem = None if isinstance(saved, str) else "a string"
     elif isinstance(live, torch.Tensor):
-        problem = None if isinstance(saved, torch.Tensor) and saved.shape == live.shape else \
-            f"a tensor of shape {tuple(live.shape)}"
+        problem = None if isinstance(saved, torch.Tensor) else "a tensor"
     elif _is_list(live):
         per_group = where.rsplit(".", 1)[-1] in _PER_GROUP
         if not _is_list(saved) or (per_group and len(saved) != len(live)):
             problem = f"a sequence of {len(live)}" if per_group else "a sequence"
-        elif per_group or len(saved) == len(live):  # others may grow (a user's schedule's history)
+        elif per_group or len(saved) == len(live):
             for i, (a, b) in enumerate(zip(live, saved, strict=True)):
-                _check_like(a, b, f"{where}[{i}]")
+                _check_like(a, b, f"{where}[{i}]", counts=counts)
     elif isinstance(live, Mapping):
-        if not _is_str_mapping(saved):
+        if not isinstance(saved, Mapping):
             problem = "a mapping"
         else:
-            unknown = sorted(set(saved) - set(live))
-            if unknown:
-                raise InvalidStateError(f"{where!r} has entries {unknown[:5]} that this run's {where} does not")
-            for key in saved:
-                _check_like(live[key], saved[key], f"{where}.{key}")
+            for key in set(saved) & set(live):
+                _check_like(live[key], saved[key], f"{where}.{key}", counts=counts)
     if problem is not None:
         raise InvalidStateError(f"{where!r} is {_short(saved)}, not {problem} as this run's")
 
@@ -183,8 +195,8 @@ def _check_optimizer_values(optimizer: torch.optim.Optimizer, saved: Mapping[str
     for pid, entry in saved["state"].items():
         for key, value in entry.items():
             where = f"'optimizer' state {key!r} of parameter {pid!r}"
-            if key in _PARAM_SHAPED and not (isinstance(value, torch.Tensor) and (
-                    value.is_floating_point() or value.is_complex())):
+            if key in _PARAM_SHAPED and value is not None and not (isinstance(value, torch.Tensor) and (
+                    value.is_floating_point() or value.is_complex())):  # None: an SGD-like buffer not made yet
                 got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
                 raise InvalidStateError(f"{where} is {got}, not a floating-point tensor")
             if key == "step":

@@ -69,7 +69,6 @@ MALFORMED: dict[str, Callable[[State], None]] = {
     "rng-numpy-keys-zero": _set("rng/numpy/keys", torch.zeros_like),
     "scheduler-unknown-key": lambda s: s["scheduler"].update(optimizer="x"),
     "scheduler-step-size-str": _set("scheduler/step_size", lambda _: "1"),
-    "scheduler-last-epoch-fractional": _set("scheduler/last_epoch", lambda e: e + 0.5),
     "optimizer-lr-str": _set("optimizer/param_groups/0/lr", lambda _: "0.1"),
     "optimizer-lr-negative": _set("optimizer/param_groups/0/lr", lambda _: -1.0),
     "optimizer-betas-missing": lambda s: s["optimizer"]["param_groups"][0].pop("betas"),
