@@ -8,6 +8,7 @@ replaced, and saved and committed again through ckpt's public API (`Checkpointer
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -207,3 +208,45 @@ def test_one_rank_with_a_malformed_copy_takes_the_whole_group_back(tmp_path: Pat
         assert f"rank={r} restored=2" in out, out
     assert f"{tmp_path / 'node1' / 'step_000000000004' / 'rank_00001'}" in outputs[1]
     assert "malformed state" in outputs[1] and "malformed state" not in outputs[0]
+
+
+class _Decay:
+    """A callable LambdaLR factor with state (LambdaLR saves its __dict__)."""
+
+    def __init__(self) -> None:
+        self.k = 0.9
+
+    def __call__(self, epoch: int) -> float:
+        return float(self.k**epoch)
+
+
+def _schedules(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    lr = torch.optim.lr_scheduler
+    return {"multistep": lr.MultiStepLR(opt, [2, 4]),  # milestones: a Counter with int keys
+            "sequential": lr.SequentialLR(opt, [lr.LinearLR(opt), lr.StepLR(opt, 1)], [2]),
+            "lambda-object": lr.LambdaLR(opt, _Decay()),
+            "plateau": lr.ReduceLROnPlateau(opt)}
+
+
+@pytest.mark.parametrize("kind", ["multistep", "sequential", "lambda-object", "plateau"])
+def test_legitimate_scheduler_states_pass_and_checking_them_changes_nothing_live(kind: str) -> None:
+    # The first version of these checks refused MultiStepLR's state (every checkpoint 'malformed': the run started
+    # over), and its trial load went into the live nested schedulers and lambdas.
+    from trainer.validate import _check_stateful
+
+    def fresh() -> tuple[torch.optim.Optimizer, Any]:
+        opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
+        return opt, _schedules(opt)[kind]
+
+    opt, saved = fresh()
+    for _ in range(3):
+        opt.step()
+        saved.step(1.0) if kind == "plateau" else saved.step()
+    state = dict(saved.state_dict())
+    state["verbose"] = False  # what torch 2.4-2.6 saved
+    _, live = fresh()
+    before = json.dumps(live.state_dict(), default=repr, sort_keys=True)
+    _check_stateful("scheduler", live, state)
+    assert json.dumps(live.state_dict(), default=repr, sort_keys=True) == before
+    _check_stateful("scaler", torch.amp.GradScaler("cpu", enabled=False),  # saved enabled, resumed disabled
+                    torch.amp.GradScaler("cpu").state_dict())
