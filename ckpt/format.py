@@ -81,7 +81,7 @@ def check_format_version(obj: dict[str, Any], *, path: Path, newest: int = FORMA
 def get_int(obj: dict[str, Any], key: str, *, path: Path, minimum: int = 0, maximum: int = INT64_MAX) -> int:
     value = obj.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise corrupt(path, f"key {key!r} is {_short(value)}, expected an int from {minimum} to {maximum}")
+        raise corrupt(path, f"key {key!r} is {short_repr(value)}, expected an int from {minimum} to {maximum}")
     return value
 
 
@@ -93,7 +93,7 @@ def is_shape(value: Any) -> TypeGuard[list[int]]:
     return 0 in value or math.prod(value) <= INT64_MAX
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """`value` for a message: a crafted one may be a number of thousands of digits."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"

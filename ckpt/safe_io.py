@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ckpt.errors import CheckpointTimeoutError
+from ckpt.errors import CheckpointTimeoutError, CheckpointWriteError
 from ckpt.format import corrupt
 
 T = TypeVar("T")
@@ -79,7 +79,8 @@ def open_own_file(path: Path) -> int:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced again between the two calls
         os.close(fd)
-        raise corrupt(path, "it is not a regular file")
+        raise CheckpointWriteError(f"{path} is not a regular file (something replaced it as it was made); remove "
+                                   "it", path=path)
     return fd
 
 

@@ -29,6 +29,7 @@ from typing import Any, TypeGuard
 import torch
 
 from ckpt import CheckpointMismatchError, check_compatible
+from ckpt.format import short_repr
 from trainer import rng
 from trainer.data import ElasticSampler
 from trainer.errors import InvalidStateError, StateMismatchError
@@ -164,12 +165,7 @@ def _check_like(live: Any, saved: Any, where: str, *, counts: bool = True) -> No
             for key in set(saved) & set(live):
                 _check_like(live[key], saved[key], f"{where}.{key}", counts=counts)
     if problem is not None:
-        raise InvalidStateError(f"{where!r} is {_short(saved)}, not {problem} as this run's")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+        raise InvalidStateError(f"{where!r} is {short_repr(saved)}, not {problem} as this run's")
 
 
 _VERSION_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused", "amsgrad",
@@ -202,7 +198,7 @@ def _check_optimizer_values(optimizer: torch.optim.Optimizer, saved: Mapping[str
             if key == "step":
                 number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
                 if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < math.inf:
-                    raise InvalidStateError(f"{where} is {_short(value)}, not a count >= 0")
+                    raise InvalidStateError(f"{where} is {short_repr(value)}, not a count >= 0")
 
 
 def _check_structure(state: Mapping[str, Any], *, by_name: bool = False) -> None:
