@@ -80,8 +80,9 @@ class SlotImages:
 class Helper:
     """Serves the node's workers (one thread per connection)."""
 
-    def __init__(self, path: Path, *, threads: int | None = None) -> None:
+    def __init__(self, path: Path, *, threads: int | None = None, replica_key: bytes | None = None) -> None:
         self.path = path
+        self.replica_key = replica_key
         threads = threads or default_threads()
         # Two pools: a snapshot's publish (the next snapshot and any tier-1 save wait for it) never queues
         # behind a tier-1 file's sha256 or a replica's verification.
@@ -90,13 +91,13 @@ class Helper:
                                                thread_name_prefix="helper-persist", initializer=_lower_priority,
                                                initargs=(persist_nice(),))
         self.images = SlotImages()
-        self.sender = ReplicaSender(path.parent)
+        self.sender = ReplicaSender(path.parent, replica_key)
         self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}
         self._fs_lock = threading.Lock()
 
     def serve_replicas(self, listener: socket.socket) -> None:
         """Keep the replicas other nodes' helpers push to `listener` (a thread)."""
-        receiver = ReplicaReceiver(self.path.parent, self.persist_pool)
+        receiver = ReplicaReceiver(self.path.parent, self.persist_pool, self.replica_key)
         threading.Thread(target=receiver.serve, args=(listener,), daemon=True, name="replica-accept").start()
 
     def serve(self, listener: socket.socket, parent: int | None) -> None:
@@ -304,6 +305,20 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent pid check of the accept loop ends it
 
 
+MAX_KEY_BYTES = 64
+
+
+def read_key(fd: int) -> bytes:
+    """The replica key the agent wrote into the pipe `fd` (elastic/node_helper.py), to its end."""
+    data = b""
+    with os.fdopen(fd, "rb") as pipe:
+        while len(data) <= MAX_KEY_BYTES and (chunk := pipe.read(MAX_KEY_BYTES + 1 - len(data))):
+            data += chunk
+    if not 16 <= len(data) <= MAX_KEY_BYTES:
+        raise ValueError(f"--replica-key-fd {fd}: a key of {len(data)} bytes (16 to {MAX_KEY_BYTES} expected)")
+    return data
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckpt.helper_process", description=__doc__.split("\n")[0])
     parser.add_argument("--socket", type=Path, required=True, help="the socket to listen on")
@@ -312,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="checksum threads per pool (default: $ELASTIC_HELPER_THREADS, else 4-8 by cores)")
     parser.add_argument("--replica-fd", type=int, default=None,
                         help="an inherited listening TCP socket for other nodes' replicas (ckpt/replica.py)")
+    parser.add_argument("--replica-key-fd", type=int, default=None,
+                        help="an inherited pipe holding the key that signs replica pushes (a run with a join token)")
     parser.add_argument("--nice", type=int, default=env_count("ELASTIC_HELPER_NICE", NICE, minimum=0),
                         help=f"added to the CPU niceness (default: $ELASTIC_HELPER_NICE, else {NICE})")
     args = parser.parse_args(argv)
@@ -330,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listener.bind(str(tmp))
         listener.listen(64)
-        helper = Helper(args.socket, threads=args.threads)
+        key = read_key(args.replica_key_fd) if args.replica_key_fd is not None else None
+        helper = Helper(args.socket, threads=args.threads, replica_key=key)
         # The start-up objects (torch's, ~170k) out of the cyclic collector's reach, before any request: a full
         # collection walked them all (~70 ms on the 2-core host) every so many requests, and on one H200 host a
         # snapshot's publish waited behind one, and step_done with it, 20-56 ms once a run

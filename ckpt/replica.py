@@ -20,13 +20,22 @@ deadline; a failed push is logged (once per target until it works again) and the
 again.
 
 Receiving (`ReplicaReceiver`): one push per connection: header {"op": "replica", "node", "rank",
-"step", "size"}, body: the source's manifest; then `size` raw bytes. The receiver writes them into the
+"step", "size", "job", "mac"}, body: the source's manifest; then `size` raw bytes. The receiver writes them into the
 (node, rank)'s older slot (its manifest removed first), checks the bytes against the manifest's
 checksum, and only then writes the manifest: a torn or damaged transfer leaves no manifest, and the
 other slot, the previous replica, whole. Reply {"ok": true} or {"ok": false, "error"}. A manifest that
 does not describe the pushed bytes (rank, step, size) is refused. The restore reads a replica as it
 reads the node's own slots: verified again, and only this run's (by run name: each node's tier 1 mints its
 own run uid).
+
+Who may push: in a run with a join token every helper holds the run's replica key (elastic/admission.py) and
+signs each push: `mac` is an HMAC-SHA256 of the header's fields and the manifest's sha256, and a receiver with
+a key refuses a push without a valid one before it reads a byte of the state. The manifest holds the
+state's checksum, so a push is only kept whole as its signer sent it, as far as that checksum tells (tier 0's
+default sum64 detects damage, not a forger on the path: keep the job's network closed, as for torch's own
+sockets). A replayed push of this run is an older step of this run: it takes the older slot, never the newer.
+Without a join token pushes are unsigned and only the job's run id (`job`) is checked: the rendezvous then
+trusts whoever can reach etcd, and these sockets trust whoever can reach them.
 
 Simulated nodes on one machine each have their own tier-0 directory, so a replica always travels over
 the socket, never through a shared path.
@@ -36,6 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
+import json
 import logging
 import mmap
 import os
@@ -81,6 +92,13 @@ class ReplicaError(CheckpointError):
     """A push (or a part sent over the process group) was refused or did not complete."""
 
 
+def push_mac(key: bytes, *, job: str, node: str, rank: int, step: int, size: int, manifest: bytes) -> str:
+    """The signature of a push (see the module docstring): its fields and its manifest, keyed by the run's key."""
+    message = json.dumps(["replica-push", 1, job, node, rank, step, size, hashlib.sha256(manifest).hexdigest()],
+                         separators=(",", ":")).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
 def node_dir_name(node: str) -> str:
     """A directory name for node id `node` (node ids may hold ':' or '/'); never "." or ".." (a push naming
     node ".." wrote into this node's own tier-0 slots) nor hidden."""
@@ -113,8 +131,9 @@ class _Buffered:
 class ReplicaSender:
     """The helper's side that sends its node's snapshots to the ring (see the module docstring)."""
 
-    def __init__(self, tier0: Path) -> None:
+    def __init__(self, tier0: Path, key: bytes | None = None) -> None:
         self.tier0 = tier0
+        self.key = key  # signs each push (a run with a join token)
         self._buffers: dict[int, mmap.mmap] = {}  # rank -> its copy buffer
         self._pending: dict[int, _Buffered] = {}  # rank -> copied, not yet sent
         self._busy: set[int] = set()  # ranks whose buffer is being filled or sent
@@ -187,7 +206,7 @@ class ReplicaSender:
             started = time.monotonic()
             try:
                 push(target.addr, node=node, rank=item.rank, step=item.step, manifest=item.manifest,
-                     data=memoryview(item.buffer)[: item.size], job=read_job(self.tier0))
+                     data=memoryview(item.buffer)[: item.size], job=read_job(self.tier0), key=self.key)
             except (OSError, ReplicaError, ValueError) as exc:
                 if target.node not in self._failing:
                     self._failing.add(target.node)
@@ -206,13 +225,17 @@ class ReplicaSender:
 
 
 def push(addr: str, *, node: str, rank: int, step: int, manifest: bytes, data: memoryview,
-         timeout: float = IO_TIMEOUT_S, job: str = "") -> None:
-    """Send one snapshot (its file image `data` and `manifest`) of job `job` to the replica listener at `addr`."""
+         timeout: float = IO_TIMEOUT_S, job: str = "", key: bytes | None = None) -> None:
+    """Send one snapshot (its file image `data` and `manifest`) of job `job` to the replica listener at `addr`,
+    signed with `key` if given."""
     deadline = push_deadline(len(data), timeout)
+    header: dict[str, Any] = {"op": "replica", "node": node, "rank": rank, "step": step, "size": len(data),
+                              "job": job}
+    if key is not None:
+        header["mac"] = push_mac(key, job=job, node=node, rank=rank, step=step, size=len(data), manifest=manifest)
     with socket.create_connection(_split_addr(addr), timeout=CONNECT_S) as sock:
         sock.settimeout(timeout)
-        send_frame(sock, {"op": "replica", "node": node, "rank": rank, "step": step, "size": len(data), "job": job},
-                   manifest)
+        send_frame(sock, header, manifest)
         for offset in range(0, len(data), _CHUNK):
             check_before(deadline, sock, f"a reply, {len(data) - offset} bytes still to send")
             sock.sendall(data[offset: offset + _CHUNK])
@@ -227,9 +250,10 @@ def push(addr: str, *, node: str, rank: int, step: int, manifest: bytes, data: m
 class ReplicaReceiver:
     """The helper's side that keeps other nodes' snapshots (see the module docstring)."""
 
-    def __init__(self, tier0: Path, pool: Executor | None) -> None:
+    def __init__(self, tier0: Path, pool: Executor | None, key: bytes | None = None) -> None:
         self.tier0 = tier0
         self.pool = pool
+        self.key = key  # with a key, only pushes signed with it are kept
         self._locks: dict[tuple[str, int], threading.Lock] = {}
         self._guard = threading.Lock()
         self.received = 0
@@ -270,6 +294,13 @@ class ReplicaReceiver:
                 and type(step) is int and 0 <= step < 1 << 63 and type(size) is int and 0 < size < 1 << 48):
             raise ReplicaError(f"a push without a valid node, rank, step or size: {str(header)[:200]}")
         job, mine = header.get("job", ""), read_job(self.tier0)
+        if self.key is not None:
+            mac = header.get("mac")
+            expected = push_mac(self.key, job=job if isinstance(job, str) else "", node=node, rank=rank, step=step,
+                                size=size, manifest=body)
+            if not (isinstance(job, str) and isinstance(mac, str) and hmac.compare_digest(mac, expected)):
+                raise ReplicaError("a push not signed with this run's replica key: its sender does not hold this "
+                                   "job's join token (another job, or not one of this run's nodes)")
         if mine and job != mine:  # mine unknown until the agent's first tick (a node that just joined): taken
             raise ReplicaError(f"a push of job {str(job)[:100]!r}; this node runs job {mine!r}")
         deadline = push_deadline(size)

@@ -14,6 +14,10 @@ token, and every agent checks the records it reads:
     <run>nodes/<id>  "proof"  MAC of (run id, node id, lease id, addr, beacon, pid). The lease id is
                               the record's real lease, so a copied record does not verify.
     <run>rdzv/store/<g> "proof"  MAC of (run id, generation, addr, port).
+    tier-0 replica pushes        a MAC keyed by HMAC(token, run id, "replica") (`replica_key`), which the
+                                 agent hands its checkpoint helper: a node's helper keeps only pushes
+                                 that carry it (ckpt/replica.py), so a process without the token cannot
+                                 put state into this run's tier 0.
 
 A registration or store address whose proof does not verify is left out (not live, never in a
 round, its beacon not watched), with a warning naming the key. A round state whose MAC does not
@@ -115,6 +119,11 @@ class Admission:
 
     def state_mac(self, value: bytes) -> str:
         return self._mac("state", hashlib.sha256(value).hexdigest())
+
+    def replica_key(self) -> bytes | None:
+        """The key that signs this run's tier-0 replica pushes between the nodes' checkpoint helpers
+        (ckpt/replica.py), derived from the token (which the helpers never see); None without a token."""
+        return bytes.fromhex(self._mac("replica")) if self._token is not None else None
 
     @staticmethod
     def _matches(expected: str, given: object) -> bool:

@@ -138,6 +138,11 @@ class RoundAware(Protocol):
         """The address this node's listeners bind (None: every interface)."""
         ...
 
+    @property
+    def replica_key(self) -> bytes | None:
+        """The key that signs the run's tier-0 replica pushes (None: pushes unsigned, a run without a join token)."""
+        ...
+
     def advertise(self, key: str, port: int) -> str:
         """Publish `key`: "<this node's address>:<port>" in this node's membership record."""
         ...
@@ -187,13 +192,14 @@ class ElasticAgent(LocalElasticAgent):
         # records, also keeps peers' tier-0 replicas on a port advertised in this node's record.
         self.ckpt_helper: NodeHelper | None = None
         if self.tier0_dir is not None:
-            listener = None
+            listener, replica_key = None, None
             if self._round_info is not None and os.environ.get(NODE_HELPER_ENV, "1") != "0":
                 listener = listening_socket(self._round_info.bind_addr, backlog=16)
                 self._round_info.advertise(REPLICA_KEY, listener.getsockname()[1])
+                replica_key = self._round_info.replica_key
             # Its process starts with the workers (_initialize_workers): a joining node's prestarted workers
             # warm up first, not beside another torch import on the same cores.
-            self.ckpt_helper = NodeHelper.start(self.tier0_dir, listener, spawn=False)
+            self.ckpt_helper = NodeHelper.start(self.tier0_dir, listener, spawn=False, replica_key=replica_key)
         if self._round_info is not None:
             # A rendezvous that watches membership: a worker that dies of a lost peer waits this long
             # for us to stop it (elastic/peer_loss.py): the lease TTL, two monitor intervals, a margin.

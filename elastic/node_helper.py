@@ -14,7 +14,9 @@ With a rendezvous that has membership records (etcd-v3) the agent also makes a T
 advertises it in its record as "replica" and hands it to every helper it starts (so the address stays
 the same over helper restarts): the helper keeps other nodes' tier-0 replicas there and sends its own
 node's to the next nodes of the round, which `update_targets` writes on every monitor tick when the
-round changed (core/replica_targets.py, ckpt/replica.py).
+round changed (core/replica_targets.py, ckpt/replica.py). In a run with a join token the agent also hands
+each helper it starts the run's replica key (elastic/admission.py), through a pipe (never the command line or
+the environment): pushes are signed with it, and a helper keeps only pushes that carry it.
 
 `ELASTIC_CKPT_HELPER=0` in the agent's environment: no helper.
 """
@@ -45,10 +47,12 @@ QUICK_S = 60.0
 
 
 class NodeHelper:
-    def __init__(self, tier0_dir: str, replica_listener: socket.socket | None = None) -> None:
+    def __init__(self, tier0_dir: str, replica_listener: socket.socket | None = None,
+                 replica_key: bytes | None = None) -> None:
         self.tier0 = Path(tier0_dir)
         self.socket = self.tier0 / SOCKET_NAME
         self.replica_listener = replica_listener
+        self.replica_key = replica_key
         self._targets: tuple[str, tuple[object, ...], str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._begun = False  # its process was started once (or the helper stopped): begin() does nothing
@@ -58,15 +62,16 @@ class NodeHelper:
 
     @classmethod
     def start(cls, tier0_dir: str, replica_listener: socket.socket | None = None, *,
-              spawn: bool = True) -> NodeHelper | None:
+              spawn: bool = True, replica_key: bytes | None = None) -> NodeHelper | None:
         """The node's helper, started (None when ELASTIC_CKPT_HELPER=0). `replica_listener`: a listening TCP
-        socket for peer replicas (the helper then keeps and sends them). `spawn=False`: its process starts at
+        socket for peer replicas (the helper then keeps and sends them), `replica_key` the key that signs them
+        (None: unsigned, a run without a join token). `spawn=False`: its process starts at
         `begin()` (the agent's, once a joining node's workers are warm: both import torch, on the same cores)."""
         if os.environ.get(ENV, "1") == "0":
             if replica_listener is not None:
                 replica_listener.close()
             return None
-        helper = cls(tier0_dir, replica_listener)
+        helper = cls(tier0_dir, replica_listener, replica_key)
         if spawn:
             helper._spawn()
         return helper
@@ -85,11 +90,20 @@ class NodeHelper:
         # Its few lines ("[ckpt-helper] ...") go to the agent's stderr, beside the agent's own.
         argv = [sys.executable, "-m", "ckpt.helper_process", "--socket", str(self.socket), "--parent", str(os.getpid())]
         fds: tuple[int, ...] = ()
+        key_fd = None
         if self.replica_listener is not None:
             fds = (self.replica_listener.fileno(),)
             argv += ["--replica-fd", str(fds[0])]
-        self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
-                                      stderr=subprocess.STDOUT, pass_fds=fds)
+            if self.replica_key is not None:
+                key_fd = _pipe_holding(self.replica_key)
+                fds += (key_fd,)
+                argv += ["--replica-key-fd", str(key_fd)]
+        try:
+            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                                          stderr=subprocess.STDOUT, pass_fds=fds)
+        finally:
+            if key_fd is not None:
+                os.close(key_fd)
         self._started_at = time.monotonic()
 
     def ensure_running(self) -> None:
@@ -142,3 +156,13 @@ class NodeHelper:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+
+
+def _pipe_holding(data: bytes) -> int:
+    """The read end of a pipe that holds `data` and then ends (a key far smaller than a pipe's buffer)."""
+    read, write = os.pipe()
+    try:
+        os.write(write, data)
+    finally:
+        os.close(write)
+    return read

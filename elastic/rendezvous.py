@@ -136,6 +136,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """The address this node's listeners bind (`--local-addr`; None: every interface)."""
         return self.config.bind_addr
 
+    @property
+    def replica_key(self) -> bytes | None:
+        """The key of this run's tier-0 replica pushes (elastic/admission.py); None in a run without a join token."""
+        return self.admission.replica_key()
+
     def advertise(self, key: str, port: int) -> str:
         """Put `key`: "<local addr>:<port>" in this node's membership record (from its next registration
         on: call before the first rendezvous) for its peers to read (`advertised`). Returns the address."""

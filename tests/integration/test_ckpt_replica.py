@@ -279,11 +279,13 @@ def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
     tier-1 save after the start). Node b (its agent, worker and helper) is SIGKILLed: node a's worker
     restarts at world size 1 and restores from its own memory: its own shard and b's, from b's replica, resharded
     2 -> 1; the state it restores is the one both ranks saved at that step (the layout-independent digest).
-    Node a's worker process is kept: train_fsdp.py runs main() again in it (trainer.run_elastic, issue K)."""
+    Node a's worker process is kept: train_fsdp.py runs main() again in it (trainer.run_elastic, issue K).
+    The job has a join token, so the replicas travel signed with the run's key (the agent hands it to its helper)."""
     run_id = f"replica-{uuid.uuid4().hex[:8]}"
+    token = uuid.uuid4().hex
     jobs = {name: fsdp(procs, tmp_path / name, tmp_path / name / "ckpt", "--snapshot-every", "1", "--ckpt-every",
                        "100000", "--replica-every", "2", "--steps", "80", nproc=1, digests=True,
-                       env={"ELASTIC_CKPT_HELPER": "1"},
+                       env={"ELASTIC_CKPT_HELPER": "1", "ELASTIC_JOIN_TOKEN": token},
                        launcher=("--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", run_id,
                                  "--node-id", name, "--monitor-interval", "0.1", "--max-restarts", "3"))
             for name in ("a", "b")}
@@ -316,6 +318,7 @@ def test_a_lost_nodes_fsdp_shard_comes_back_from_its_replica_on_the_survivor(
     saved = {e["digest"] for j in (a, b) for e in j.events("state_digest", point="save", step=restored["step"])}
     after = {e["digest"] for e in a.events("state_digest", point="restore")}
     assert len(saved) == 1 and after == saved, (saved, after)
+    assert token not in a.out + b.out
 
 
 def test_without_a_peer_to_send_to_a_snapshot_is_neither_copied_nor_held(
@@ -336,3 +339,52 @@ def test_without_a_peer_to_send_to_a_snapshot_is_neither_copied_nor_held(
             assert ck._writer.snapshot_helper is not None and ck._writer.snapshot_helper.published == 4
     finally:
         helper.end()
+
+
+def test_in_a_run_with_a_join_token_a_helper_keeps_only_pushes_signed_with_the_runs_key(
+        nodes: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Unsigned, anyone who could reach a helper's port and knew the run id could put state into the run's tier 0,
+    # and a node that lost its own would restore it.
+    from elastic import node_helper
+    from elastic.admission import Admission
+    from elastic.keys import RunKeys
+
+    token = b"t" * 32
+    key = Admission("run-1", RunKeys.of("run-1"), token).replica_key()
+    others = [Admission("run-2", RunKeys.of("run-2"), token).replica_key(),
+              Admission("run-1", RunKeys.of("run-1"), b"u" * 32).replica_key()]
+    assert key is not None and None not in others and key not in others
+    assert Admission("run-1", RunKeys.of("run-1"), None).replica_key() is None
+
+    a, b = nodes
+    image, manifest = snapshot_of(a, tmp_path, 4)
+    monkeypatch.setenv(node_helper.ENV, "1")
+    listener = socket.create_server(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    helper = node_helper.NodeHelper.start(str(b), listener, replica_key=key)  # as the agent starts it: a pipe
+    assert helper is not None
+    try:
+        wait_for(lambda: socket_path(b).exists(), "the helper's socket")
+        fields = {"node": "a", "rank": 0, "step": 4, "manifest": manifest, "data": memoryview(image)}
+        with pytest.raises(ReplicaError, match="not signed with this run's replica key"):
+            push(addr, **fields)  # type: ignore[arg-type]
+        for other in others:  # another run's key, another token's
+            with pytest.raises(ReplicaError, match="not signed"):
+                push(addr, key=other, **fields)  # type: ignore[arg-type]
+        # Signed, then a field changed on the way: the node it claims to be from.
+        import json
+
+        from ckpt.replica import push_mac
+
+        mac = push_mac(key, job="", node="a", rank=0, step=4, size=len(image), manifest=manifest)
+        header = {"op": "replica", "node": "c", "rank": 0, "step": 4, "size": len(image), "job": "", "mac": mac}
+        reply, _ = raw_push(addr, json.dumps(header).encode(), manifest, image)
+        assert reply["ok"] is False and "not signed" in str(reply["error"]), reply
+        assert not (b / PEERS_DIR).exists() or list((b / PEERS_DIR).rglob("*.safetensors")) == []
+
+        push(addr, key=key, **fields)  # type: ignore[arg-type]
+        assert replica_steps(b) == [4]
+    finally:
+        helper.stop()
+    found = restore_on(b, tmp_path)
+    assert found is not None and (found.step, found.tier) == (4, "memory")
