@@ -41,6 +41,14 @@ from trainer.errors import InvalidStateError, StateMismatchError
 _PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg",
                            "acc_delta", "grad_avg", "exp_inf", "ax", "prev", "step_size", "variance"})
 _SCALAR = frozenset({"step", "eta", "mu", "mu_product"})
+# What torch's Adam and AdamW read from a parameter's state once it has any (an entry missing one failed the first
+# step after the restore with a KeyError, on every restart); amsgrad adds "max_exp_avg_sq".
+_ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+_NEEDS_STATE: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
+    torch.optim.Adam: _ADAM_STATE, torch.optim.AdamW: _ADAM_STATE}
+# What a torch scheduler's get_lr raises on a state that cannot step (StepLR's step_size 0: ZeroDivisionError);
+# not ValueError, which OneCycleLR raises past its last step (a finished run's last checkpoint is still good).
+_CANNOT_STEP = (ZeroDivisionError, TypeError, KeyError, IndexError, AttributeError, OverflowError)
 
 
 def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str | None]]:
@@ -111,15 +119,44 @@ def _check_stateful(name: str, obj: Any, saved: Mapping[str, Any]) -> None:
     _check_like(live, saved, name, counts=type(obj).__module__.startswith("torch."))
     if name == "scaler" and isinstance(saved.get("scale"), (int, float)) and not 0 < saved["scale"] < math.inf:
         raise InvalidStateError(f"'scaler' scale is {saved['scale']!r}: a GradScaler's scale is positive and finite")
-    try:  # a deep copy (its optimizer shared): a shallow one loaded into the live nested schedulers and lambdas
+    try:  # a deep copy, of its optimizer too but for the parameters: a shallow one loaded into the live nested
+        # schedulers and lambdas, and a trial get_lr (OneCycleLR's, CyclicLR's) sets its optimizer's momentum
         optimizer = getattr(obj, "optimizer", None)
-        trial = copy.deepcopy(obj, {} if optimizer is None else {id(optimizer): optimizer})
+        trial = copy.deepcopy(obj, {} if optimizer is None else {id(optimizer): _GroupsOnly(optimizer)})
     except Exception:  # noqa: BLE001 - cannot copy it now (a GradScaler mid-step): not judged by a load
         return
     try:
         trial.load_state_dict(copy.deepcopy(dict(saved)))
     except Exception as exc:  # noqa: BLE001 - whatever it raises, the saved state does not load
         raise InvalidStateError(f"{name!r} state does not load into this {type(obj).__name__}: {exc!r}") from exc
+    _check_next_lr(name, trial)
+
+
+class _GroupsOnly:
+    """A copy of an optimizer's param_groups without their parameters: what a trial scheduler reads and sets."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.defaults = copy.deepcopy(getattr(optimizer, "defaults", {}))
+        self.param_groups = [{k: [] if k == "params" else v.detach().clone() if isinstance(v, torch.Tensor)
+                              else copy.deepcopy(v) for k, v in g.items()} for g in optimizer.param_groups]
+
+
+def _check_next_lr(name: str, trial: Any) -> None:
+    """A torch scheduler that computes its own rates (get_lr) can compute the next step's from the loaded state
+    (`trial`, a copy over a copy of its optimizer's groups). StepLR(step_size=0) loaded and failed the first step."""
+    kind = type(trial)
+    if not (isinstance(trial, torch.optim.lr_scheduler.LRScheduler) and kind.__module__.startswith("torch.")
+            and "get_lr" in vars(kind) and type(getattr(trial, "last_epoch", None)) is int):
+        return
+    trial.last_epoch += 1  # what step() does before it asks get_lr
+    trial._get_lr_called_within_step = True  # (torch warns when get_lr is called outside step)
+    try:
+        trial.get_lr()
+    except _CANNOT_STEP as exc:
+        raise InvalidStateError(f"{name!r} state loads into this {kind.__name__}, but its next step fails: "
+                                f"{exc!r}") from exc
+    except Exception:  # noqa: BLE001 - a schedule that has ended (OneCycleLR's ValueError): judged by the loop
+        pass
 
 
 def _plain(value: Any) -> bool:
@@ -188,7 +225,13 @@ def _check_optimizer_values(optimizer: torch.optim.Optimizer, saved: Mapping[str
         lr = saved_group.get("lr")
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not 0 <= lr < math.inf:
             raise InvalidStateError(f"'{where}' lr is {lr!r}: a learning rate is >= 0 and finite")
+    needs = _NEEDS_STATE.get(type(optimizer), ())
+    amsgrad = {pid for g in saved["param_groups"] if g.get("amsgrad") is True for pid in g.get("params", ())}
     for pid, entry in saved["state"].items():
+        lacks = [k for k in (*needs, *(("max_exp_avg_sq",) if needs and pid in amsgrad else ())) if k not in entry]
+        if entry and lacks:  # an empty entry is begun afresh by the first step
+            raise InvalidStateError(f"'optimizer' state of parameter {pid!r} lacks {lacks}, which this "
+                                    f"{type(optimizer).__name__} steps with")
         for key, value in entry.items():
             where = f"'optimizer' state {key!r} of parameter {pid!r}"
             if key in _PARAM_SHAPED and value is not None and not (isinstance(value, torch.Tensor) and (
