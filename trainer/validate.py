@@ -137,7 +137,7 @@ class _GroupsOnly:
 
     def __init__(self, optimizer: Any) -> None:
         self.defaults = copy.deepcopy(getattr(optimizer, "defaults", {}))
-        self.param_groups = [{k: [] if k == "params" else v.detach().clone() if isinstance(v, torch.Tensor)
+        self.param_groups: list[dict[str, Any]] = [{k: [] if k == "params" else v.detach().clone() if isinstance(v, torch.Tensor)
                               else copy.deepcopy(v) for k, v in g.items()} for g in optimizer.param_groups]
 
 
