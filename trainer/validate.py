@@ -137,8 +137,12 @@ class _GroupsOnly:
 
     def __init__(self, optimizer: Any) -> None:
         self.defaults = copy.deepcopy(getattr(optimizer, "defaults", {}))
-        self.param_groups: list[dict[str, Any]] = [{k: [] if k == "params" else v.detach().clone() if isinstance(v, torch.Tensor)
-                              else copy.deepcopy(v) for k, v in g.items()} for g in optimizer.param_groups]
+        self.param_groups: list[dict[str, Any]] = [{k: _copied(v) for k, v in g.items() if k != "params"} | {
+            "params": []} for g in optimizer.param_groups]
+
+
+def _copied(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _check_next_lr(name: str, trial: Any) -> None:
