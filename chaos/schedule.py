@@ -8,7 +8,8 @@ one equal slot per fault, and each fault fires at a step drawn inside its slot. 
 once the job has recovered from the previous one, at the first step at or past its `at_step`.
 `corrupt-checkpoint` is drawn a little after a checkpoint step (never on one), so that the newest
 checkpoint is committed and the next save is still a few steps away when the node's worker is killed
-(the bytes are flipped once it is gone).
+(the bytes are flipped once it is gone), and more than a checkpoint interval before the end, so that a
+restore still follows it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def plan(
         candidates = list(range(lo, hi + 1))
         if spec.kind == "corrupt-checkpoint":
             good = [s for s in candidates if 1 <= s % ckpt_every <= max(1, ckpt_every // 2)]
-            candidates = good or candidates
+            # A checkpoint interval and more before the end: a fast job runs a few steps past the step the fault
+            # saw before its workers are stopped, and one that had committed its last step by then restored
+            # nothing (soak seed 1609: planned at 56 of 60, step 60 damaged after the job's end).
+            roomy = [s for s in good if s <= steps - ckpt_every - 2]
+            candidates = roomy or good or candidates
         at_step = rng.choice(candidates)
         target = spec.target
         if target is None:

@@ -90,6 +90,14 @@ def test_corruption_fires_between_checkpoints() -> None:
         assert 1 <= corrupt.at_step % 5 <= 2
 
 
+def test_corruption_fires_more_than_a_checkpoint_interval_before_the_end() -> None:
+    # The soak's plan (60 steps, a checkpoint every 5): seed 1609 drew step 56, the job had committed its last step
+    # (60) by the time its workers were stopped, and no restore followed the damage.
+    for seed in range(1600, 1700):
+        *_, corrupt = make_plan(seed)
+        assert corrupt.at_step <= 60 - 5 - 2, (seed, corrupt)
+
+
 def test_pinned_targets_are_kept() -> None:
     (f,) = make_plan(3, parse_faults("kill-node@last"))
     assert f.target == "last"
