@@ -300,7 +300,7 @@ class ElasticAgent(LocalElasticAgent):
         are as old as its own, so at `timeout` their agents judge them hung too and restart healthy workers. A
         stopped process cannot make progress; ended first, its connections close, its peers' collectives fail
         at once and they re-form in place, their hang detection paused for the round."""
-        now, hung = time.time(), []
+        now, hung = time.monotonic(), []  # the beats' clock (elastic/progress.py): an NTP step moves neither
         for worker in workers:
             age = progress.last_beat_age(self.progress_dir, worker.local_rank, now)
             if age is None or worker.id is None or age <= timeout * STOPPED_SHARE:

@@ -29,11 +29,12 @@ CAUSE_OF_REASON = {"worker failure": "worker_failure", "peer lost": "peer_lost",
 
 class WorkersCollector:
     """A prometheus_client collector: the series of every worker file of `directory`, labelled by
-    rank, and `elastic_goodput_ratio` (productive step time over the time since the agent started)."""
+    rank, and `elastic_goodput_ratio` (productive step time over the time since the agent started, at
+    `started_at` on `clock`: time.monotonic(), which an NTP step of the wall clock does not move)."""
 
-    def __init__(self, directory: str | Path, started_at: float, wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, directory: str | Path, started_at: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.directory = Path(directory)
-        self.started_at, self._wall = started_at, wall
+        self.started_at, self._clock = started_at, clock
 
     def describe(self) -> list[Any]:
         return []  # unchecked collector: the series come and go with the workers
@@ -65,7 +66,7 @@ class WorkersCollector:
             yield family
         goodput = GaugeMetricFamily("elastic_goodput_ratio", "Productive step time of the rank over the time since "
                                     "its agent started", labels=["rank"])
-        elapsed = max(self._wall() - self.started_at, 1e-9)
+        elapsed = max(self._clock() - self.started_at, 1e-9)
         for data in files:
             productive = data.get("values", {}).get("elastic_train_productive_seconds", {}).get("")
             if productive is not None:
@@ -111,25 +112,26 @@ class Summary:
 
 
 class JobMetrics:
-    """Restarts, re-formations and recoveries of one agent's job (the agent calls in; see agent.py)."""
+    """Restarts, re-formations and recoveries of one agent's job (the agent calls in; see agent.py). Every time
+    here is the host's time.monotonic() (`clock`), the workers' "first_step_mono" too: with the wall clock, an NTP
+    step back made an 18 s recovery an hour long and the job's elapsed time 0."""
 
-    def __init__(self, directory: str | Path, metrics: Any, *, wall: Callable[[], float] = time.time,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, directory: str | Path, metrics: Any, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.directory = Path(directory)
         self.metrics = metrics
-        self._wall, self._clock = wall, clock
-        self.started_at = wall()
+        self._clock = clock
+        self.started_at = clock()
         self.restarts: Counter[str] = Counter()
         self.reformations = 0
         self.recovering_s = 0.0
         self._failed_at: float | None = None
-        metrics.serve_workers(WorkersCollector(self.directory, self.started_at, wall))
+        metrics.serve_workers(WorkersCollector(self.directory, self.started_at, clock))
 
     def failed(self, seen_at: float | None = None) -> None:
         """A failure was seen (at `seen_at`, time.monotonic(); None: now). The first one counts until a
         step is done after it."""
         if self._failed_at is None:
-            self._failed_at = self._wall() - (self._clock() - seen_at if seen_at is not None else 0.0)
+            self._failed_at = seen_at if seen_at is not None else self._clock()
 
     def restarted(self, reason: str, *, reformed: bool) -> None:
         """The worker group restarted for `reason` (the `restart` event's); `reformed`: with other members
@@ -149,8 +151,8 @@ class JobMetrics:
         """After a failure: has a worker completed a step since? (Cheap: reads only while recovering.)"""
         if self._failed_at is None:
             return
-        firsts = [d["meta"]["first_step_at"] for d in read_all(self.directory)
-                  if isinstance(d["meta"].get("first_step_at"), (int, float))]
+        firsts = [d["meta"]["first_step_mono"] for d in read_all(self.directory)
+                  if isinstance(d["meta"].get("first_step_mono"), (int, float))]
         after = [t for t in firsts if t >= self._failed_at]
         if not after:
             return
@@ -169,7 +171,7 @@ class JobMetrics:
 
         steps = [int(v) for v in values("elastic_train_step")]
         productive = values("elastic_train_productive_seconds")
-        elapsed = max(self._wall() - self.started_at, 1e-9)
+        elapsed = max(self._clock() - self.started_at, 1e-9)
         return Summary(
             steps=max(steps) if steps else None, restarts=dict(self.restarts), reformations=self.reformations,
             recovering_s=self.recovering_s, recomputed_steps=int(max(values("elastic_train_steps_recomputed_total"),

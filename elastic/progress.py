@@ -7,10 +7,15 @@ example one stopped with SIGSTOP, or stuck in a collective) and kills it, so the
 A worker that never beats is never judged: plain torchrun scripts keep working unchanged, and
 neither is one that called `finish()`: flushing checkpoints and tearing down the process group at
 the end can take longer than the hang timeout without anything being stuck.
+
+A beat holds "<step> <time.monotonic()>": the worker and its agent share the host's monotonic clock, so an NTP
+step of the wall clock neither makes a healthy worker's beat look an hour old (its agent killed it as hung) nor
+hides a hung one's (judged an hour late). A beat without the time (another writer) is aged by its file's mtime.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -32,7 +37,7 @@ def beat(step: int) -> None:
     if now - _last_beat < _MIN_INTERVAL_S:
         return
     _last_beat = now
-    _write(str(step))
+    _write(f"{step} {now:.3f}")
 
 
 def finish() -> None:
@@ -54,15 +59,30 @@ def _write(text: str) -> None:
 
 
 def last_beat_age(directory: str | Path, local_rank: int, now: float | None = None) -> float | None:
-    """Seconds since the worker's last beat; None if it has not beaten yet or has finished."""
+    """Seconds since the worker's last beat (`now`: time.monotonic()); None if it has not beaten yet or has
+    finished."""
     path = Path(directory) / f"local_rank_{local_rank}"
     try:
         mtime = path.stat().st_mtime
-        if path.read_text() == _FINISHED:
-            return None
+        text = path.read_text()
     except FileNotFoundError:
         return None
-    return (time.time() if now is None else now) - mtime
+    if text == _FINISHED:
+        return None
+    at = beat_time(text)
+    if at is None:  # no monotonic time in it: the file's age on the wall clock
+        return time.time() - mtime
+    return max((time.monotonic() if now is None else now) - at, 0.0)
+
+
+def beat_time(text: str) -> float | None:
+    """The time.monotonic() a beat's text was written at, if it holds one."""
+    _, _, at = text.partition(" ")
+    try:
+        value = float(at)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def make_dir(root: Path | None = None) -> str:

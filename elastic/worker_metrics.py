@@ -83,7 +83,8 @@ class WorkerMetrics:
         self.enabled = path is not None
         self.wall = wall
         self.meta: dict[str, Any] = {"rank": rank, "local_rank": local_rank, "restart": restart, "pid": os.getpid(),
-                                     "started_at": wall(), "first_step_at": None}
+                                     "started_at": wall(), "first_step_at": None,
+                                     "first_step_mono": None}
         self.values: dict[str, dict[str, float]] = {}
         self.hist: dict[str, list[float]] = {}
         """name -> per-bucket counts (the last one +Inf), then the sum."""

@@ -102,7 +102,7 @@ class Telemetry:
         self.marks = [m for m in self.marks if m[0] < step] + [[step, self.productive]]
         self.last_step = step
         r.set("elastic_train_step", step)
-        r.meta["first_step_at"] = None  # the next step is the first after this restore
+        r.meta["first_step_at"] = r.meta["first_step_mono"] = None  # the next step is the first after this restore
         self._first_pending = True
         self._last = self._clock()  # the first step's time starts now, not at the process start
         self._wait = 0.0
@@ -133,7 +133,8 @@ class Telemetry:
                 del self.marks[0]
         if self._first_pending:  # written at once: the agent's failure-to-first-step time
             self._first_pending = False
-            self.recorder.meta["first_step_at"] = self.recorder.wall()
+            # For the agent, on the host's monotonic clock (elastic/job_metrics.py); the wall time for people.
+            self.recorder.meta["first_step_at"], self.recorder.meta["first_step_mono"] = self.recorder.wall(), now
             self.flush()
             return False
         return now >= self._next_flush

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,34 @@ def test_beat_age_grows_and_a_finished_worker_is_never_judged(tmp_path: Path, mo
     monkeypatch.setattr(progress, "_last_beat", 0.0)
     assert progress.last_beat_age(tmp_path, 1) is None  # not beaten yet
     progress.beat(7)
-    beat_file = tmp_path / "local_rank_1"
-    os.utime(beat_file, (beat_file.stat().st_mtime - 100, beat_file.stat().st_mtime - 100))
-    age = progress.last_beat_age(tmp_path, 1)
-    assert age is not None and age >= 99
+    age = progress.last_beat_age(tmp_path, 1, time.monotonic() + 100)
+    assert age is not None and 99 <= age <= 130
     progress.finish()
-    os.utime(beat_file, (beat_file.stat().st_mtime - 100, beat_file.stat().st_mtime - 100))
-    assert progress.last_beat_age(tmp_path, 1) is None
+    assert progress.last_beat_age(tmp_path, 1, time.monotonic() + 100) is None
+
+
+def test_a_wall_clock_step_neither_ages_a_beat_nor_hides_a_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    # Aged by its file's mtime against time.time(), a beat looked 300 s old right after an NTP step forward (the
+    # agent killed a healthy worker as hung; with --max-restarts 0 the job died), and a hung worker's beat looked
+    # young for an hour after a step back. The worker's and the agent's monotonic clock moves with neither.
+    monkeypatch.setenv(progress.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(progress, "_last_beat", 0.0)
+    progress.beat(3)
+    beat_file = tmp_path / "local_rank_0"
+    assert beat_file.read_text().split()[0] == "3"
+    mtime = beat_file.stat().st_mtime
+    os.utime(beat_file, (mtime - 3600, mtime - 3600))  # the wall clock was an hour ahead when it beat
+    age = progress.last_beat_age(tmp_path, 0)
+    assert age is not None and age < 60
+    os.utime(beat_file, (mtime + 3600, mtime + 3600))  # an hour behind
+    age = progress.last_beat_age(tmp_path, 0, time.monotonic() + 100)  # and no beat for 100 s
+    assert age is not None and age >= 99
+    beat_file.write_text("3")  # a beat without its time (another writer): its file's age
+    os.utime(beat_file, (mtime - 100, mtime - 100))
+    age = progress.last_beat_age(tmp_path, 0)
+    assert age is not None and age >= 99
 
 
 def test_make_dir_removes_directories_of_dead_agents_only(tmp_path: Path) -> None:

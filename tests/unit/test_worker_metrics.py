@@ -107,7 +107,7 @@ def test_agent_serves_every_worker_series_by_rank(tmp_path: Path) -> None:
         t.resumed(0, None)
         run_steps(t, clock, 1, 5)
         t.flush()
-    series = scrape(WorkersCollector(tmp_path, started_at=0.0, wall=lambda: 10.0))
+    series = scrape(WorkersCollector(tmp_path, started_at=0.0, clock=lambda: 10.0))
     assert {labels["rank"] for labels, _ in series["elastic_train_steps_total"]} == {"4", "5"}
     assert all(v == 5 for _, v in series["elastic_train_step"])
     assert {labels["outcome"] for labels, _ in series["elastic_ckpt_saves_total"]} >= {"ok", "failed", "skipped"}
@@ -121,27 +121,30 @@ def test_agent_serves_every_worker_series_by_rank(tmp_path: Path) -> None:
 
 
 def test_failure_to_first_step_and_the_summary(tmp_path: Path) -> None:
+    # All on the host's monotonic clock: an NTP step of the wall clock (an hour back, here) made an 8 s recovery
+    # an hour long and the job's elapsed time 0 (a goodput of 1.0).
     wall, mono = Clock(), Clock()
-    job = JobMetrics(tmp_path, AgentMetrics.start(None), wall=wall, clock=mono)
+    job = JobMetrics(tmp_path, AgentMetrics.start(None), clock=mono)
     t = Telemetry(recorder(tmp_path, mono, wall=wall), cadences=(10,), clock=mono)
     t.resumed(0, None)
     run_steps(t, mono, 1, 12)  # 6 s of steps
-    wall.now += 20.0
+    mono.now += 20.0
+    wall.now -= 3600.0
     job.failed(mono.now - 1.0)  # seen a second ago
     job.restarted("worker failure", reformed=False)
+    mono.now += 6.5  # the restart and the restore
     t.resumed(10, None)  # the restarted worker (in this process, for the test): steps 11 and 12 are lost
     job.poll()
     assert job._failed_at is not None  # no step since the failure
-    wall.now += 6.5
-    run_steps(t, mono, 11, 12)  # one more second of steps
+    run_steps(t, mono, 11, 12)  # one more second of steps: the first after the failure 8 s after it
     job.poll()
     t.flush()  # as Resumable.close does
-    wall.now += 10.0
+    mono.now += 10.0
     s = job.summary()
-    assert s.recovering_s == pytest.approx(7.5) and s.restarts == {"worker_failure": 1} and s.steps == 12
+    assert s.recovering_s == pytest.approx(8.0) and s.restarts == {"worker_failure": 1} and s.steps == 12
     assert s.recomputed_steps == 2 and s.recomputed_s == pytest.approx(1.0)
-    assert s.goodput == pytest.approx(6.0 / 36.5)
-    assert "1 restart (worker_failure 1)" in s.line() and "goodput 0.16" in s.line()
+    assert s.elapsed_s == pytest.approx(43.5) and s.goodput == pytest.approx(6.0 / 43.5)
+    assert "1 restart (worker_failure 1)" in s.line() and "goodput 0.14" in s.line()
 
 
 def test_a_restart_with_the_same_members_is_no_re_formation(tmp_path: Path) -> None:
