@@ -39,12 +39,13 @@ Replies: {"ok": true, ...} or {"ok": false, "error": "..."}.
 
 Failure: the worker gives the helper `timeout` seconds (a tier-1 write `persist_timeout`); on no
 answer, a broken connection or an error it does the work itself, as without a helper, and tries the
-helper again `RETRY_S` later (a restarted helper: the agent starts a new one when the old one died,
-elastic/node_helper.py). The helper holds the slot's lock (ckpt/tier0.py, SlotLock) while it works
-on it and checks, before it writes the manifest or renames the rank directory, that the worker still
-waits: a worker that gave up closed the connection first and takes the lock before it touches the
-slot, so a late helper never writes a manifest over bytes the worker replaced, nor a second copy of
-a rank directory; while the helper still holds the lock the worker leaves the slot alone.
+helper again `RETRY_S` later, twice as late after each failure in a row (a restarted helper: the agent
+starts a new one when the old one died or stopped answering, elastic/node_helper.py). The helper holds
+the slot's lock (ckpt/tier0.py, SlotLock) while it works on it and checks, before it writes the
+manifest or renames the rank directory, that the worker still waits: a worker that gave up closed the
+connection first and takes the lock before it touches the slot, so a late helper never writes a
+manifest over bytes the worker replaced, nor a second copy of a rank directory; while the helper still
+holds the lock the worker leaves the slot alone.
 
 The process itself: ckpt/helper_process.py.
 """
@@ -52,6 +53,7 @@ The process itself: ckpt/helper_process.py.
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -88,7 +90,10 @@ class HelperClient:
     """A worker's connection to its node's helper (one per rank; used from one thread at a time)."""
 
     RETRY_S = 5.0
-    """After a failure, the helper is tried again this much later (meanwhile the worker publishes)."""
+    """After a failure, the helper is tried again this much later (meanwhile the worker publishes), doubled after
+    each failure in a row up to RETRY_MAX_S, with jitter: a helper that stops answering (stopped, wedged) cost a
+    `timeout` wait, and the snapshots skipped meanwhile, every few seconds until its agent replaced it."""
+    RETRY_MAX_S = 300.0
 
     def __init__(self, tier0_dir: str | Path, *, timeout: float = 30.0, persist_timeout: float = 600.0) -> None:
         self.path = socket_path(tier0_dir)
@@ -100,6 +105,7 @@ class HelperClient:
         self._templates: dict[int, int] = {}  # id(template bytes' owner) -> template id sent on this connection
         self._next_id = 0
         self._retry_at = 0.0
+        self._failures = 0  # in a row
         self._warned = False
         self.published = 0
         """Snapshots the helper published (for metrics and tests)."""
@@ -136,6 +142,7 @@ class HelperClient:
         (1.2 GB: ~0.4 s, which held up a save on one H200). False when the helper did not answer."""
         try:
             self._call(self._connect(), {"op": "map", "path": str(path), "size": size}, b"")
+            self._answered()
             self.mapped += 1
             return True
         except (OSError, ValueError, HelperError):
@@ -184,14 +191,19 @@ class HelperClient:
                 self._templates = {template_key: tid}  # one layout at a time: the old one is not reused
             sock.settimeout(timeout or self.timeout)
             try:
-                return self._call(sock, {**request, "template": tid}, body, on_released)
+                reply = self._call(sock, {**request, "template": tid}, body, on_released)
             finally:
                 sock.settimeout(self.timeout)
+            self._answered()
+            return reply
         except (OSError, ValueError, HelperError) as exc:
             if remote_errors and isinstance(exc, HelperRequestFailed):
+                self._answered()
                 raise
             self.close()
-            self._retry_at = time.monotonic() + self.RETRY_S
+            self._failures += 1
+            delay = min(self.RETRY_S * 2 ** min(self._failures - 1, 16), self.RETRY_MAX_S)
+            self._retry_at = time.monotonic() + delay * random.uniform(0.8, 1.2)
             if not self._warned:
                 self._warned = True
                 emit("ckpt_helper", state="lost", step=step, error=str(exc))
@@ -209,11 +221,15 @@ class HelperClient:
                 sock.close()
                 raise
             self._sock, self._templates = sock, {}
-            if self._warned:
-                logger.info("the node's checkpoint helper answers again (%s)", self.path)
-                emit("ckpt_helper", state="back")
-                self._warned = False
         return self._sock
+
+    def _answered(self) -> None:
+        """The helper answered a request: "back" only now (a stopped helper's socket still takes connections)."""
+        self._failures = 0
+        if self._warned:
+            logger.info("the node's checkpoint helper answers again (%s)", self.path)
+            emit("ckpt_helper", state="back")
+            self._warned = False
 
     @staticmethod
     def _call(sock: socket.socket, header: dict[str, Any], body: bytes,

@@ -7,8 +7,10 @@ earlier: a joining node's prestarted workers warm up first, and the helper impor
 2 cores made a joiner's first step 6.9 s after its agent's start instead of 4.0 s), checks it on every
 monitor tick, starts it again when it died (event `ckpt_helper_restarted`, with the
 time the node was without it; the workers publish their snapshots themselves meanwhile) and stops it
-at exit. After `MAX_QUICK_DEATHS` deaths within a minute of their start it gives up (logged once):
-something in its environment is broken, and the workers do the work themselves.
+at exit. A helper that is alive but does not answer (stopped, wedged) is killed after `MAX_SILENT_PINGS` pings
+in a row without an answer (event `ckpt_helper_unresponsive`) and so started again. After `MAX_QUICK_DEATHS`
+deaths within a minute of their start it gives up (logged once): something in its environment is broken, and
+the workers do the work themselves.
 
 With a rendezvous that has membership records (etcd-v3) the agent also makes a TCP listener once,
 advertises it in its record as "replica" and hands it to every helper it starts (so the address stays
@@ -28,10 +30,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from core.deadline import Deadline
 from core.events import emit
+from core.frames import recv_frame, send_frame
 from core.replica_targets import ring_targets, write_targets
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,15 @@ SOCKET_NAME = "helper.sock"
 
 MAX_QUICK_DEATHS = 3
 QUICK_S = 60.0
+
+PING_EVERY_S = 5.0
+"""How often the agent asks its helper whether it answers (a stopped or wedged helper is alive, not dead)."""
+PING_TIMEOUT_S = 10.0
+"""How long one ping may take (the helper answers it on a thread of its own, at once)."""
+MAX_SILENT_PINGS = 3
+"""Pings in a row without an answer after which the helper is killed and started again (~45 s)."""
+START_GRACE_S = 60.0
+"""A new helper's first seconds (it imports torch): until it has answered once, no answer is not counted."""
 
 
 class NodeHelper:
@@ -58,6 +72,8 @@ class NodeHelper:
         self._begun = False  # its process was started once (or the helper stopped): begin() does nothing
         self._started_at = 0.0
         self._quick_deaths = 0
+        self._stopping = threading.Event()
+        self._watch: threading.Thread | None = None
         self.restarts = 0
 
     @classmethod
@@ -105,6 +121,34 @@ class NodeHelper:
             if key_fd is not None:
                 os.close(key_fd)
         self._started_at = time.monotonic()
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._watch_answers, name="ckpt-helper-watch", daemon=True)
+            self._watch.start()
+
+    def _watch_answers(self) -> None:
+        """Kill a helper that is alive but does not answer (stopped, wedged): `ensure_running`, on the next monitor
+        tick, then starts a new one. Seen: a SIGSTOPped helper was never replaced, and every worker waited 30 s for
+        it every few seconds, skipping its snapshots meanwhile."""
+        silent, answered = 0, None  # answered: the process that answered a ping (a new one is starting up)
+        while not self._stopping.wait(PING_EVERY_S):
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                silent = 0
+                continue
+            error = ping(self.socket, PING_TIMEOUT_S)
+            if error is None:
+                silent, answered = 0, proc
+                continue
+            if answered is not proc and time.monotonic() - self._started_at < START_GRACE_S:
+                continue  # not up yet (it imports torch)
+            silent += 1
+            if silent < MAX_SILENT_PINGS or self._stopping.is_set():
+                continue
+            log.warning("agent: the node's checkpoint helper (pid %d) did not answer %d pings in a row (%s); "
+                        "killing it, a new one starts", proc.pid, silent, error)
+            emit("ckpt_helper_unresponsive", pid=proc.pid, pings=silent, error=error)
+            proc.kill()
+            silent = 0
 
     def ensure_running(self) -> None:
         """On each monitor tick: start the helper again if it died (bounded, see the module docstring)."""
@@ -114,7 +158,7 @@ class NodeHelper:
         now = time.monotonic()
         self._quick_deaths = self._quick_deaths + 1 if now - self._started_at < QUICK_S else 0
         self._proc = None
-        if self._quick_deaths > MAX_QUICK_DEATHS:
+        if self._quick_deaths >= MAX_QUICK_DEATHS:
             log.error("agent: the node's checkpoint helper died %d times within %.0f s of its start (exit %s); "
                       "not starting it again: the workers publish their snapshots themselves",
                       self._quick_deaths, QUICK_S, proc.returncode)
@@ -145,6 +189,7 @@ class NodeHelper:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._begun = True
+        self._stopping.set()
         if self.replica_listener is not None:
             self.replica_listener.close()
         proc, self._proc = self._proc, None
@@ -166,3 +211,17 @@ def _pipe_holding(data: bytes) -> int:
     finally:
         os.close(write)
     return read
+
+
+def ping(path: Path, timeout: float) -> str | None:
+    """None if the helper listening at `path` answers a ping within `timeout` seconds, else why not."""
+    deadline = Deadline.after(timeout)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(path))
+            send_frame(sock, {"op": "ping"})
+            reply, _ = recv_frame(sock, deadline)
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if reply.get("ok") else f"it answered {str(reply)[:200]}"

@@ -5,6 +5,7 @@ step's bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -433,3 +434,37 @@ def test_the_agents_helper_starts_at_begin_once_and_never_after_stop(shm: Path,
     assert helper.pid is None
     helper.begin()
     assert helper.pid is None
+
+
+def test_an_agents_helper_that_stops_answering_is_killed_and_a_new_one_started(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A helper alive but not answering (SIGSTOPped here; wedged alike) was never replaced: only its death was
+    # noticed, and every worker waited `timeout` for it every few seconds, skipping its snapshots meanwhile.
+    from elastic import node_helper
+
+    monkeypatch.setenv(node_helper.ENV, "1")
+    for name, value in (("PING_EVERY_S", 0.1), ("PING_TIMEOUT_S", 0.5), ("MAX_SILENT_PINGS", 2)):
+        monkeypatch.setattr(node_helper, name, value)
+    helper = node_helper.NodeHelper.start(str(shm))
+    assert helper is not None and helper.pid is not None
+    first = helper.pid
+
+    def wait_until(what: str, ok) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 60
+        while not ok():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            helper.ensure_running()  # the agent's monitor tick
+            time.sleep(0.05)
+
+    try:
+        wait_until("the helper to answer", lambda: node_helper.ping(socket_path(shm), 5) is None)
+        time.sleep(1.0)
+        assert helper.pid == first  # answering: left alone
+        os.kill(first, signal.SIGSTOP)
+        wait_until("a new helper", lambda: helper.pid not in (None, first))
+        assert not os.path.exists(f"/proc/{first}")  # the stopped one was killed (and reaped)
+        wait_until("the new helper to answer", lambda: node_helper.ping(socket_path(shm), 5) is None)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(first, signal.SIGKILL)
+        helper.stop()
