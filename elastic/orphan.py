@@ -49,6 +49,11 @@ def _watch(parent: int, poll_s: float) -> None:
     stop = threading.Event()
     while not stop.wait(poll_s):
         if os.getppid() != parent:
-            sys.stderr.write(f"elastic: worker {os.getpid()} exits: its agent (pid {parent}) is gone\n")
-            sys.stderr.flush()
-            os._exit(EXIT_CODE)  # other threads may be stuck in a collective: do not wait for them
+            try:  # a stderr whose reader is gone with the agent (a pipe: EPIPE; a hung-up tty: EIO) ended this
+                # thread here, and the worker lived on for seconds to minutes
+                sys.stderr.write(f"elastic: worker {os.getpid()} exits: its agent (pid {parent}) is gone\n")
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            finally:
+                os._exit(EXIT_CODE)  # other threads may be stuck in a collective: do not wait for them
