@@ -391,10 +391,26 @@ def main(argv: list[str] | None = None) -> dict[int, Any]:
         prestart.dismiss()  # interpreters started ahead that no agent took (bad flags, a failed start)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _stop_on_signals() -> None:
+    """From the start, a stop signal ends the agent as once its workers run (torch's handlers, installed only
+    then): through the agent's cleanup (its tier-0 and progress directories, helper, spare) to exit 128+N.
+    Before, a SIGTERM or SIGHUP during the rendezvous killed it outright and left its directories in /dev/shm,
+    and a Ctrl-C printed a traceback."""
+    def stop(signum: int, _frame: object) -> None:
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
 def cli(argv: list[str] | None = None) -> int:
     """The `elastic-run` console script: exit 2 for bad flags, 1 for a failed job, 128+N for signal N, 75
     (EXIT_BELOW_MIN) when fewer nodes than --nnodes MIN are left (the survivors persisted their state)."""
     fast_exit.install()
+    _stop_on_signals()
     try:
         main(argv)
         return 0

@@ -479,3 +479,33 @@ def test_lost_peer_is_one_line_not_a_traceback(procs, etcd: EtcdServer, run_id: 
     out = "".join(lines) + a.communicate(timeout=60)[0]
     assert "peer node b lost; the group re-formed with 1 node" in out, out
     assert "Traceback" not in out and "Connection closed by peer" not in out, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGINT], ids=["SIGHUP", "SIGINT"])
+def test_a_stop_signal_during_the_rendezvous_cleans_up_and_exits_128_plus_n(
+        procs, etcd: EtcdServer, run_id: str, tmp_path: Path, sig: signal.Signals) -> None:
+    # torch installs its signal handlers only once the workers start: before, SIGTERM and SIGHUP killed the agent
+    # outright (its tier-0 and progress directories left in /dev/shm) and Ctrl-C printed a traceback.
+    from core.tier0_dir import shm_root
+
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(3)\n")  # never started: the second node never comes
+    proc = procs.elastic_run("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.endpoint,
+                             "--rdzv-id", run_id, "--monitor-interval", "0.1", str(script))
+    mine = [f"elastic-tier0-{proc.pid}-*", f"elastic-progress-{proc.pid}-*"]
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not any("rendezvous" in line.lower() for line in list(lines)):  # waiting for the second node
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+    assert all(list(shm_root().glob(pattern)) for pattern in mine), "".join(lines)
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=60)
+    reader.join(timeout=30)
+    out = "".join(lines)
+    assert proc.returncode == 128 + sig, out
+    assert "Traceback" not in out and f"elastic-run: stopped by {sig.name}" in out, out
+    assert [p for pattern in mine for p in shm_root().glob(pattern)] == []
