@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="[elastic-chaos] %(asctime)s %(message)s")
     become_subreaper()
-    signal.signal(signal.SIGTERM, _interrupt)  # clean up every process, as on Ctrl-C
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up every process, as on Ctrl-C (SIGHUP: a closed terminal)
+        signal.signal(sig, _interrupt)
     from chaos.runner import run  # imports torch: keep `--help` and bad input fast
 
     try:

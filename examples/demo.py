@@ -66,9 +66,13 @@ def launch(name: str, ckpt_dir: Path, kill_at: int | None) -> dict[str, object]:
                     killed = done
             proc.wait(timeout=120)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            if proc.poll() is None:  # interrupted (or too slow): the agent stops its workers and cleans up
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.communicate(timeout=30)  # read what it still prints: a full pipe would block it
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
     events = read_events(str(events_dir))
     # The replaced rank 1 (restart >= 1): where it resumed from and which tier it read.
     resumed = [e["step"] for e in events if e["event"] == "resumed" and e.get("rank") == 1 and e.get("restart")]
@@ -89,7 +93,23 @@ def launch(name: str, ckpt_dir: Path, kill_at: int | None) -> dict[str, object]:
     }
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main() -> int:
+    # The job runs in a session of its own (a Ctrl-C reaches only this script): a SIGTERM or SIGHUP (a closed
+    # terminal) to this script stops it too, as a Ctrl-C does, through its agent (launch's finally).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        return _demo()
+    except KeyboardInterrupt:
+        print("\ndemo: interrupted; its job was stopped", file=sys.stderr)
+        return 130
+
+
+def _demo() -> int:
     shutil.rmtree(OUT, ignore_errors=True)
     OUT.mkdir()
     reference = launch("reference", OUT / "ckpt-reference", kill_at=None)
