@@ -31,8 +31,14 @@ def listening_socket(host: str | None, backlog: int = 128) -> socket.socket:
     return socket.create_server((host, 0), family=family, backlog=backlog)
 
 
+MAX_HELD = 4096
+"""Connections a beacon holds at most: one per live peer is what it needs; past this, new ones are refused."""
+
+
 class Beacon:
-    """A listening socket held open for this agent's lifetime."""
+    """A listening socket held open for this agent's lifetime; each peer's connection is held until that peer
+    closes it (a lost node's agent, a port scan): every connection was held for the agent's life, one file
+    descriptor per node that ever joined, until the agent ran out of them and its node fell out of the job."""
 
     def __init__(self, bind: str | None, *, advertise: str | None = None) -> None:
         """Listen on `bind` (None: every interface); peers are told `advertise:port` (default: `bind`)."""
@@ -41,31 +47,62 @@ class Beacon:
             raise ValueError("a beacon on every interface needs the address peers reach it at (advertise=)")
         self._sock = listening_socket(bind, backlog=64)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
-        self._peers: list[socket.socket] = []
+        self._peers: set[socket.socket] = set()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="elastic-beacon", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="elastic-beacon", daemon=True)
         self._thread.start()
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            self._peers.append(conn)  # held, never read: only its closing carries meaning
+    @property
+    def held(self) -> int:
+        """Peer connections held now."""
+        return len(self._peers)
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._sock, selectors.EVENT_READ, None)
+            while not self._closed.is_set():
+                for key, _ in selector.select(timeout=1.0):
+                    if key.data is None:
+                        self._accept(selector)
+                    else:
+                        self._read(selector, key.fileobj)  # type: ignore[arg-type]
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            return  # closed (close() wakes the select by shutting the socket down), or the peer already gone
+        if len(self._peers) >= MAX_HELD:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self._peers.add(conn)
+        selector.register(conn, selectors.EVENT_READ, "peer")
+
+    def _read(self, selector: selectors.BaseSelector, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(4096)  # never sent by our peers: only its closing carries meaning
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # that peer closed: so do we
+            selector.unregister(conn)
+            self._peers.discard(conn)
+            conn.close()
 
     def close(self) -> None:
         self._closed.set()
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked select() on Linux
         except OSError:
             pass
+        self._thread.join(timeout=2)
         for s in [self._sock, *self._peers]:
             try:
                 s.close()
             except OSError:
                 pass
-        self._thread.join(timeout=2)
 
 
 class Monitor:

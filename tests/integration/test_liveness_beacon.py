@@ -1,0 +1,48 @@
+"""The beacon (elastic/liveness.py) holds a connection only while its peer does."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+from elastic.liveness import Beacon
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_for(ok, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 20
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_beacon_lets_go_of_every_peer_that_closed_and_keeps_the_live_ones() -> None:
+    # It held every connection for its agent's life: one file descriptor per node that ever joined (or port scan),
+    # until the agent could not accept its round's store connections and its node fell out of the job.
+    beacon = Beacon("127.0.0.1")
+    host, port = beacon.address.rsplit(":", 1)
+    try:
+        live = socket.create_connection((host, int(port)), timeout=10)  # a peer that stays
+        wait_for(lambda: beacon.held == 1, "the live peer held")
+        before = open_fds()
+        for _ in range(100):  # peers lost one after another
+            socket.create_connection((host, int(port)), timeout=10).close()
+        wait_for(lambda: beacon.held == 1, "the closed peers let go")
+        assert open_fds() <= before + 2
+        live.close()
+        wait_for(lambda: beacon.held == 0, "the last peer let go")
+        again = socket.create_connection((host, int(port)), timeout=10)  # it accepts on
+        wait_for(lambda: beacon.held == 1, "a new peer held")
+    finally:
+        beacon.close()
+    again.settimeout(10)
+    assert again.recv(1) == b""  # closing the beacon closes what it holds: the peer reads EOF (its node is gone)
+    again.close()
