@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import atexit
+import contextlib
 import io
 import json
 import logging
@@ -344,11 +345,16 @@ def serve(control_fd: int) -> int:
             mapper = SlotMapper(Path(root), pin=True).start()
     else:
         set_by_imports = {}
+    ready = None
     if directory := os.environ.get(ENV_PROGRESS_DIR):
-        with open(os.path.join(directory, f"spare_ready_{os.getpid()}"), "w"):
+        ready = os.path.join(directory, f"spare_ready_{os.getpid()}")
+        with open(ready, "w"):
             pass  # for the agent (Spare.warm)
     order = message()
     control.close()  # not the worker's
+    if ready is not None:  # read by the agent until it sent its order or dismissed it: one file per spare was left
+        with contextlib.suppress(OSError):
+            os.unlink(ready)
     if mapper is not None:
         mapper.stop()
     if order is None:

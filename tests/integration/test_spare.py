@@ -55,7 +55,9 @@ def test_a_spare_runs_the_order_it_is_given(tmp_path: Path, how: str) -> None:
     (tmp_path / "core" / "model_of_the_script.py").write_text("OWN = True\n")
     stdout, stderr = tmp_path / "stdout.log", tmp_path / "stderr.log"
     stdout.write_text("the dead worker's last line\n")
-    warm_env = {**os.environ, "ONLY_WHILE_WARMING": "1"}
+    progress = tmp_path / "progress"  # the agent's: a spare says it is warm there
+    progress.mkdir()
+    warm_env = {**os.environ, "ONLY_WHILE_WARMING": "1", "ELASTIC_PROGRESS_DIR": str(progress)}
     warm_env.pop("RANK", None)
     if how == "started":
         spare = Spare.start(sys.executable, ["-u", str(script), "--flag"], warm_env)
@@ -66,6 +68,7 @@ def test_a_spare_runs_the_order_it_is_given(tmp_path: Path, how: str) -> None:
     spare.take(local_rank=1, interpreter_args=["-u", str(script), "--flag", "3"], env=order_env,
                stdout=str(stdout), stderr=str(stderr))
     assert spare.proc.wait(timeout=100) == 3  # the script's own exit status
+    assert list(progress.glob("spare_ready_*")) == []  # one per spare ever started was left there
 
     lines = stdout.read_text().splitlines()
     assert lines[0] == "the dead worker's last line"  # appended, like the rank's log file
