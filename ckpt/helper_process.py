@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,10 @@ from ckpt.identity import RunIdentity
 from ckpt.layout import MANIFEST_FILE, STATE_FILE, Layout
 from ckpt.manifest import Manifest, parse_manifest
 from ckpt.persist import commit_if_complete, persist_rank
-from ckpt.replica import ReplicaReceiver, ReplicaSender
+from ckpt.replica import ReplicaReceiver, ReplicaSender, prune_departed
 from ckpt.safe_io import check_regular, open_regular
 from ckpt.shared import put_file
-from ckpt.tier0 import SlotLock, snapshot_manifest
+from ckpt.tier0 import PEERS_DIR, SlotLock, snapshot_manifest
 from core.frames import recv_frame, send_frame
 from core.heap import freeze_now
 from core.numbers import decimal
@@ -92,6 +93,7 @@ class Helper:
                                                initargs=(persist_nice(),))
         self.images = SlotImages()
         self.sender = ReplicaSender(path.parent, replica_key)
+        self._pruned_at = 0.0
         self._filesystems: dict[tuple[str, str], AbstractFileSystem] = {}
         self._fs_lock = threading.Lock()
 
@@ -184,6 +186,7 @@ class Helper:
             # publish or reuse the slot itself): its slot's bytes may be another step's by now.
             _require_open(conn)
             write_atomic(slot / MANIFEST_FILE, manifest)
+            self._prune_later(int(header["step"]), str(header["generation"]))
             copies = int(header.get("replicate", 0))
             if copies > 0 and self.sender.offer(rank=int(header["rank"]), step=int(header["step"]), image=image,
                                                 manifest=manifest, copies=copies, lock=lock):
@@ -192,6 +195,15 @@ class Helper:
         finally:
             if not handed:
                 lock.release()
+
+    def _prune_later(self, step: int, generation: str) -> None:
+        """Now and then (not every snapshot), on the persist pool: drop the replicas of nodes that left the round,
+        now that this node published a newer step (ckpt/replica.py, prune_departed)."""
+        now = time.monotonic()
+        if now - self._pruned_at < PRUNE_EVERY_S or not (self.path.parent / PEERS_DIR).is_dir():
+            return
+        self._pruned_at = now
+        self.persist_pool.submit(prune_departed, self.path.parent, step, generation)
 
     def persist(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> dict[str, Any]:
         slot = Path(header["path"])
@@ -230,6 +242,9 @@ def _given_sums(header: dict[str, Any]) -> Checksum | None:
     sums = header.get("sums")
     return None if sums is None else sum64_from_chunks(bytes.fromhex(str(sums)), int(header["chunk_bytes"]))
 
+
+PRUNE_EVERY_S = 10.0
+"""How often (at most) a publish looks for replicas of nodes that left the round (ckpt/replica.py)."""
 
 NICE = 10
 """The helper's CPU niceness: its checksums and writes take the cores the training processes leave. On one

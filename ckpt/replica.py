@@ -37,6 +37,10 @@ sockets). A replayed push of this run is an older step of this run: it takes the
 Without a join token pushes are unsigned and only the job's run id (`job`) is checked: the rendezvous then
 trusts whoever can reach etcd, and these sockets trust whoever can reach them.
 
+A lost node's replicas are kept until this node has published a newer snapshot of its own in a later
+incarnation (`prune_departed`, called by the helper): by then its ranks' state is in that newer step. Kept for the
+agent's life, each node that left held 2 x its ranks' state of this node's host memory.
+
 Simulated nodes on one machine each have their own tier-0 directory, so a replica always travels over
 the socket, never through a shared path.
 """
@@ -51,6 +55,7 @@ import logging
 import mmap
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -63,7 +68,7 @@ from typing import Any
 from ckpt.checksum import digest_parts
 from ckpt.durable import write_atomic
 from ckpt.errors import CheckpointError
-from ckpt.layout import MANIFEST_FILE, STATE_FILE, rank_dir_name
+from ckpt.layout import MANIFEST_FILE, STATE_FILE, is_real_dir, list_dir, rank_dir_name
 from ckpt.manifest import parse_manifest
 from ckpt.safe_io import open_own_file
 from ckpt.tier0 import PEERS_DIR, SLOTS, SlotLock
@@ -387,3 +392,31 @@ def _map_file(path: Path, size: int) -> mmap.mmap:
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def prune_departed(tier0: Path, newer_than: int, generation: str) -> list[str]:
+    """Remove the replicas of nodes that are not in the round any more (not among this node's replica targets,
+    core/replica_targets.py) once this node has published a snapshot of a newer step (`newer_than`) in a later
+    incarnation (`generation`, a new one at every re-formation and restart): its ranks' state is in that step.
+    Within the incarnation a replica was made in, the restore after that node's loss may still need it. Returns
+    the node directories removed (nothing before the agent named the round: no targets file yet)."""
+    node, targets = read_targets(tier0)
+    if not node:
+        return []
+    members = {node_dir_name(n) for n in (node, *(t.node for t in targets))}
+    removed = []
+    for found in list_dir(tier0 / PEERS_DIR):
+        if found.name in members or not is_real_dir(found):
+            continue
+        kept = []
+        for manifest in found.glob(f"rank_*/slot_*/{MANIFEST_FILE}"):
+            with contextlib.suppress(OSError, CheckpointError):
+                parsed = parse_manifest(manifest.read_bytes(), path=manifest)
+                kept.append((parsed.step, parsed.generation))
+        if any(step >= newer_than or made_in == generation for step, made_in in kept):
+            continue  # it may still be the newest state of its ranks (this node's worker restores from it)
+        shutil.rmtree(found, ignore_errors=True)
+        removed.append(found.name)
+        emit("ckpt_replica", state="dropped", node=found.name, newest=max((k[0] for k in kept), default=None),
+             newer=newer_than)
+    return removed

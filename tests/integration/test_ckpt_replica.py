@@ -9,6 +9,7 @@ bytes is refused and leaves the previous replica whole and in use.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -388,3 +389,37 @@ def test_in_a_run_with_a_join_token_a_helper_keeps_only_pushes_signed_with_the_r
         helper.stop()
     found = restore_on(b, tmp_path)
     assert found is not None and (found.step, found.tier) == (4, "memory")
+
+
+def test_the_replicas_of_a_node_that_left_are_dropped_once_this_node_published_a_newer_step(
+        nodes: tuple[Path, Path], tmp_path: Path) -> None:
+    # Kept for the agent's life, each node that left (a replaced spot node: a new node id each time) held twice
+    # its ranks' state of this node's host memory.
+    from ckpt.replica import prune_departed
+
+    a, b = nodes
+    helper = Helper(b, tmp_path / "b.log")  # node b's helper, a real process, keeps a's replica
+    try:
+        image, manifest = snapshot_of(a, tmp_path, 4)
+        push(helper.addr, node="a", rank=0, step=4, manifest=manifest, data=memoryview(image))
+        assert replica_steps(b) == [4]
+        made_in = json.loads(manifest).get("generation", "")  # "" for a checkpointer given none
+        assert prune_departed(b, 10, "later") == []  # the agent has not named the round yet: nothing is judged
+        write_targets(b, "b", [Target("a", "127.0.0.1:1")])  # a is in the round
+        assert prune_departed(b, 10, "later") == [] and replica_steps(b) == [4]
+        write_targets(b, "b", [])  # a left the round
+        assert prune_departed(b, 4, "later") == [] and replica_steps(b) == [4]  # its step is still b's newest
+        # A newer step of the same incarnation: b's worker may still have to restore a's ranks from it.
+        assert prune_departed(b, 10, made_in) == [] and replica_steps(b) == [4]
+        # b's worker publishes step 5 of a later incarnation through the helper: the helper drops a's replica.
+        ck = Checkpointer(CheckpointConfig(local_dir=tmp_path / "b-ckpt", tier0_dir=b), rank=0, world_size=1,
+                          generation="re-formed")
+        try:
+            ck.snapshot(5, state(5)).wait_persisted()
+        finally:
+            ck.close()
+        wait_for(lambda: not (b / PEERS_DIR / "a").exists(), "a's replica dropped")
+        assert any(e["event"] == "ckpt_replica" and e.get("state") == "dropped" and e["node"] == "a"
+                   for e in read_events(str(helper.events)))
+    finally:
+        helper.end()
