@@ -364,6 +364,9 @@ def run(args: Namespace, plan: Plan) -> dict[int, Any]:
             warm_spare=args.warm_spare,
         )
         return launch(config, cmd, cmd_args, agent_config)
+    except SignalException as exc:
+        exc.embedded_etcd = plan.embedded_etcd  # type: ignore[attr-defined]  # for cli's last line
+        raise
     finally:
         if etcd is not None:
             etcd.stop()
@@ -421,8 +424,10 @@ def cli(argv: list[str] | None = None) -> int:
         return 1
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
-        print(f"elastic-run: stopped by {name}: workers stopped; the run is left open, so a requeued job with "
-              "the same --rdzv-id can continue it", file=sys.stderr)
+        # A run on its own embedded etcd ends with it; one on a shared etcd can be continued.
+        rest = "" if getattr(exc, "embedded_etcd", False) else ("; the run is left open, so a requeued job with the "
+                                                                "same --rdzv-id can continue it")
+        print(f"elastic-run: stopped by {name}: workers stopped{rest}", file=sys.stderr)
         return 128 + int(exc.sigval)
     except BelowMinimumError as exc:
         print(f"elastic-run: {exc}", file=sys.stderr)

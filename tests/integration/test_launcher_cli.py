@@ -420,7 +420,8 @@ def test_sigterm_stops_cleanly_with_exit_143(sleeping_job: SleepingJob) -> None:
     out = "".join(sleeping_job.lines)
     assert proc.returncode == 143, out
     assert "Traceback" not in out, out
-    assert out.count("elastic-run: stopped by SIGTERM") == 1 and "left open" in out
+    assert out.count("elastic-run: stopped by SIGTERM") == 1
+    assert "left open" not in out  # its embedded etcd ends with it: no run to continue
 
 
 @pytest.mark.timeout(120)
@@ -508,4 +509,5 @@ def test_a_stop_signal_during_the_rendezvous_cleans_up_and_exits_128_plus_n(
     out = "".join(lines)
     assert proc.returncode == 128 + sig, out
     assert "Traceback" not in out and f"elastic-run: stopped by {sig.name}" in out, out
+    assert "the run is left open, so a requeued job with the same --rdzv-id can continue it" in out  # a shared etcd
     assert [p for pattern in mine for p in shm_root().glob(pattern)] == []
