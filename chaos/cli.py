@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="[elastic-chaos] %(asctime)s %(message)s")
     become_subreaper()
     for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up every process, as on Ctrl-C (SIGHUP: a closed terminal)
-        signal.signal(sig, _interrupt)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup, SIGHUP stays ignored
+            signal.signal(sig, _interrupt)
     from chaos.runner import run  # imports torch: keep `--help` and bad input fast
 
     try:

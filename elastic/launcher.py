@@ -394,26 +394,44 @@ def main(argv: list[str] | None = None) -> dict[int, Any]:
         prestart.dismiss()  # interpreters started ahead that no agent took (bad flags, a failed start)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torch's default --signals-to-handle."""
 
 
-def _stop_on_signals() -> None:
+def _stop_on_signals(argv: list[str]) -> None:
     """From the start, a stop signal ends the agent as once its workers run (torch's handlers, installed only
     then): through the agent's cleanup (its tier-0 and progress directories, helper, spare) to exit 128+N.
     Before, a SIGTERM or SIGHUP during the rendezvous killed it outright and left its directories in /dev/shm,
-    and a Ctrl-C printed a traceback."""
+    and a Ctrl-C printed a traceback. Only the signals torch will handle (--signals-to-handle), and none this
+    process was started ignoring (`nohup`: SIGHUP; `cmd &` in a script: SIGINT)."""
     def stop(signum: int, _frame: object) -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, stop)
+    for name in _signals_to_handle(argv):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals) and signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, stop)
+
+
+def _signals_to_handle(argv: list[str]) -> list[str]:
+    """--signals-to-handle's value in `argv` (before the parser has run, which checks it later; a training script's
+    own flag of that name would be read too)."""
+    given = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg in ("--signals-to-handle", "--signals_to_handle") and i + 1 < len(argv):
+            given = argv[i + 1]
+        elif arg.startswith(("--signals-to-handle=", "--signals_to_handle=")):
+            given = arg.split("=", 1)[1]
+    return (given if given is not None else STOP_SIGNALS).split(",")
 
 
 def cli(argv: list[str] | None = None) -> int:
     """The `elastic-run` console script: exit 2 for bad flags, 1 for a failed job, 128+N for signal N, 75
     (EXIT_BELOW_MIN) when fewer nodes than --nnodes MIN are left (the survivors persisted their state)."""
     fast_exit.install()
-    _stop_on_signals()
+    _stop_on_signals(sys.argv[1:] if argv is None else argv)
     try:
         main(argv)
         return 0

@@ -101,7 +101,8 @@ def main() -> int:
     # The job runs in a session of its own (a Ctrl-C reaches only this script): a SIGTERM or SIGHUP (a closed
     # terminal) to this script stops it too, as a Ctrl-C does, through its agent (launch's finally).
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup, SIGHUP stays ignored
+            signal.signal(sig, _interrupt)
     try:
         return _demo()
     except KeyboardInterrupt:

@@ -151,8 +151,8 @@ def _check_next_lr(name: str, trial: Any) -> None:
     kind = type(trial)
     if not (isinstance(trial, torch.optim.lr_scheduler.LRScheduler) and kind.__module__.startswith("torch.")
             and "get_lr" in vars(kind) and type(getattr(trial, "last_epoch", None)) is int
-            and not hasattr(trial, "lr_lambdas")):  # LambdaLR's own functions may end with the schedule (a table)
-        return
+            and not hasattr(trial, "lr_lambdas") and getattr(trial, "_scale_fn_custom", None) is None):
+        return  # a user's function (LambdaLR's, CyclicLR's scale_fn) may end with the schedule (a table)
     trial.last_epoch += 1  # what step() does before it asks get_lr
     trial._get_lr_called_within_step = True  # (torch warns when get_lr is called outside step)
     try:

@@ -511,3 +511,28 @@ def test_a_stop_signal_during_the_rendezvous_cleans_up_and_exits_128_plus_n(
     assert "Traceback" not in out and f"elastic-run: stopped by {sig.name}" in out, out
     assert "the run is left open, so a requeued job with the same --rdzv-id can continue it" in out  # a shared etcd
     assert [p for pattern in mine for p in shm_root().glob(pattern)] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_the_agent_was_started_ignoring_stays_ignored(
+        procs, etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
+    # Under nohup a hang-up must not stop the job: the first version of the early handlers took SIGHUP over.
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(3)\n")
+    proc = procs.elastic_run("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd.endpoint,
+                             "--rdzv-id", run_id, "--monitor-interval", "0.1", str(script),
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not any("rendezvous" in line.lower() for line in list(lines)):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGHUP)
+    time.sleep(2.0)
+    assert proc.poll() is None, "".join(lines)  # still waiting for its second node
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    reader.join(timeout=30)
+    assert proc.returncode == 143, "".join(lines)

@@ -233,11 +233,14 @@ def _schedules(opt: torch.optim.Optimizer) -> dict[str, Any]:
             "one-cycle-at-its-end": lr.OneCycleLR(opt, max_lr=0.1, total_steps=3),
             "cosine-restarts": lr.CosineAnnealingWarmRestarts(opt, T_0=2),
             "cyclic": lr.CyclicLR(opt, 0.01, 0.1, step_size_up=5),
+            # A user's scale function that ends with the run (a table of 4): at its end, its next step would fail.
+            "cyclic-table-at-its-end": lr.CyclicLR(opt, 0.01, 0.1, scale_fn=lambda i: [1.0, 0.9, 0.8, 0.7][i],
+                                                   scale_mode="iterations"),
             "polynomial": lr.PolynomialLR(opt, total_iters=2)}
 
 
 @pytest.mark.parametrize("kind", ["multistep", "sequential", "lambda-object", "plateau", "one-cycle-at-its-end",
-                                  "cosine-restarts", "cyclic", "polynomial"])
+                                  "cosine-restarts", "cyclic", "cyclic-table-at-its-end", "polynomial"])
 def test_legitimate_scheduler_states_pass_and_checking_them_changes_nothing_live(kind: str) -> None:
     # The first version of these checks refused MultiStepLR's state (every checkpoint 'malformed': the run started
     # over), and its trial load went into the live nested schedulers and lambdas.
