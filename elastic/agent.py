@@ -168,6 +168,8 @@ class ElasticAgent(LocalElasticAgent):
         super().__init__(spec, **kwargs)
         self.agent_config = agent_config
         self.progress_dir = progress.make_dir()
+        self._workers_started_at: float | None = None
+        self._first_step_s: float | None = None  # how long the job's first step took (hang detection's allowance)
         os.environ[progress.ENV_DIR] = self.progress_dir  # workers inherit the agent's environment
         # The node's host memory for tier-0 snapshots (core/tier0_dir.py): it outlives any one worker.
         # A value set by the user (a directory of their own, or "" for none) is left alone.
@@ -226,6 +228,8 @@ class ElasticAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress.clear(self.progress_dir)
+        if self._workers_started_at is None:
+            self._workers_started_at = time.monotonic()  # the first workers: their first step's time is measured
         self._rounds.clear()
         self._awaiting, self._fell_back = None, False
         info = self._round_info
@@ -302,13 +306,22 @@ class ElasticAgent(LocalElasticAgent):
         at once and they re-form in place, their hang detection paused for the round."""
         now, hung = time.monotonic(), []  # the beats' clock (elastic/progress.py): an NTP step moves neither
         for worker in workers:
-            age = progress.last_beat_age(self.progress_dir, worker.local_rank, now)
-            if age is None or worker.id is None or age <= timeout * STOPPED_SHARE:
+            beat = progress.last_beat(self.progress_dir, worker.local_rank, now)
+            if beat is None or worker.id is None:
+                continue
+            if not beat.restarted and self._first_step_s is None and self._workers_started_at is not None:
+                self._first_step_s = now - self._workers_started_at  # the job's first step, seen within a tick
+            # A worker (re)started in a restart or a re-formation has not beaten since: its first step may take as
+            # long as the job's first did (a restore, a compile), twice over, on top of the timeout.
+            allowance = (2 * self._first_step_s if self._first_step_s is not None else timeout) if beat.restarted \
+                else 0.0
+            if beat.age <= timeout * STOPPED_SHARE:
                 continue
             stopped = _stopped(worker.id)
-            if stopped or age > timeout:
+            if stopped or beat.age > timeout + allowance:
                 emit("hang_detected", local_rank=worker.local_rank, global_rank=worker.global_rank,
-                     pid=worker.id, seconds_without_progress=round(age, 2), hang_timeout_s=timeout, stopped=stopped)
+                     pid=worker.id, seconds_without_progress=round(beat.age, 2), hang_timeout_s=timeout,
+                     stopped=stopped, first_step=beat.restarted)
                 hung.append(worker)
         return hung
 

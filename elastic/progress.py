@@ -19,6 +19,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from core import owned_dir
@@ -27,6 +28,7 @@ from core.tier0_dir import shm_root
 ENV_DIR = "ELASTIC_PROGRESS_DIR"
 _MIN_INTERVAL_S = 0.25
 _FINISHED = "finished"
+_RESTARTED = "restarted"
 _last_beat = 0.0
 
 
@@ -58,9 +60,17 @@ def _write(text: str) -> None:
         pass  # progress reporting must never break training
 
 
-def last_beat_age(directory: str | Path, local_rank: int, now: float | None = None) -> float | None:
-    """Seconds since the worker's last beat (`now`: time.monotonic()); None if it has not beaten yet or has
-    finished."""
+@dataclass(frozen=True)
+class Beat:
+    age: float
+    """Seconds since the worker's last beat, or since it was (re)started where it has not beaten since."""
+    restarted: bool
+    """No beat since the (re)start `clear` marked: its first step (a restore, a compile) is still running."""
+
+
+def last_beat(directory: str | Path, local_rank: int, now: float | None = None) -> Beat | None:
+    """The worker's last beat (`now`: time.monotonic()); None if it never beat (nor did its predecessor) or it
+    has finished."""
     path = Path(directory) / f"local_rank_{local_rank}"
     try:
         mtime = path.stat().st_mtime
@@ -71,8 +81,14 @@ def last_beat_age(directory: str | Path, local_rank: int, now: float | None = No
         return None
     at = beat_time(text)
     if at is None:  # no monotonic time in it: the file's age on the wall clock
-        return time.time() - mtime
-    return max((time.monotonic() if now is None else now) - at, 0.0)
+        return Beat(time.time() - mtime, restarted=False)
+    return Beat(max((time.monotonic() if now is None else now) - at, 0.0), restarted=text.startswith(_RESTARTED))
+
+
+def last_beat_age(directory: str | Path, local_rank: int, now: float | None = None) -> float | None:
+    """Seconds since the worker's last beat (see `last_beat`); None if it has not beaten yet or has finished."""
+    beat = last_beat(directory, local_rank, now)
+    return None if beat is None else beat.age
 
 
 def beat_time(text: str) -> float | None:
@@ -98,8 +114,25 @@ def make_dir(root: Path | None = None) -> str:
 
 def clear(directory: str | Path, local_ranks: Iterable[int] | None = None) -> None:
     """Forget the beats of `local_ranks` (all: before a new set of workers starts; some: their processes were
-    replaced, and a new process is not judged by its predecessor's last beat)."""
+    replaced, or kept through a re-formation) and mark each that had beaten as (re)started now: a new process
+    is not judged by its predecessor's last beat, and one that hangs before its first step is judged from its
+    start (`Beat.restarted`; unmarked, it was never judged: seen, a replacement that hung in its restore hung the
+    job for good). A worker that never beat stays unjudged (a plain script)."""
     paths = (Path(directory).glob("local_rank_*") if local_ranks is None
              else (Path(directory) / f"local_rank_{lr}" for lr in local_ranks))
+    marker = f"{_RESTARTED} {time.monotonic():.3f}"
     for f in paths:
-        f.unlink(missing_ok=True)
+        if f.suffix == ".tmp":  # a beat's write cut short
+            f.unlink(missing_ok=True)
+            continue
+        try:
+            if f.read_text() == _FINISHED:
+                f.unlink(missing_ok=True)
+                continue
+            tmp = f.with_suffix(".tmp")
+            tmp.write_text(marker)
+            os.replace(tmp, f)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            f.unlink(missing_ok=True)

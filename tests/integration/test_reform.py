@@ -298,3 +298,22 @@ def test_a_stopped_worker_is_judged_hung_before_its_blocked_peer_which_keeps_its
     assert not n0.events("hang_detected"), n0.events("hang_detected")
     assert step_pids(n0) == {healthy}  # the blocked peer kept its process to the end
     assert all(last_step(j) == 60 for j in jobs)
+
+
+@pytest.mark.timeout(240)
+def test_a_replacement_that_hangs_in_its_restore_is_judged_hung_and_the_job_finishes(
+        procs: Procs, tmp_path: Path, etcd: EtcdServer) -> None:
+    """Rank 1 is SIGKILLed at step 25; its replacement hangs right after its restore (before its first step), with
+    rank 0 blocked on it in the re-formed group. Their beats were deleted at the replacement and the re-formation,
+    so neither was ever judged: the job hung for good (reproduced 2 of 2). Now each is judged from its (re)start,
+    with the job's first step's time as allowance, and the job finishes."""
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    faults = (Fault(point="step", step=25, rank=1, action="sigkill"),
+              Fault(point="step", step=24, rank=1, restart=1, action="hang"),
+              Fault(point="step", step=25, rank=1, restart=1, action="hang"))
+    job = node(procs, tmp_path, etcd, run_id, "n0", "1", 40, faults=faults, nproc=2,
+               launcher=("--hang-timeout", "5", "--warm-spare"))
+    job.finish(timeout=200)
+    hung = job.events("hang_detected")
+    assert hung and all(e["first_step"] for e in hung), hung
+    assert last_step(job) == 40

@@ -88,3 +88,25 @@ def test_a_directory_whose_owner_holds_its_lock_is_kept_whatever_its_pid_says(tm
         owner.wait(10)
     progress.make_dir(tmp_path)  # its owner gone: removed by the next sweep
     assert not held.exists() and mine.exists()  # this process's own directory is alive by its pid
+
+
+def test_clear_marks_a_worker_that_had_beaten_as_restarted_and_leaves_the_others_unjudged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Deleted, a replaced or kept worker's beat left it unjudged until its next step: one that hung before it (in
+    # its restore, or blocked on such a peer) hung the job for good.
+    monkeypatch.setenv(progress.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(progress, "_last_beat", 0.0)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    progress.beat(5)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    progress.finish()
+    progress.clear(tmp_path)
+    beat = progress.last_beat(tmp_path, 0, time.monotonic() + 30)
+    assert beat is not None and beat.restarted and 29 <= beat.age <= 60  # judged from the restart
+    assert progress.last_beat(tmp_path, 1) is None  # never beat: a plain script, never judged
+    assert progress.last_beat(tmp_path, 2) is None and not (tmp_path / "local_rank_2").exists()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(progress, "_last_beat", 0.0)
+    progress.beat(6)  # its first step after the restart
+    beat = progress.last_beat(tmp_path, 0)
+    assert beat is not None and not beat.restarted and beat.age < 30
