@@ -247,7 +247,9 @@ class Resumable:
         elif self._boundary_rng is not None:
             rng.restore(self._boundary_rng)  # draws of the interrupted step are void
         self._prepare()
-        self.step = self._saved_step = step
+        self.step = step
+        if source == "own":  # a part of a checkpoint: saved. Memory or a peer's state is in no tier of this node yet
+            self._saved_step = step  # (below the minimum of nodes, a survivor re-formed at step S persisted nothing)
         if source != "memory":
             self._emit_digest(step, "restore")
         if self.resumed_from is None:
@@ -338,16 +340,30 @@ class Resumable:
             # so a peer still waiting on this rank in a collective of the old group fails at once.
             release_process_group(self.ddp)
         round_ = regroup.join_next_round(self._rounds, error) if self._rounds is not None else None
-        if round_ is None:
-            if error is not None:
-                raise error
-            return self.step
-        if round_.stop:
-            self._stop_below_minimum(round_.stop)
-        self._regroup(round_.rank, round_.world_size)
-        self._cadence.persist_owed = False  # as a new worker of the round starts: every rank decides alike
-        caught = self._join_group()
-        step = caught if caught is not None else self._restore_from_checkpoints()
+        saved_step = self._saved_step  # what tier 1 holds: a catch-up cut short must not claim more
+        while True:
+            if round_ is None:
+                if error is not None:
+                    raise error
+                return self.step
+            if round_.stop:
+                self._stop_below_minimum(round_.stop)
+            self._regroup(round_.rank, round_.world_size)
+            self._cadence.persist_owed = False  # as a new worker of the round starts: every rank decides alike
+            try:
+                caught = self._join_group()
+                step = caught if caught is not None else self._restore_from_checkpoints()
+                break
+            except Exception as exc:
+                # Another peer lost while the new group caught up: the agent's next round (or its stop, below the
+                # minimum of nodes: persist, then exit) follows, as for the first loss. Raised out of here, this
+                # worker withdrew and was stopped without persisting the step it held.
+                if self._rounds is None or not regroup.may_be_peer_loss(exc):
+                    raise
+                error, self._saved_step = exc, saved_step
+                if self.ddp is not None:
+                    release_process_group(self.ddp)
+                round_ = regroup.join_next_round(self._rounds, error)
         self.telemetry.resumed(step, None)  # metrics: steps after `step` are recomputed; the next is the first
         self._reformed(round_, step, started)
         return step
