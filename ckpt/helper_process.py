@@ -200,10 +200,11 @@ class Helper:
         """Now and then (not every snapshot), on the persist pool: drop the replicas of nodes that left the round,
         now that this node published a newer step (ckpt/replica.py, prune_departed)."""
         now = time.monotonic()
-        if now - self._pruned_at < PRUNE_EVERY_S or not (self.path.parent / PEERS_DIR).is_dir():
+        if now - self._pruned_at < PRUNE_EVERY_S:
             return
-        self._pruned_at = now
-        self.persist_pool.submit(prune_departed, self.path.parent, step, generation)
+        self._pruned_at = now  # also without replicas: the directory is looked at once an interval, not every step
+        if (self.path.parent / PEERS_DIR).is_dir():
+            self.persist_pool.submit(prune_departed, self.path.parent, step, generation)
 
     def persist(self, header: dict[str, Any], template: Manifest, body: bytes, conn: socket.socket) -> dict[str, Any]:
         slot = Path(header["path"])

@@ -51,13 +51,17 @@ def _write(text: str) -> None:
     directory = os.environ.get(ENV_DIR)
     if not directory:
         return
-    path = Path(directory) / f"local_rank_{os.environ.get('LOCAL_RANK', '0')}"
-    tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        _replace(Path(directory) / f"local_rank_{os.environ.get('LOCAL_RANK', '0')}", text)
     except OSError:
         pass  # progress reporting must never break training
+
+
+def _replace(path: Path, text: str) -> None:
+    """`path` holds `text`, whole (the agent never reads half a beat)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -129,9 +133,7 @@ def clear(directory: str | Path, local_ranks: Iterable[int] | None = None) -> No
             if f.read_text() == _FINISHED:
                 f.unlink(missing_ok=True)
                 continue
-            tmp = f.with_suffix(".tmp")
-            tmp.write_text(marker)
-            os.replace(tmp, f)
+            _replace(f, marker)
         except FileNotFoundError:
             continue
         except OSError:

@@ -8,10 +8,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
+from core.procfs import alive
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -34,10 +34,7 @@ WORKER = textwrap.dedent("""
 
 
 def gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie nobody reaps
-    except FileNotFoundError:
-        return True
+    return not alive(pid)  # gone, or a zombie nobody reaps
 
 
 def test_a_worker_whose_stderr_pipe_went_with_its_agent_still_ends_itself() -> None:
