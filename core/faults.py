@@ -5,7 +5,9 @@ from their agent; examples and user code carry no crash flags. The library calls
 at its fault points:
 - `step`: before the loop runs step `step + 1`, i.e. `step` steps are done (trainer);
 - `save`: in the save of `step`, after this rank's files are written and before the group
-  commits it (trainer, through the checkpointer's per-rank hook).
+  commits it (trainer, through the checkpointer's per-rank hook);
+- `join`: in an in-place re-formation, before a kept worker that had completed `step` steps joins
+  the agent's new round (trainer).
 
 `ELASTIC_FAULTS` holds a JSON list of faults, e.g.
     [{"point": "step", "step": 12, "rank": 2, "action": "sigkill"}]
@@ -27,9 +29,9 @@ from typing import Any, Literal
 from core.events import emit
 
 FAULTS_ENV = "ELASTIC_FAULTS"
-Point = Literal["step", "save"]
+Point = Literal["step", "save", "join"]
 Action = Literal["sigkill", "exit", "raise", "hang"]
-_POINTS = ("step", "save")
+_POINTS = ("step", "save", "join")
 _ACTIONS = ("sigkill", "exit", "raise", "hang")
 
 

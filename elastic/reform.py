@@ -176,12 +176,16 @@ class RoundWatcher:
         with self._changed:
             return self._newest
 
-    def wait(self, deadline: Deadline) -> Round | None:
-        """The newer round, waiting for the agent to publish it until `deadline`."""
+    def wait(self, deadline: Deadline, *, newer_than: int | None = None) -> Round | None:
+        """The newer round (one newer than generation `newer_than`, if given: a round being joined is still the
+        newest until `joined`), waiting for the agent to publish it until `deadline`."""
+        def waiting() -> bool:
+            return self._newest is None or (newer_than is not None and self._newest.generation <= newer_than)
+
         with self._changed:
-            while self._newest is None and not deadline.expired():
+            while waiting() and not deadline.expired():
                 self._changed.wait(deadline.capped(0.5))
-            return self._newest
+            return None if waiting() else self._newest
 
     def leaving(self, round_: Round) -> None:
         """The worker is leaving its old process group for `round_` (the agent then waits for the join)."""

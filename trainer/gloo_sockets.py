@@ -13,6 +13,9 @@ the backend: its listener and one connection per peer; the store's connection ex
 its own) when the rank leaves: its own collectives in flight fail at once, and so do its peers' that wait on it.
 Each duplicate is checked against the socket's inode first, so a descriptor number reused since is never touched.
 
+`shut_down` serves trainer/regroup.py's join too: a newer round shuts down the connection to the store of
+the round being joined, so a join waiting there for a peer that is gone ends at once.
+
 `record_new_groups` hooks torch's process-group constructor once per process; `import trainer` calls it,
 before the user's script creates its group. A group created before that is not noted, and leaving it
 behaves as before (the agent's leave deadline restarts a worker stuck there).
@@ -47,9 +50,9 @@ def record_new_groups() -> None:
 
     @functools.wraps(create)
     def noting(*args: Any, **kwargs: Any) -> Any:
-        before = _sockets()
+        before = sockets()
         made = create(*args, **kwargs)
-        new = [(fd, inode) for fd, inode in _sockets().items() if before.get(fd) != inode]
+        new = opened_since(before)
         with _lock:
             _noted.extend(new)
         return made
@@ -62,10 +65,16 @@ def fail_in_flight() -> int:
     """Shut down the noted sockets still open; returns how many. Call only when leaving every group."""
     with _lock:
         noted, _noted[:] = list(_noted), []
+    return shut_down(noted)
+
+
+def shut_down(noted: list[tuple[int, int]]) -> int:
+    """Shut down the connections among `noted` (descriptor, inode) that are still open; returns how many.
+
+    Through a duplicate: the owner's thread (gloo's, a store's) closes a connection whose peer went away at any
+    moment, and its number may be reused at once; the duplicate holds the socket it names while it is checked."""
     done = 0
     for fd, inode in noted:
-        # Through a duplicate: gloo's own thread closes a connection whose peer went away at any moment, and
-        # its number may be reused at once; the duplicate holds the socket it names while it is checked.
         try:
             mine = os.dup(fd)
         except OSError:
@@ -73,19 +82,34 @@ def fail_in_flight() -> int:
         try:
             if os.fstat(mine).st_ino != inode:
                 continue  # the number now names something else
-            with socket.socket(fileno=os.dup(mine)) as sock:  # closes its own duplicate, never gloo's descriptor
-                # Not its listener: gloo's accept() then fails an enforce and the process aborts.
+            with socket.socket(fileno=os.dup(mine)) as sock:  # closes its own duplicate, never the owner's
+                # Not a listener: gloo's accept() then fails an enforce and the process aborts.
                 if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     sock.shutdown(socket.SHUT_RDWR)
                     done += 1
         except OSError as exc:  # a connection the peer closed already
-            log.debug("shutdown of gloo socket %d: %s", fd, exc)
+            log.debug("shutdown of socket %d: %s", fd, exc)
         finally:
             os.close(mine)
     return done
 
 
-def _sockets() -> dict[int, int]:
+def opened_since(before: dict[int, int], *, peer_port: int | None = None) -> list[tuple[int, int]]:
+    """(descriptor, inode) of this process's sockets that are not in `before` (a `sockets()` taken earlier); with
+    `peer_port`, only connections to that port (not a socket another thread opened meanwhile)."""
+    new = [(fd, inode) for fd, inode in sockets().items() if before.get(fd) != inode]
+    return new if peer_port is None else [(fd, inode) for fd, inode in new if _peer_port(fd) == peer_port]
+
+
+def _peer_port(fd: int) -> int | None:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: closing it leaves the owner's open
+            return int(sock.getpeername()[1])
+    except (OSError, IndexError, TypeError, ValueError):  # closed, not connected, or not an inet socket
+        return None
+
+
+def sockets() -> dict[int, int]:
     """This process's open sockets: descriptor -> inode."""
     found: dict[int, int] = {}
     try:

@@ -78,15 +78,25 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round
         try:
             # "Left" is said once the old group is gone: a worker stuck destroying it (a gloo op that waits on a
             # peer) misses the agent's leave deadline and is restarted, instead of holding the new group up.
-            join_round(round_, backend=backend, timeout=reform.join_timeout(), left=partial(watcher.leaving, round_))
+            join_round(round_, backend=backend, timeout=reform.join_timeout(), left=partial(watcher.leaving, round_),
+                       superseded=partial(_superseded, watcher, round_))
             break
-        except Exception:  # noqa: BLE001 - a newer round is the way out; else the error stands
-            newer = watcher.newest()
-            if newer is None or newer.generation <= round_.generation:
+        except Exception as exc:  # noqa: BLE001 - a newer round is the way out; else the error stands
+            # A peer of the round lost while joining it (its store's host, say): the agent's next round follows.
+            grace = float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0) if may_be_peer_loss(exc) else 0.0
+            newer = watcher.wait(Deadline.after(grace), newer_than=round_.generation)
+            if newer is None:
                 raise
             round_ = newer
+            if round_.stop:  # a peer of the round lost while joining it, below the minimum: no group to join
+                return round_
     watcher.joined(round_)
     return round_
+
+
+def _superseded(watcher: RoundWatcher, round_: Round) -> bool:
+    newer = watcher.newest()
+    return newer is not None and newer.generation > round_.generation
 
 
 def next_round(watcher: RoundWatcher, error: BaseException | None) -> Round | None:
@@ -125,7 +135,7 @@ def round_watcher() -> RoundWatcher | None:
     trainer/in_place.py, keeps watching from the round it joined); None outside an in-process agent."""
     global _watcher
     if _watcher is None:
-        _watcher = RoundWatcher.start(abort_process_group)
+        _watcher = RoundWatcher.start(_on_new_round)
     return _watcher
 
 
@@ -136,6 +146,11 @@ def stop_round_watcher() -> None:
         _watcher.withdraw()
         _watcher.stop()
         _watcher = None
+
+
+def _on_new_round(round_: Round) -> None:
+    interrupt_join(round_)
+    abort_process_group(round_)
 
 
 def abort_process_group(_round: reform.Round) -> None:
@@ -153,8 +168,26 @@ def may_be_peer_loss(error: BaseException) -> bool:
     return peer_loss.looks_like_peer_loss(error) or any(w in text for w in ("gloo", "nccl", "store", "abort"))
 
 
-def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callable[[], None] = lambda: None) -> None:
-    """Leave the current (aborted) process group, call `left`, and join `round_`'s, as rank `round_.rank`."""
+class RoundSuperseded(TrainerError):
+    """The agent published a newer round while this worker was joining one: join that one instead."""
+
+
+_STORE_CONNECT_S = 2.0
+"""One attempt to reach a round's store: between attempts, a newer round is looked for."""
+
+_joining_lock = threading.Lock()
+_joining: tuple[int, list[tuple[int, int]]] | None = None
+"""The generation of the round being joined and its store connection, (descriptor, inode)."""
+
+
+def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callable[[], None] = lambda: None,
+               superseded: Callable[[], bool] = lambda: False) -> None:
+    """Leave the current (aborted) process group, call `left`, and join `round_`'s, as rank `round_.rank`.
+
+    Raises RoundSuperseded (or the failed wait's error) once `superseded()` says a newer round is out: a peer of
+    `round_` lost before it joined would otherwise hold this worker in the join until `timeout`, and below the
+    minimum of nodes the agent would wait that long for the job's newest step to be persisted."""
+    global _joining
     if dist.is_initialized():
         gloo = dist.get_backend() == "gloo"
         if gloo:
@@ -172,16 +205,57 @@ def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callabl
     left()
     # The round's TCPStore is new (elastic/rendezvous.py). A worker started for the round joins through
     # env://, which puts the group's keys under "default_pg": so do we, to land in the same group.
-    store = dist.PrefixStore("default_pg", dist.TCPStore(round_.master_addr, round_.master_port, is_master=False,
-                                                         timeout=timeout))
+    tcp, connection = _connect_store(round_, timeout, superseded)
     # ... and under the group's name, which torch takes from a process-wide counter: advanced before the group
     # connects, reset only when a default group is destroyed. After a join that failed (its round abandoned for a
     # newer one, see join_next_round) it would name this group "1", whose keys a fresh worker of the round (group
     # "0") never meets: both would wait out the timeout. Name it as a fresh process does.
     dist.distributed_c10d._world.group_count = 0
-    dist.init_process_group(backend, store=store, rank=round_.rank, world_size=round_.world_size, timeout=timeout)
+    with _joining_lock:
+        _joining = (round_.generation, connection)
+    try:
+        if superseded():  # published before the watcher could see a join to interrupt
+            raise RoundSuperseded(f"a round newer than {round_.generation} was published")
+        # Waits on the store for every peer of the round: a newer round shuts that connection down (interrupt_join).
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", tcp), rank=round_.rank,
+                                world_size=round_.world_size, timeout=timeout)
+    finally:
+        with _joining_lock:
+            _joining = None
     os.environ.update(RANK=str(round_.rank), WORLD_SIZE=str(round_.world_size), MASTER_ADDR=round_.master_addr,
                       MASTER_PORT=str(round_.master_port))
+
+
+def _connect_store(round_: Round, timeout: timedelta,
+                   superseded: Callable[[], bool]) -> tuple[dist.TCPStore, list[tuple[int, int]]]:
+    """A client of `round_`'s store and its connection's sockets. Tried for `_STORE_CONNECT_S` at a time until
+    `timeout`: a store whose host died before this worker reached it is given up for a newer round."""
+    deadline = Deadline.after(timeout)
+    while True:
+        if superseded():
+            raise RoundSuperseded(f"a round newer than {round_.generation} was published")
+        before = gloo_sockets.sockets()
+        try:
+            tcp = dist.TCPStore(round_.master_addr, round_.master_port, is_master=False,
+                                timeout=timedelta(seconds=max(0.1, deadline.capped(_STORE_CONNECT_S))))
+        except RuntimeError as exc:  # torch's DistNetworkError: not reached in this attempt
+            if deadline.expired():
+                raise
+            log.debug("round %d's store at %s:%d not reached yet: %s", round_.generation, round_.master_addr,
+                      round_.master_port, exc)
+            continue
+        tcp.set_timeout(timeout)
+        return tcp, gloo_sockets.opened_since(before, peer_port=round_.master_port)
+
+
+def interrupt_join(newer: Round) -> None:
+    """On the round watcher's thread: a join of a round older than `newer`, waiting on its store for a peer that
+    may be gone, fails now (its store connection is shut down) instead of at the join timeout."""
+    with _joining_lock:
+        if _joining is not None and newer.generation > _joining[0]:
+            shut = gloo_sockets.shut_down(_joining[1])
+            log.info("round %d published while joining round %d: left that join (%d connection(s) shut down)",
+                     newer.generation, _joining[0], shut)
 
 
 def _destroy_default_group() -> None:

@@ -339,6 +339,8 @@ class Resumable:
             # DDP's reducer holds the old group: without it the group's sockets close when it is destroyed,
             # so a peer still waiting on this rank in a collective of the old group fails at once.
             release_process_group(self.ddp)
+        if self._rounds is not None:
+            faults.fire("join", self.step)
         round_ = regroup.join_next_round(self._rounds, error) if self._rounds is not None else None
         saved_step = self._saved_step  # what tier 1 holds: a catch-up cut short must not claim more
         while True:

@@ -249,6 +249,32 @@ def test_below_the_minimum_the_survivor_persists_its_newest_step_and_exits_75(
 
 
 @pytest.mark.timeout(180)
+def test_below_the_minimum_while_joining_a_round_the_survivor_persists_and_exits_75(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """--nnodes 2:3. n2 is lost after step 15; n0 and n1 re-form, and n1's node is lost while n0 waits for it in
+    the new round's join. The agent's next round says stop (one node left): n0 leaves the join at once, persists
+    step 15 and exits 75. Before, the join waited out its timeout (5 min) and the agent with it."""
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    stop_at = 15
+    faults = {"n1": (Fault(point="join", step=stop_at, action="hang"),),
+              "n2": (Fault(point="step", step=stop_at, action="hang"),)}
+    jobs = [node(procs, tmp_path, etcd, run_id, name, "2:3", 400, faults=faults.get(name, ()))
+            for name in ("n0", "n1", "n2")]
+    n0, n1, n2 = jobs
+    wait_until("n2 at its fault", lambda: bool(n2.events("fault")), jobs)
+    procs.kill_node(n2.proc)
+    wait_until("n1 joining the next round", lambda: bool(n1.events("fault", point="join")), jobs, timeout=60)
+    procs.kill_node(n1.proc)
+    out = n0.finish(timeout=90, ok=False)
+    assert n0.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
+    assert {e["world"] for e in n0.events("step")} == {3}, "a round of 2 nodes would have trained on"
+    [stopped] = n0.events("below_min_exit")
+    assert stopped["persisted"] is True and stopped["step"] == stop_at == last_step(n0), stopped
+    committed = sorted(int(p.parent.name.rsplit("_", 1)[1]) for p in (tmp_path / "n0" / "ckpt").glob("step_*/COMMIT"))
+    assert committed and committed[-1] == stop_at, committed
+
+
+@pytest.mark.timeout(180)
 def test_a_stopped_worker_kept_for_a_peers_round_is_restarted_once_hung_not_after_the_leave_timeout(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
     """n1's worker is SIGSTOPped. n0's agent (--hang-timeout 2) judges its own worker, blocked in the all-reduce

@@ -6,12 +6,14 @@ The error of a failed `dist.all_reduce` keeps the group alive through its traceb
 in the same collective is never failed by our leaving (it waited out gloo's timeout, then the agent's leave
 deadline restarted it: issue K). Two real gloo processes: rank 1 waits in an all-reduce that rank 0 never
 joins; rank 0 holds an error raised through a frame that holds the group, leaves, and rank 1 must fail at
-once (the group's timeout is 60 s; the deadline asserted is 20 s, loose for a loaded machine)."""
+once (the group's timeout is 60 s; the deadline asserted is 20 s, loose for a loaded machine). And a join of a
+round whose peer never comes is left once a newer round is published (`interrupt_join`)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -152,3 +154,33 @@ def test_destroying_a_group_with_a_collective_stuck_in_it_does_not_wait_for_that
             if p.is_alive():
                 p.kill()
             p.join(10)
+
+
+def _joining(port: int, out: mp.Queue) -> None:
+    """Join round 5 (2 ranks) of a store whose other rank never comes; round 6 is published 1 s later."""
+    from trainer import regroup
+
+    threading.Timer(1.0, regroup.interrupt_join, args=(Round(6, 0, 1, "127.0.0.1", port),)).start()
+    started = time.monotonic()
+    try:
+        join_round(Round(5, 0, 2, "127.0.0.1", port), backend="gloo", timeout=timedelta(seconds=60))
+        out.put(("joined", time.monotonic() - started))
+    except Exception as exc:  # noqa: BLE001 - what the test judges
+        out.put((type(exc).__name__, time.monotonic() - started))
+
+
+def test_a_join_waiting_for_a_peer_that_never_comes_is_left_once_a_newer_round_is_published() -> None:
+    # Without interrupt_join the join waits out its 60 s timeout (a peer lost below the minimum: the agent waited
+    # 5 min for its survivor to persist): past the 20 s asserted.
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    proc = ctx.Process(target=_joining, args=(store.port, out), daemon=True)
+    proc.start()
+    try:
+        outcome, seconds = out.get(timeout=90)
+        assert outcome != "joined" and 1.0 <= seconds < 20, (outcome, seconds)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
