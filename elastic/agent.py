@@ -379,7 +379,14 @@ class ElasticAgent(LocalElasticAgent):
 
     def _next_round_in_place(self, worker_group: WorkerGroup, kept: dict[int, Any]) -> int:
         """Run the next round with the processes of `kept` (local rank -> pid) staying; publish it to them."""
-        self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay
+        while True:
+            try:
+                self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay
+                break
+            except BelowMinimumError:
+                # Nodes lost while the round formed: the kept workers persist what they hold, then the agent stops.
+                self._stop_if_below_minimum(worker_group)
+                log.info("agent: the nodes are back above the minimum; joining the round again")
         for w in worker_group.workers:
             w.id = kept.get(w.local_rank)
         info = self._round_info
@@ -407,8 +414,7 @@ class ElasticAgent(LocalElasticAgent):
         if found is None:
             return
         live, minimum = found
-        why = (f"the job needs {minimum} node{'s' if minimum != 1 else ''} (--nnodes {minimum}:...) and has {live}: "
-               f"it stops now; a requeue with the same --rdzv-id resumes from the state persisted")
+        why = str(BelowMinimumError.of(live, minimum))
         log.error("elastic-run: %s", why)
         emit("below_min", live=live, min_nodes=minimum)
         handlers: dict[int, Any] = getattr(self._pcontext, "subprocess_handlers", None) or {}

@@ -34,6 +34,7 @@ from elastic import peer_loss
 from elastic import round as protocol
 from elastic.admission import Admission
 from elastic.errors import (
+    BelowMinimumError,
     ElasticRendezvousClosedError,
     ElasticRendezvousTimeoutError,
     EtcdRecordError,
@@ -345,6 +346,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         return took
                 continue
             last_reason = decision.reason
+            if self._completed_generation and len(snap.live) < self.config.min_nodes:
+                # Nodes lost while this round forms, after the job ran (not nodes still arriving at its start): no
+                # round can form until some come back. The agent stops the job (exit 75) rather than wait that long.
+                raise BelowMinimumError.of(len(snap.live), self.config.min_nodes)
             generation = state.generation if state else 0
             if decision.last_call_armed and (last_call is None or generation != last_call_generation):
                 last_call = Deadline.after(self.config.last_call_timeout, clock=self._clock)

@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckpt import Restored, tree
 from ckpt.checksum import digest_parts
+from core import faults
 from core.deadline import Deadline
 from elastic import peer_loss, reform
 from elastic.reform import Round, RoundWatcher
@@ -63,14 +64,15 @@ class CatchUpError(TrainerError):
     """The state a peer sent did not arrive intact."""
 
 
-def join_next_round(watcher: RoundWatcher, error: BaseException | None) -> Round | None:
+def join_next_round(watcher: RoundWatcher, error: BaseException | None, *, step: int = -1) -> Round | None:
     """Leave this process group for the agent's newest round and join that round's; None when there is
     none (after `error`, one that may come from the group changing, it waits the lost-peer grace for the
     agent to publish one). A newer round published while joining (a peer of this one lost too) is
-    joined instead."""
+    joined instead; a stop round is returned. `step`: the steps this worker completed (the fault point)."""
     round_ = next_round(watcher, error)
     if round_ is None or round_.stop:
         return round_
+    faults.fire("join", step)
     if error is not None:
         release_frames(error)
     backend = str(dist.get_backend())
@@ -153,13 +155,21 @@ def _on_new_round(round_: Round) -> None:
     abort_process_group(round_)
 
 
-def abort_process_group(_round: reform.Round) -> None:
+def abort_process_group(round_: reform.Round) -> None:
     # On the round watcher's thread: an NCCL collective waiting on a peer of the old round fails now.
     # Not gloo: its abort() does not fail the collectives in flight (a lost peer's closed sockets do), and
     # can block on the group's lock while the training thread destroys the group. There the training
-    # thread sees the round at its next step boundary (`check_round`).
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    # thread sees the round at its next step boundary (`check_round`), or the agent restarts a worker that
+    # does not leave in time (`AgentConfig.reform_leave_timeout`).
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
         dist.distributed_c10d._get_default_group().abort()
+    elif round_.stop:
+        # The job stops, and no restart can save what this worker holds: a collective waiting on a peer that is
+        # alive but silent (its node frozen) would keep it from persisting until the agent gives up. Its sockets
+        # shut down, the collective fails now (the other groups' sockets too: the process is leaving them all).
+        gloo_sockets.fail_in_flight()
 
 
 def may_be_peer_loss(error: BaseException) -> bool:

@@ -34,7 +34,8 @@ not fit this run raises StateMismatchError.
 
 Events (core/events.py): `worker_started`, `restored`, `resumed`, `step`, `ckpt_failed`,
 `final_digest` (and `ckpt_skipped` from the agreement). Fault points (core/faults.py): `step`
-after each completed step (and after the restore), `save` once this rank's files are written.
+after each completed step (and after the restore), `save` once this rank's files are written,
+`join` before a kept worker joins the agent's new round (trainer/regroup.py).
 """
 
 from __future__ import annotations
@@ -339,9 +340,7 @@ class Resumable:
             # DDP's reducer holds the old group: without it the group's sockets close when it is destroyed,
             # so a peer still waiting on this rank in a collective of the old group fails at once.
             release_process_group(self.ddp)
-        if self._rounds is not None:
-            faults.fire("join", self.step)
-        round_ = regroup.join_next_round(self._rounds, error) if self._rounds is not None else None
+        round_ = regroup.join_next_round(self._rounds, error, step=self.step) if self._rounds is not None else None
         saved_step = self._saved_step  # what tier 1 holds: a catch-up cut short must not claim more
         while True:
             if round_ is None:
@@ -365,7 +364,7 @@ class Resumable:
                 error, self._saved_step = exc, saved_step
                 if self.ddp is not None:
                     release_process_group(self.ddp)
-                round_ = regroup.join_next_round(self._rounds, error)
+                round_ = regroup.join_next_round(self._rounds, error, step=self.step)
         self.telemetry.resumed(step, None)  # metrics: steps after `step` are recomputed; the next is the first
         self._reformed(round_, step, started)
         return step

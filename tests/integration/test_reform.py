@@ -275,6 +275,35 @@ def test_below_the_minimum_while_joining_a_round_the_survivor_persists_and_exits
 
 
 @pytest.mark.timeout(180)
+def test_below_the_minimum_while_a_round_forms_the_survivor_persists_and_exits_75(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """--nnodes 2:3. n1 freezes (its agent SIGSTOPped, its worker silent in the next step) and n2 is lost after step
+    15: n0's agent opens the next round and waits for n1 in it until n1's lease runs out (3 s) and one node is left.
+    Before, that round waited out its join timeout (600 s). Now the agent stops the job there; its stop round fails
+    n0's collective that waits on n1's silent worker, and n0 persists step 15 and exits 75 (before, it waited in
+    that collective past the agent's 5 min persist deadline, and the steps since the last tier-1 save were lost)."""
+    import os
+    import signal
+
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    stop_at = 15
+    jobs = [node(procs, tmp_path, etcd, run_id, name, "2:3", 400,
+                 faults=(Fault(point="step", step=stop_at, action="hang"),) if name != "n0" else ())
+            for name in ("n0", "n1", "n2")]
+    n0, n1, n2 = jobs
+    wait_until("n1 and n2 at their faults", lambda: bool(n1.events("fault")) and bool(n2.events("fault")), jobs)
+    os.kill(n1.proc.pid, signal.SIGSTOP)  # its agent only: alive to etcd until its lease runs out
+    procs.kill_node(n2.proc)
+    try:
+        out = n0.finish(timeout=90, ok=False)
+    finally:
+        procs.kill_node(n1.proc)
+    assert n0.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
+    [stopped] = n0.events("below_min_exit")
+    assert stopped["persisted"] is True and stopped["step"] == stop_at == last_step(n0), stopped
+
+
+@pytest.mark.timeout(180)
 def test_a_stopped_worker_kept_for_a_peers_round_is_restarted_once_hung_not_after_the_leave_timeout(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
     """n1's worker is SIGSTOPped. n0's agent (--hang-timeout 2) judges its own worker, blocked in the all-reduce

@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from elastic.errors import EtcdUnavailableError
+from elastic.errors import BelowMinimumError, EtcdUnavailableError
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer, free_port
 from elastic.etcd_store import EtcdRunStore
@@ -331,3 +331,18 @@ def test_waiting_node_does_not_poll_etcd_after_a_key_is_deleted(
     assert reads <= 3, f"the waiting node read etcd {reads} times in 1.5s with nothing changing"
     with pytest.raises(RendezvousTimeoutError):
         fa.result(timeout=10)
+
+
+def test_nodes_lost_while_a_later_round_forms_stop_it_below_the_minimum(cluster: Cluster) -> None:
+    # a, b and c trained in round 1 (--nnodes 2:3). a opens round 2; b and c are lost before joining it. No round can
+    # form: a is told at once (BelowMinimumError, its agent persists and exits 75), not at its 600 s join timeout.
+    a, b, c = (cluster.handler(n, min_nodes=2, max_nodes=3, join_timeout=600) for n in "abc")
+    for f in [cluster.start(h) for h in (a, b, c)]:
+        assert f.result(timeout=15).world_size == 3
+    fa = cluster.start(a)
+    time.sleep(0.5)
+    assert not fa.done()  # waiting for b and c in round 2
+    b.membership.leave()
+    c.membership.leave()
+    with pytest.raises(BelowMinimumError, match=r"needs 2 nodes \(--nnodes 2:\.\.\.\) and has 1"):
+        fa.result(timeout=15)

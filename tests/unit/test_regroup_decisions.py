@@ -123,10 +123,14 @@ def test_a_rank_with_an_older_checkpoint_of_its_own_makes_the_group_restore_exac
     assert caught is None
 
 
-def test_a_join_after_a_failed_one_names_its_group_as_a_fresh_worker_does() -> None:
+def test_a_join_after_a_failed_one_names_its_group_as_a_fresh_worker_does(monkeypatch: pytest.MonkeyPatch) -> None:
     # A kept worker's join of round N fails (the round is abandoned for a newer one while it connects); it joins
     # round N+1, whose fresh workers (env://) name their default group "0": so must it, or their gloo keys never meet.
     from datetime import timedelta
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # join_round sets them: undone after the test
+        monkeypatch.setenv(name, "")  # recorded (an absent variable delenv'd is not), so its absence comes back
+        monkeypatch.delenv(name)
 
     import torch.distributed as dist
 
