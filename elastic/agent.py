@@ -151,6 +151,10 @@ class RoundAware(Protocol):
         """Node id -> the address each live node advertises under `key`."""
         ...
 
+    def stop_below_minimum(self) -> None:
+        """Once a round has run, raise BelowMinimumError from a later round with fewer than MIN live nodes."""
+        ...
+
 
 @dataclass(frozen=True)
 class _Awaiting:
@@ -190,6 +194,8 @@ class ElasticAgent(LocalElasticAgent):
         self._started_once = False
         handler = spec.rdzv_handler
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
+        if self._round_info is not None:  # below the minimum mid-round: persist and stop (_next_round_in_place)
+            self._round_info.stop_below_minimum()
         # Checksums and publishes the workers' tier-0 snapshots off their training processes; with membership
         # records, also keeps peers' tier-0 replicas on a port advertised in this node's record.
         self.ckpt_helper: NodeHelper | None = None
@@ -333,7 +339,12 @@ class ElasticAgent(LocalElasticAgent):
         if self._failure_seen_at is None:
             self._failure_seen_at = time.monotonic()
         self.job.failed(self._failure_seen_at)
-        super()._restart_workers(worker_group)
+        try:
+            super()._restart_workers(worker_group)
+        except BelowMinimumError as exc:  # the next round lost nodes below the minimum; the workers are stopped
+            log.error("elastic-run: %s", exc)
+            emit("below_min", live=exc.live, min_nodes=exc.minimum)
+            raise
         lost = sorted(set(before) - set(self._membership()))
         reason = "worker failure" if state in (WorkerState.FAILED, WorkerState.UNHEALTHY) else "membership change"
         if lost and reason == "worker failure":

@@ -80,7 +80,12 @@ The survivors persisted their newest state first, so a requeued job with the sam
 class BelowMinimumError(ElasticError):
     """Fewer live nodes than --nnodes MIN: no round can form, so the job stops instead of waiting."""
 
+    live: int | None = None
+    minimum: int | None = None
+
     @classmethod
     def of(cls, live: int, minimum: int) -> BelowMinimumError:
-        return cls(f"the job needs {minimum} node{'s' if minimum != 1 else ''} (--nnodes {minimum}:...) and has "
-                   f"{live}: it stops now; a requeue with the same --rdzv-id resumes from the state persisted")
+        error = cls(f"the job needs {minimum} node{'s' if minimum != 1 else ''} (--nnodes {minimum}:...) and has "
+                    f"{live}: it stops now; a requeue with the same --rdzv-id resumes from the state persisted")
+        error.live, error.minimum = live, minimum
+        return error

@@ -93,6 +93,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         )
         self._completed_generation = 0
         """The round this node last took a rank in and ran (0: none)."""
+        self._ran_round = False
+        """This node took its rank in a round with a store: the job ran (an abandoned round does not count)."""
+        self._stop_below_min = False
+        """`stop_below_minimum` was called: a later round with fewer than MIN live nodes raises at once."""
         self._succeeded = False
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
@@ -174,6 +178,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 log.warning("rendezvous: abandoning round %d: %s; joining the next one", done.generation, exc)
                 self._completed_generation = done.generation
         self._completed_generation = done.generation
+        self._ran_round = True
         self._round = done.participants
         emit("round_closed", run_id=self.config.run_id, node=self.config.node_id, generation=done.generation,
              rank=done.rank, world_size=done.world_size, participants=list(done.participants),
@@ -184,6 +189,13 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._clock() - started,
         )
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
+
+    def stop_below_minimum(self) -> None:
+        """From now on, once this node has run a round, a later round raises BelowMinimumError as soon as fewer
+        than --nnodes MIN nodes are live, instead of waiting up to join_timeout for nodes to come back (elastic-run's
+        agent: it has its workers persist and stops the job with exit 75). Stock torchrun keeps waiting: nothing
+        there would persist the workers' state, and a replacement may still come."""
+        self._stop_below_min = True
 
     def below_minimum(self) -> tuple[int, int] | None:
         """(live nodes, --nnodes MIN) when fewer nodes of the run are alive than a round needs, else None."""
@@ -346,7 +358,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         return took
                 continue
             last_reason = decision.reason
-            if self._completed_generation and len(snap.live) < self.config.min_nodes:
+            if self._stop_below_min and self._ran_round and len(snap.live) < self.config.min_nodes:
                 # Nodes lost while this round forms, after the job ran (not nodes still arriving at its start): no
                 # round can form until some come back. The agent stops the job (exit 75) rather than wait that long.
                 raise BelowMinimumError.of(len(snap.live), self.config.min_nodes)

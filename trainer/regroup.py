@@ -33,7 +33,9 @@ import functools
 import json
 import logging
 import os
+import socket
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -183,7 +185,7 @@ class RoundSuperseded(TrainerError):
 
 
 _STORE_CONNECT_S = 2.0
-"""One attempt to reach a round's store: between attempts, a newer round is looked for."""
+"""The longest attempt to reach a round's store: between attempts, a newer round is looked for."""
 
 _joining_lock = threading.Lock()
 _joining: tuple[int, list[tuple[int, int]]] | None = None
@@ -238,24 +240,27 @@ def join_round(round_: Round, *, backend: str, timeout: timedelta, left: Callabl
 
 def _connect_store(round_: Round, timeout: timedelta,
                    superseded: Callable[[], bool]) -> tuple[dist.TCPStore, list[tuple[int, int]]]:
-    """A client of `round_`'s store and its connection's sockets. Tried for `_STORE_CONNECT_S` at a time until
-    `timeout`: a store whose host died before this worker reached it is given up for a newer round."""
+    """A client of `round_`'s store and its connection's sockets. Until `timeout`, the store's address is tried with
+    a plain connect (`_STORE_CONNECT_S` at most each, quietly: torch's client logs a traceback per failed attempt),
+    looking for a newer round in between: a store whose host died before this worker reached it is given up."""
     deadline = Deadline.after(timeout)
+    address = (round_.master_addr, round_.master_port)
     while True:
         if superseded():
             raise RoundSuperseded(f"a round newer than {round_.generation} was published")
-        before = gloo_sockets.sockets()
         try:
-            tcp = dist.TCPStore(round_.master_addr, round_.master_port, is_master=False,
-                                timeout=timedelta(seconds=max(0.1, deadline.capped(_STORE_CONNECT_S))))
-        except RuntimeError as exc:  # torch's DistNetworkError: not reached in this attempt
+            socket.create_connection(address, timeout=deadline.capped(_STORE_CONNECT_S)).close()
+            break
+        except OSError as exc:
             if deadline.expired():
-                raise
-            log.debug("round %d's store at %s:%d not reached yet: %s", round_.generation, round_.master_addr,
-                      round_.master_port, exc)
-            continue
-        tcp.set_timeout(timeout)
-        return tcp, gloo_sockets.opened_since(before, peer_port=round_.master_port)
+                raise ConnectionError(f"round {round_.generation}'s store at {address[0]}:{address[1]} could not be "
+                                      f"reached within {timeout.total_seconds():.0f}s: {exc}") from exc
+            time.sleep(deadline.capped(0.1))
+    before = gloo_sockets.sockets()
+    tcp = dist.TCPStore(round_.master_addr, round_.master_port, is_master=False,
+                        timeout=timedelta(seconds=max(1.0, deadline.remaining() or 0.0)))
+    tcp.set_timeout(timeout)
+    return tcp, gloo_sockets.opened_since(before, peer_port=round_.master_port)
 
 
 def interrupt_join(newer: Round) -> None:

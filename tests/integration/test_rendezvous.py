@@ -337,6 +337,7 @@ def test_nodes_lost_while_a_later_round_forms_stop_it_below_the_minimum(cluster:
     # a, b and c trained in round 1 (--nnodes 2:3). a opens round 2; b and c are lost before joining it. No round can
     # form: a is told at once (BelowMinimumError, its agent persists and exits 75), not at its 600 s join timeout.
     a, b, c = (cluster.handler(n, min_nodes=2, max_nodes=3, join_timeout=600) for n in "abc")
+    a.stop_below_minimum()  # as elastic-run's agent does
     for f in [cluster.start(h) for h in (a, b, c)]:
         assert f.result(timeout=15).world_size == 3
     fa = cluster.start(a)
@@ -346,3 +347,34 @@ def test_nodes_lost_while_a_later_round_forms_stop_it_below_the_minimum(cluster:
     c.membership.leave()
     with pytest.raises(BelowMinimumError, match=r"needs 2 nodes \(--nnodes 2:\.\.\.\) and has 1"):
         fa.result(timeout=15)
+
+
+def test_under_stock_torchrun_a_survivor_below_the_minimum_waits_for_a_replacement(cluster: Cluster) -> None:
+    # Without stop_below_minimum (stock torchrun: nothing would persist the workers' state), a and b trained in round
+    # 1 (--nnodes 2:3); b is lost and its replacement b2 arrives 1 s into a's next round: they form it together.
+    a, b = (cluster.handler(n, min_nodes=2, max_nodes=3, join_timeout=600, last_call_timeout=1) for n in "ab")
+    for f in [cluster.start(h) for h in (a, b)]:
+        assert f.result(timeout=15).world_size == 2
+    b.membership.leave()
+    time.sleep(0.5)
+    fa = cluster.start(a)
+    time.sleep(1.0)
+    fb2 = cluster.start(cluster.handler("b2", min_nodes=2, max_nodes=3, join_timeout=600, last_call_timeout=1))
+    assert fa.result(timeout=30).world_size == 2
+    assert fb2.result(timeout=30).world_size == 2
+
+
+def test_below_the_minimum_at_the_first_formation_waits_for_nodes_even_after_an_abandoned_round(
+    cluster: Cluster, client: EtcdClient
+) -> None:
+    # The job's first formation: round 1 closed with a (rank 0) and b, and a died before publishing its store, so b
+    # abandoned it without running. b has run no round: with stop_below_minimum it still waits for c, 2 s later.
+    b = cluster.handler("b", min_nodes=2, max_nodes=2, join_timeout=600)
+    b.stop_below_minimum()
+    client.raw.put(b.keys.state, RoundState(generation=1, status="closed", participants=("a", "b"),
+                                            acked=("a",), nnodes=(2, 2)).to_json())
+    fb = cluster.start(b)
+    time.sleep(2)
+    fc = cluster.start(cluster.handler("c", min_nodes=2, max_nodes=2, join_timeout=600))
+    assert fb.result(timeout=30).world_size == 2
+    assert fc.result(timeout=30).world_size == 2

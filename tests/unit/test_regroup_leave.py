@@ -184,3 +184,19 @@ def test_a_join_waiting_for_a_peer_that_never_comes_is_left_once_a_newer_round_i
         if proc.is_alive():
             proc.kill()
         proc.join(10)
+
+
+def test_a_join_whose_store_cannot_be_reached_is_left_for_a_newer_round_quietly(capfd: pytest.CaptureFixture) -> None:
+    # The round's store host died before this worker reached it (nothing listens on its port); a newer round comes
+    # 1 s later. The join gives it up then, not at its 60 s timeout, without torch's traceback for each attempt.
+    from trainer.regroup import RoundSuperseded
+
+    newer = threading.Event()
+    threading.Timer(1.0, newer.set).start()
+    started = time.monotonic()
+    with pytest.raises(RoundSuperseded):
+        join_round(Round(5, 0, 2, "127.0.0.1", _free_port()), backend="gloo", timeout=timedelta(seconds=60),
+                   superseded=newer.is_set)
+    assert 1.0 <= time.monotonic() - started < 20
+    err = capfd.readouterr().err
+    assert "retrying" not in err and "Traceback" not in err, err[-2000:]
