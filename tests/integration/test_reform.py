@@ -229,26 +229,6 @@ def test_a_killed_worker_is_replaced_by_a_warm_spare_and_the_others_re_form_in_p
 
 
 @pytest.mark.timeout(180)
-def test_below_the_minimum_the_survivor_persists_its_newest_step_and_exits_75(
-        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
-    """--nnodes 2 and one node lost: no round can form, so the survivor does not wait out the join timeout (600 s):
-    its worker persists the step it holds in memory to tier 1 and the agent exits with EXIT_BELOW_MIN."""
-    run_id = f"reform-{uuid.uuid4().hex[:8]}"
-    jobs = [node(procs, tmp_path, etcd, run_id, f"n{i}", "2", 400) for i in range(2)]
-    wait_until("2 nodes training", lambda: all(last_step(j) >= 15 for j in jobs), jobs)
-    survivor, victim = jobs
-    procs.kill_node(victim.proc)
-    out = survivor.finish(timeout=120, ok=False)
-    assert survivor.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
-    assert "the job needs 2 nodes (--nnodes 2:...) and has 1" in out, out[-3000:]
-    [stopped] = survivor.events("below_min_exit")
-    done = last_step(survivor)
-    assert stopped["persisted"] is True and stopped["step"] == done, (stopped, done)  # nothing it had is lost
-    committed = sorted(int(p.parent.name.rsplit("_", 1)[1]) for p in (tmp_path / "n0" / "ckpt").glob("step_*/COMMIT"))
-    assert committed and committed[-1] == done, (committed, done)  # on disk, committed, where a requeue looks
-
-
-@pytest.mark.timeout(180)
 def test_below_the_minimum_while_joining_a_round_the_survivor_persists_and_exits_75(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
     """--nnodes 2:3. n2 is lost after step 15; n0 and n1 re-form, and n1's node is lost while n0 waits for it in
@@ -301,6 +281,38 @@ def test_below_the_minimum_while_a_round_forms_the_survivor_persists_and_exits_7
     assert n0.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
     [stopped] = n0.events("below_min_exit")
     assert stopped["persisted"] is True and stopped["step"] == stop_at == last_step(n0), stopped
+
+
+@pytest.mark.timeout(180)
+def test_below_the_minimum_with_a_frozen_peer_both_local_workers_persist_and_exit_75(
+        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
+    """--nnodes 2, two workers a node. n1 freezes after step 15 (its agent SIGSTOPped, its workers silent): no round
+    can form, so n0 does not wait out the join timeout (600 s). Its workers wait on n1's in the next step's
+    collective, which only n1's lease running out ends; the stop round fails that collective, and both persist step
+    15 to tier 1 and exit; the agent exits with EXIT_BELOW_MIN (before, they waited in the collective past the
+    agent's 5 min persist deadline and were stopped without persisting). A node SIGKILLed instead: the two
+    `below_the_minimum_while_*` tests below."""
+    import os
+    import signal
+
+    run_id = f"reform-{uuid.uuid4().hex[:8]}"
+    stop_at = 15
+    jobs = [node(procs, tmp_path, etcd, run_id, name, "2", 400, nproc=2,
+                 faults=(Fault(point="step", step=stop_at, action="hang"),) if name == "n1" else ())
+            for name in ("n0", "n1")]
+    n0, n1 = jobs
+    wait_until("n1's workers at their fault", lambda: len(n1.events("fault")) == 2, jobs)
+    os.kill(n1.proc.pid, signal.SIGSTOP)  # its agent only: alive to etcd until its lease runs out
+    try:
+        out = n0.finish(timeout=90, ok=False)
+    finally:
+        procs.kill_node(n1.proc)
+    assert n0.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
+    assert "the job needs 2 nodes (--nnodes 2:...) and has 1" in out, out[-3000:]
+    stopped = n0.events("below_min_exit")
+    assert len(stopped) == 2 and all(e["persisted"] and e["step"] == stop_at for e in stopped), stopped
+    committed = sorted(int(p.parent.name.rsplit("_", 1)[1]) for p in (tmp_path / "n0" / "ckpt").glob("step_*/COMMIT"))
+    assert committed and committed[-1] == stop_at, committed
 
 
 @pytest.mark.timeout(180)
