@@ -255,19 +255,21 @@ def test_below_the_minimum_while_joining_a_round_the_survivor_persists_and_exits
 
 
 @pytest.mark.timeout(180)
-def test_below_the_minimum_while_a_round_forms_the_survivor_persists_and_exits_75(
+def test_below_the_minimum_while_a_round_forms_with_a_frozen_peer_both_local_workers_persist_and_exit_75(
         procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
-    """--nnodes 2:3. n1 freezes (its agent SIGSTOPped, its worker silent in the next step) and n2 is lost after step
-    15: n0's agent opens the next round and waits for n1 in it until n1's lease runs out (3 s) and one node is left.
-    Before, that round waited out its join timeout (600 s). Now the agent stops the job there; its stop round fails
-    n0's collective that waits on n1's silent worker, and n0 persists step 15 and exits 75 (before, it waited in
-    that collective past the agent's 5 min persist deadline, and the steps since the last tier-1 save were lost)."""
+    """--nnodes 2:3, two workers on n0. n1 freezes (its agent SIGSTOPped, its worker silent in the next step) and n2
+    is lost after step 15: n0's agent opens the next round and waits for n1 in it until n1's lease runs out (3 s) and
+    one node is left. Before, that round waited out its join timeout (600 s). Now the agent stops the job there; its
+    stop round fails n0's collectives that wait on n1's silent worker (a plain `--nnodes 2` job whose peer froze
+    waited there too), and both of n0's workers persist step 15 and exit; the agent exits 75. Before, they waited
+    in that collective past the agent's 5 min persist deadline, and the steps since the last tier-1 save were lost.
+    A node SIGKILLed instead: the while-joining test above."""
     import os
     import signal
 
     run_id = f"reform-{uuid.uuid4().hex[:8]}"
     stop_at = 15
-    jobs = [node(procs, tmp_path, etcd, run_id, name, "2:3", 400,
+    jobs = [node(procs, tmp_path, etcd, run_id, name, "2:3", 400, nproc=2 if name == "n0" else 1,
                  faults=(Fault(point="step", step=stop_at, action="hang"),) if name != "n0" else ())
             for name in ("n0", "n1", "n2")]
     n0, n1, n2 = jobs
@@ -279,38 +281,10 @@ def test_below_the_minimum_while_a_round_forms_the_survivor_persists_and_exits_7
     finally:
         procs.kill_node(n1.proc)
     assert n0.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
-    [stopped] = n0.events("below_min_exit")
-    assert stopped["persisted"] is True and stopped["step"] == stop_at == last_step(n0), stopped
-
-
-@pytest.mark.timeout(180)
-def test_below_the_minimum_with_a_frozen_peer_both_local_workers_persist_and_exit_75(
-        procs: Procs, etcd: EtcdServer, tmp_path: Path) -> None:
-    """--nnodes 2, two workers a node. n1 freezes after step 15 (its agent SIGSTOPped, its workers silent): no round
-    can form, so n0 does not wait out the join timeout (600 s). Its workers wait on n1's in the next step's
-    collective, which only n1's lease running out ends; the stop round fails that collective, and both persist step
-    15 to tier 1 and exit; the agent exits with EXIT_BELOW_MIN (before, they waited in the collective past the
-    agent's 5 min persist deadline and were stopped without persisting). A node SIGKILLed instead: the two
-    `below_the_minimum_while_*` tests below."""
-    import os
-    import signal
-
-    run_id = f"reform-{uuid.uuid4().hex[:8]}"
-    stop_at = 15
-    jobs = [node(procs, tmp_path, etcd, run_id, name, "2", 400, nproc=2,
-                 faults=(Fault(point="step", step=stop_at, action="hang"),) if name == "n1" else ())
-            for name in ("n0", "n1")]
-    n0, n1 = jobs
-    wait_until("n1's workers at their fault", lambda: len(n1.events("fault")) == 2, jobs)
-    os.kill(n1.proc.pid, signal.SIGSTOP)  # its agent only: alive to etcd until its lease runs out
-    try:
-        out = n0.finish(timeout=90, ok=False)
-    finally:
-        procs.kill_node(n1.proc)
-    assert n0.proc.returncode == EXIT_BELOW_MIN, out[-3000:]
     assert "the job needs 2 nodes (--nnodes 2:...) and has 1" in out, out[-3000:]
     stopped = n0.events("below_min_exit")
     assert len(stopped) == 2 and all(e["persisted"] and e["step"] == stop_at for e in stopped), stopped
+    assert last_step(n0) == stop_at
     committed = sorted(int(p.parent.name.rsplit("_", 1)[1]) for p in (tmp_path / "n0" / "ckpt").glob("step_*/COMMIT"))
     assert committed and committed[-1] == stop_at, committed
 
