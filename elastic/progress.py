@@ -89,12 +89,6 @@ def last_beat(directory: str | Path, local_rank: int, now: float | None = None) 
     return Beat(max((time.monotonic() if now is None else now) - at, 0.0), restarted=text.startswith(_RESTARTED))
 
 
-def last_beat_age(directory: str | Path, local_rank: int, now: float | None = None) -> float | None:
-    """Seconds since the worker's last beat (see `last_beat`); None if it has not beaten yet or has finished."""
-    beat = last_beat(directory, local_rank, now)
-    return None if beat is None else beat.age
-
-
 def beat_time(text: str) -> float | None:
     """The time.monotonic() a beat's text was written at, if it holds one."""
     _, _, at = text.partition(" ")

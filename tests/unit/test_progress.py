@@ -16,16 +16,21 @@ from elastic import progress
 pytestmark = pytest.mark.timeout(30)
 
 
+def _age(directory: Path, local_rank: int, now: float | None = None) -> float | None:
+    beat = progress.last_beat(directory, local_rank, now)
+    return None if beat is None else beat.age
+
+
 def test_beat_age_grows_and_a_finished_worker_is_never_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(progress.ENV_DIR, str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(progress, "_last_beat", 0.0)
-    assert progress.last_beat_age(tmp_path, 1) is None  # not beaten yet
+    assert _age(tmp_path, 1) is None  # not beaten yet
     progress.beat(7)
-    age = progress.last_beat_age(tmp_path, 1, time.monotonic() + 100)
+    age = _age(tmp_path, 1, time.monotonic() + 100)
     assert age is not None and 99 <= age <= 130
     progress.finish()
-    assert progress.last_beat_age(tmp_path, 1, time.monotonic() + 100) is None
+    assert _age(tmp_path, 1, time.monotonic() + 100) is None
 
 
 def test_a_wall_clock_step_neither_ages_a_beat_nor_hides_a_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -41,14 +46,14 @@ def test_a_wall_clock_step_neither_ages_a_beat_nor_hides_a_hang(tmp_path: Path, 
     assert beat_file.read_text().split()[0] == "3"
     mtime = beat_file.stat().st_mtime
     os.utime(beat_file, (mtime - 3600, mtime - 3600))  # the wall clock was an hour ahead when it beat
-    age = progress.last_beat_age(tmp_path, 0)
+    age = _age(tmp_path, 0)
     assert age is not None and age < 60
     os.utime(beat_file, (mtime + 3600, mtime + 3600))  # an hour behind
-    age = progress.last_beat_age(tmp_path, 0, time.monotonic() + 100)  # and no beat for 100 s
+    age = _age(tmp_path, 0, time.monotonic() + 100)  # and no beat for 100 s
     assert age is not None and age >= 99
     beat_file.write_text("3")  # a beat without its time (another writer): its file's age
     os.utime(beat_file, (mtime - 100, mtime - 100))
-    age = progress.last_beat_age(tmp_path, 0)
+    age = _age(tmp_path, 0)
     assert age is not None and age >= 99
 
 
