@@ -96,7 +96,7 @@ def make_state(total_bytes: int, tensor_bytes: int, device: torch.device) -> dic
     large = {}
     left = total_bytes - small_bytes
     i = 0
-    while left > 0:
+    while left >= 4:  # a remainder under one element is left out (--state-gb need not be a multiple of 4 bytes)
         n = min(tensor_bytes, left) // 4
         large[f"layer_{i}"] = torch.randn(n, device=device)
         left -= n * 4

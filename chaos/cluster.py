@@ -30,11 +30,8 @@ from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork, NodeNet
 from chaos.samples import SAMPLE_LOG_ENV
 from chaos.timeline import AgentEvent, Timeline
-from core.events import EVENTS_DIR_ENV, events_path
+from core.events import EVENTS_DIR_ENV, NODE_ID_ENV, events_path
 from core.procfs import descendants, environ, kill_tree, stat
-
-NODE_ID_ENV = "ELASTIC_NODE_ID"
-"""Read by `core.events` and `core.faults` in every process of the node: the node of each record."""
 
 
 @dataclass(frozen=True)

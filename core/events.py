@@ -61,10 +61,12 @@ def route_to_torch(destination: str) -> None:
 
 
 EVENTS_DIR_ENV = "ELASTIC_EVENTS_DIR"
+NODE_ID_ENV = "ELASTIC_NODE_ID"
+"""The node of every record: elastic-run sets it for its workers (the node's id in the run), elastic-chaos per node."""
 
 # Worker identity from the torchrun environment, added to every record where it is set.
 _IDENTITY_ENV = {"rank": "RANK", "local_rank": "LOCAL_RANK", "world": "WORLD_SIZE", "group_rank": "GROUP_RANK",
-                 "restart": "TORCHELASTIC_RESTART_COUNT", "node": "ELASTIC_NODE_ID"}
+                 "restart": "TORCHELASTIC_RESTART_COUNT", "node": NODE_ID_ENV}
 
 _file_lock = threading.Lock()
 

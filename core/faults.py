@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from core.events import emit
+from core.events import NODE_ID_ENV, emit
 
 FAULTS_ENV = "ELASTIC_FAULTS"
 Point = Literal["step", "save", "join"]
@@ -101,7 +101,7 @@ def fire(point: Point, step: int) -> None:
         return
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    node = os.environ.get("ELASTIC_NODE_ID")
+    node = os.environ.get(NODE_ID_ENV)
     for fault in faults:
         if fault.matches(point, step, rank=rank, node=node, restart=restart):
             emit("fault", point=point, step=step, action=fault.action)

@@ -54,7 +54,7 @@ from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _ge
 
 from core import events, procfs, tier0_dir
 from core.deadline import Deadline
-from core.events import emit
+from core.events import NODE_ID_ENV, emit
 from elastic import peer_loss, prestart, progress, reform
 from elastic.errors import BelowMinimumError
 from elastic.job_metrics import JobMetrics
@@ -196,6 +196,9 @@ class ElasticAgent(LocalElasticAgent):
         self._round_info: RoundAware | None = handler if isinstance(handler, RoundAware) else None
         if self._round_info is not None:  # below the minimum mid-round: persist and stop (_next_round_in_place)
             self._round_info.stop_below_minimum()
+            # Every record of the node's processes (core/events.py) and a fault's `node` key (core/faults.py) name
+            # the node by its id in the run. A value already set (elastic-chaos names its nodes) is left alone.
+            os.environ.setdefault(NODE_ID_ENV, self._round_info.node_id)
         # Checksums and publishes the workers' tier-0 snapshots off their training processes; with membership
         # records, also keeps peers' tier-0 replicas on a port advertised in this node's record.
         self.ckpt_helper: NodeHelper | None = None

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import sys
 
-from core.heap import imports_without_gc
 from elastic import prestart
 
-if __name__ == "__main__":  # `python -m elastic.launcher`: the workers' torch imports overlap ours
-    prestart.begin(sys.argv[1:])
-    _imports = imports_without_gc()  # ours below (core/heap.py), on the same cores as the workers' warm-up
-    _imports.__enter__()
+if __name__ == "__main__":  # `python -m elastic.launcher`: run as the console script (its signals, its prestart),
+    import runpy  # which imports this module afresh, as `elastic.launcher`, under its early signal handlers
+
+    runpy.run_module("elastic.console", run_name="__main__")
 
 import argparse
 import logging
@@ -52,7 +51,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from core import events
-from elastic import fast_exit, rendezvous
+from elastic import fast_exit, rendezvous, stop_signals
 from elastic.agent import AgentConfig, launch
 from elastic.credentials import mask_conf
 from elastic.errors import EXIT_BELOW_MIN, BelowMinimumError, ElasticError
@@ -394,37 +393,16 @@ def main(argv: list[str] | None = None) -> dict[int, Any]:
         prestart.dismiss()  # interpreters started ahead that no agent took (bad flags, a failed start)
 
 
-STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-"""torch's default --signals-to-handle."""
-
-
 def _stop_on_signals(argv: list[str]) -> None:
-    """From the start, a stop signal ends the agent as once its workers run (torch's handlers, installed only
+    """From here on, a stop signal ends the agent as once its workers run (torch's handlers, installed only
     then): through the agent's cleanup (its tier-0 and progress directories, helper, spare) to exit 128+N.
     Before, a SIGTERM or SIGHUP during the rendezvous killed it outright and left its directories in /dev/shm,
-    and a Ctrl-C printed a traceback. Only the signals torch will handle (--signals-to-handle), and none this
-    process was started ignoring (`nohup`: SIGHUP; `cmd &` in a script: SIGINT)."""
+    and a Ctrl-C printed a traceback (elastic/stop_signals.py covers the console script's imports before this)."""
     def stop(signum: int, _frame: object) -> None:
         raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
-    for name in _signals_to_handle(argv):
-        sig = getattr(signal, name.strip(), None)
-        if isinstance(sig, signal.Signals) and signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, stop)
-
-
-def _signals_to_handle(argv: list[str]) -> list[str]:
-    """--signals-to-handle's value in `argv` (before the parser has run, which checks it later; a training script's
-    own flag of that name would be read too)."""
-    given = None
-    for i, arg in enumerate(argv):
-        if arg == "--":
-            break
-        if arg in ("--signals-to-handle", "--signals_to_handle") and i + 1 < len(argv):
-            given = argv[i + 1]
-        elif arg.startswith(("--signals-to-handle=", "--signals_to_handle=")):
-            given = arg.split("=", 1)[1]
-    return (given if given is not None else STOP_SIGNALS).split(",")
+    for sig in stop_signals.signals_to_handle(argv):
+        signal.signal(sig, stop)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -454,8 +432,3 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
         return 1
     return 2  # not reached: parser.error exits
-
-
-if __name__ == "__main__":
-    _imports.__exit__(None, None, None)
-    sys.exit(cli())

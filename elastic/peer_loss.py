@@ -11,6 +11,8 @@ a peer's loss either. If the agent does not stop the worker within the grace per
 was not a membership change and the traceback is printed as usual. With LOGLEVEL=DEBUG the
 full text is printed at once as well.
 
+A KeyboardInterrupt (elastic-run forwards a Ctrl-C to its workers) is one line too, not a traceback per worker.
+
 The agent sets `ELASTIC_PEER_LOSS_GRACE_S` only for a rendezvous that watches membership; without
 it `install()` does nothing. `trainer.Resumable` installs it; other scripts may call it themselves
 after `init_process_group`.
@@ -53,7 +55,7 @@ def looks_like_peer_loss(exc: BaseException) -> bool:
 
 
 def install() -> bool:
-    """Hold back lost-peer tracebacks of this worker (once per process). True if installed."""
+    """Hold back lost-peer and KeyboardInterrupt tracebacks of this worker (once per process). True if installed."""
     raw = os.environ.get(ENV_GRACE)
     if not raw or getattr(sys.excepthook, "_elastic_peer_loss", False):
         return False
@@ -61,6 +63,13 @@ def install() -> bool:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt) and os.environ.get("LOGLEVEL", "").upper() != "DEBUG":
+            # The agent forwards a Ctrl-C (SIGINT) to its workers, as torchrun's does, and prints one line for the
+            # stop itself: a traceback from every worker would bury it. Python still exits as killed by SIGINT.
+            last = traceback.extract_tb(tb)[-1:] if tb is not None else []
+            at = f" in {os.path.basename(last[0].filename)}:{last[0].lineno}" if last else ""
+            sys.stderr.write(f"elastic: rank {os.environ.get('RANK', '?')}: stopped by SIGINT{at}\n")
+            return
         if grace > 0 and looks_like_peer_loss(exc):
             if os.environ.get("LOGLEVEL", "").upper() == "DEBUG":
                 sys.stderr.write("".join(traceback.format_exception(kind, exc, tb)))

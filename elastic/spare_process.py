@@ -31,6 +31,7 @@ from core import premap
 from core.heap import imports_without_gc
 from core.numbers import decimal
 from core.tier0_dir import ENV as TIER0_ENV
+from elastic import stop_signals
 from elastic.progress import ENV_DIR as ENV_PROGRESS_DIR
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,7 @@ def _forked_child(control_fd: int, write_end: int, pipes: Sequence[IO[bytes]], e
     process group), stdio unbuffered as `python -u` has it, then `serve`; it never returns into the launcher's code."""
     code = 1
     try:
+        stop_signals.restore()  # a worker's handlers, as a fresh interpreter has them (the launcher's are its own)
         os.close(write_end)
         for pipe in pipes:
             pipe.close()  # nothing buffered in them yet: closes this copy's descriptor

@@ -53,10 +53,15 @@ THREE_RANKS = ("--num-workers", "1")
 """The flags of the 3-rank jobs (the kill inside a checkpoint write and its reference), with a DataLoader worker."""
 
 
+KILL_NODE = "kill-node"
+"""The node id (--node-id) of the runs killed at a random step: their fault names it, as a fault of a multi-node
+job does, so it fires only where elastic-run gives its workers their node's id (ELASTIC_NODE_ID)."""
+
+
 def random_kill(seed: int) -> Fault:
     rng = random.Random(seed)
     step, rank = rng.randrange(1, STEPS), rng.randrange(2)
-    return Fault(point="step", step=step, rank=rank)
+    return Fault(point="step", step=step, rank=rank, node=KILL_NODE)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +73,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TinyJob
         started = {
             "reference": tiny(procs, tmp_path_factory.mktemp("ref")),
             **{f"kill-{seed}": tiny(procs, tmp_path_factory.mktemp(f"kill{seed}"), "--num-workers", str(workers),
-                                    *(("--snapshot-every", "1") if tier0 else ()), faults=(random_kill(seed),))
+                                    *(("--snapshot-every", "1") if tier0 else ()), faults=(random_kill(seed),),
+                                    launcher=("--node-id", KILL_NODE))
                for seed, workers, tier0 in RANDOM_KILLS},
             "reference-3": tiny(procs, tmp_path_factory.mktemp("ref3"), *THREE_RANKS, nproc=3),
             "in-save": tiny(procs, tmp_path_factory.mktemp("insave"), *THREE_RANKS, nproc=3, env=NO_TIER0,
@@ -102,6 +108,7 @@ def test_worker_killed_at_a_random_step_resumes_bitwise(
     job, fault = jobs[f"kill-{seed}"], random_kill(seed)  # it ran with --num-workers `workers`
     assert fault.rank is not None
     assert_killed(job, point="step", step=fault.step, rank=fault.rank)
+    assert {e.get("node") for e in job.events("restored")} == {KILL_NODE}, job.out[-3000:]
     if tier0:
         # The killed worker's replacement restores the snapshot of the step it died after (or, if the
         # kill beat that snapshot's checksum, the one before) from the node's memory: at most 1 step lost.

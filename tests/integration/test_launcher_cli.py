@@ -513,6 +513,41 @@ def test_a_stop_signal_during_the_rendezvous_cleans_up_and_exits_128_plus_n(
     assert [p for pattern in mine for p in shm_root().glob(pattern)] == []
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_during_the_launchers_imports_is_one_line_and_128_plus_n(
+        procs, tmp_path: Path, sig: signal.Signals) -> None:
+    # The launcher imports torch and forks its workers' interpreters (warm spare on) for 1-2 s before torch's
+    # handlers or the launcher's: a SIGTERM there killed it without a word, a Ctrl-C printed the import's traceback.
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(3)\n")
+    proc = procs.elastic_run("--standalone", "--nproc-per-node", "2", str(script), env={"ELASTIC_WARM_SPARE": "1"})
+    deadline = time.monotonic() + 30
+    # Its first handlers, set together (SIGINT's is Python's own from the interpreter's start, so SIGTERM tells)
+    while not catches(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+        time.sleep(0.005)
+    os.kill(proc.pid, sig)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + sig, out
+    assert "Traceback" not in out and out.count(f"elastic-run: stopped by {sig.name} before the workers started") == 1
+    # The interpreters it forked for its workers and spare (its copies: the same command line) end with it.
+    until = time.monotonic() + 20
+    while (left := [pid for pid in procfs.pids() if str(script) in procfs.cmdline(pid) and procfs.alive(pid)]):
+        assert time.monotonic() < until, left
+        time.sleep(0.1)
+
+
 @pytest.mark.timeout(120)
 def test_a_signal_the_agent_was_started_ignoring_stays_ignored(
         procs, etcd: EtcdServer, run_id: str, tmp_path: Path) -> None:
