@@ -261,9 +261,20 @@ class Resumable:
     def _restore_from_checkpoints(self) -> int:
         # A sharded run's own tree is the layout its DTensors are restored into.
         template = self.state() if self.sharded else None
+        by_name: list[dict[str, Any]] = []  # a plain run's tree by parameter name, made for a sharded checkpoint
+
+        def template_for(restored: Restored) -> dict[str, Any] | None:
+            # A sharded run's checkpoint (its tree has a layout) comes back whole into a plain model (evaluation,
+            # export, fine-tuning on one device): checked and applied by parameter name, as a sharded run's is.
+            if template is not None or "layout" not in restored.state:
+                return template
+            if not by_name:
+                by_name.append(self._tree(*sharding.model_state(self.model, self.optimizer), None))
+            return by_name[0]
+
         agree = partial(agree_on_checkpoint, self.checkpointer, self.topology, where=self.config.ckpt_dir,
                         into=template, check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
-                                                                   sampler=self.sampler, template=template,
+                                                                   sampler=self.sampler, template=template_for(r),
                                                                    step=r.step, stateful=self._stateful()))
         restored = agree()
         if restored is None and not self.sharded:
@@ -284,11 +295,11 @@ class Resumable:
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self._prepare()  # staging buffer allocated before the loop
-            if self.sharded:
+            if self.sharded or by_name:
                 sharding.forget_optimizer_state(self.optimizer)  # the template's, made by get_state_dict
             self._mark_live(0)
             return self._started(0)
-        if template is not None:
+        if template_for(restored) is not None:
             apply_state.sharded(self, restored)
         else:
             apply_state.whole(self, restored.state, own_rank=restored.own)

@@ -149,7 +149,11 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state:
         _checkpoint_state_dict().set_state_dict(model, [], model_state_dict=model_sd, optim_state_dict={})
         return
     optim_sd = fit_to_template(state["optimizer"], optim_now)
-    _checkpoint_state_dict().set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    sd = _checkpoint_state_dict()
+    sd.set_model_state_dict(model, model_sd)  # strict: every parameter and buffer
+    # Not strict: a trainable parameter that never had a gradient (a branch not taken yet) has no optimizer state in
+    # the checkpoint, and gets none, as in the run that saved it. The tree was checked against the template before.
+    sd.set_optimizer_state_dict(model, optimizer, optim_sd, options=sd.StateDictOptions(strict=False))
 
 
 @contextmanager

@@ -305,6 +305,17 @@ def _check_optimizer_structure(saved: Any, *, by_name: bool = False) -> None:
         raise InvalidStateError("'optimizer' is not an optimizer state_dict (a mapping with 'state' and "
                                 "'param_groups')")
     key_type, what = (str, "names") if by_name else (int, "ids")
+    other = int if by_name else str
+    groups = [g.get("params") if _is_str_mapping(g) else None for g in saved["param_groups"]]
+    if groups and all(_is_list(p) and p and all(type(k) is other for k in p) for p in groups) \
+            and all(type(k) is other for k in saved["state"]):
+        # Whole and well formed, but the other run kind's: not damage, so no older step is tried in its place.
+        raise StateMismatchError(
+            "the checkpoint was saved by a run whose model was not sharded (DDP or one process; its optimizer state "
+            "is by parameter position), and this run's model is sharded (FSDP or DTensor): resume it with the plain "
+            "model, or start this run from a fresh --ckpt-dir" if by_name else
+            "the checkpoint was saved by a sharded run (its optimizer state is by parameter name), and it is read as "
+            "a plain one: restore it through Resumable, which takes it into a plain model")
     seen: set[int | str] = set()
     for i, group in enumerate(saved["param_groups"]):
         params = group.get("params") if _is_str_mapping(group) else None

@@ -108,6 +108,16 @@ def test_a_by_name_optimizer_state_is_checked_whole() -> None:
     with pytest.raises(InvalidStateError, match="param_groups\\[0\\] has no list of parameter names"):
         check_state(by_position, model=model, optimizer=optimizer, sampler=None, template=template)
 
+    # A plain run's (DDP) checkpoint, whole: not damage but another kind of run, so no older step is tried.
+    plain = copy.deepcopy(template)
+    names = [n for g in plain["optimizer"]["param_groups"] for n in g["params"]]
+    plain["optimizer"] = {"state": {names.index(n): v for n, v in plain["optimizer"]["state"].items()},
+                          "param_groups": [{**g, "params": [names.index(n) for n in g["params"]]}
+                                           for g in plain["optimizer"]["param_groups"]]}
+    with pytest.raises(StateMismatchError, match="saved by a run whose model was not sharded .* resume it with the "
+                                                 "plain model, or start this run from a fresh --ckpt-dir"):
+        check_state(plain, model=model, optimizer=optimizer, sampler=None, template=template)
+
     reordered = copy.deepcopy(template)
     reordered["optimizer"]["param_groups"][0]["params"].reverse()
     with pytest.raises(StateMismatchError, match="group 0 holds other parameters .* another order"):
