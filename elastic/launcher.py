@@ -101,7 +101,9 @@ def build_parser() -> ArgumentParser:
         if action.dest in helps:
             action.help = helps[action.dest]
         if action.dest == "rdzv_backend":
-            action.default = None  # None: not given, so _plan decides (see the module docstring)
+            # None: not given, so _plan decides (see the module docstring). torchrun's flags default to their PET_*
+            # variable (what Kubeflow's PyTorchJob sets); this one still does.
+            action.default = os.environ.get("PET_RDZV_BACKEND") or None
     ours = parser.add_argument_group("elastic-train")
     ours.add_argument(
         "--node-id",
@@ -198,7 +200,9 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
     if backend == STATIC:
         if not 0 <= args.node_rank < max_nodes:
             raise ValueError(f"--node-rank {args.node_rank}: must be 0..{max_nodes - 1} for --nnodes {args.nnodes}")
-        note = (f"static rendezvous at {args.master_addr}:{args.master_port or TORCHRUN_DEFAULT_MASTER_PORT}, "
+        # torch's static handler takes --rdzv-endpoint where one is given, else --master-addr:--master-port
+        where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or TORCHRUN_DEFAULT_MASTER_PORT}"
+        note = (f"static rendezvous at {where}, "
                 f"node rank {args.node_rank} of {max_nodes} (torchrun's non-elastic mode: a lost node ends the job); "
                 "for elastic membership and fast re-formation pass --rdzv-endpoint <etcd host:port>")
         return Plan(backend=STATIC, embedded_etcd=False, run_id=derived or TORCHRUN_DEFAULT_RUN_ID, notes=(note,))
@@ -209,7 +213,11 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
                 "private etcd)")
         if args.standalone:  # torchrun's --standalone: a c10d store on a free local port
             args.rdzv_endpoint, derived = "localhost:0", None
-        return Plan(backend=backend, embedded_etcd=False, run_id=derived or str(uuid.uuid4()), notes=(note,))
+        # Without --rdzv-id, torchrun's id ("none") where other nodes are to meet this one on that backend's store:
+        # a random id per node would keep them apart until the join timeout. One node alone gets its own id.
+        shared = max_nodes > 1 and not args.standalone
+        run_id = derived or (TORCHRUN_DEFAULT_RUN_ID if shared else str(uuid.uuid4()))
+        return Plan(backend=backend, embedded_etcd=False, run_id=run_id, notes=(note,))
     if derived is not None and "/" in derived:  # a part of etcd keys: named here, with where it came from
         source = "--rdzv-id" if given_id else "the scheduler's job id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID or JOB_UID)"
         raise ValueError(f"{source}: run id {derived!r} must contain no '/'; pass --rdzv-id with another")

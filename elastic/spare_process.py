@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
@@ -243,8 +244,14 @@ def become(order: dict[str, Any], set_by_imports: dict[str, str]) -> None:
     sys.path[0] = _script_path(target)
     _unshadow()
     sys.argv = [target.name, *target.argv]
+    # A fresh interpreter's own torch seed: a forked one has the launcher's, the same in every worker of the node
+    # (unseeded dropout masks, augmentation and DataLoader worker seeds alike on every rank). CPU only: a fresh
+    # process's CUDA generators start from torch's fixed default, which the warm-up did not touch.
+    if "torch" in sys.modules:
+        sys.modules["torch"].default_generator.seed()
     if target.kind == "path":
-        runpy.run_path(target.name, run_name="__main__")
+        # `python sub/train.py` gives the script an absolute __file__ (Python 3.9+); sys.argv[0] stays as given.
+        runpy.run_path(os.path.abspath(target.name), run_name="__main__")
     else:
         runpy.run_module(target.name, run_name="__main__", alter_sys=True)
 
@@ -300,7 +307,7 @@ def _exit_as_python_does(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os._exit(code)
+        _end(code)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -369,14 +376,32 @@ def serve(control_fd: int) -> int:
             return code or 0
         print(code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
         return 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        return KILLED_BY_SIGINT  # as Python ends on an uncaught KeyboardInterrupt
     except BaseException:  # noqa: BLE001 - the worker's uncaught error, reported as Python would
         sys.excepthook(*sys.exc_info())
         return 1
     return 0
 
 
+KILLED_BY_SIGINT = -int(signal.SIGINT)
+"""`serve`'s result for an uncaught KeyboardInterrupt: the process then ends killed by SIGINT (`_end`)."""
+
+
+def _end(code: int) -> NoReturn:
+    """os._exit(code), or for KILLED_BY_SIGINT death by SIGINT, as Python's own exit after a KeyboardInterrupt."""
+    if code == KILLED_BY_SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 128 + int(signal.SIGINT)  # not reached
+    os._exit(code)
+
+
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == KILLED_BY_SIGINT:
+        _end(code)
     sys.exit(code)

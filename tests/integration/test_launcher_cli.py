@@ -316,6 +316,15 @@ def test_run_id_comes_from_the_scheduler_and_is_required_for_several_nodes_on_an
     assert plan(["--standalone"], {"SLURM_JOB_ID": "77"}).run_id != "slurm-77-0"  # standalone: always fresh
 
 
+def test_torchruns_pet_variables_set_the_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Kubeflow's PyTorchJob passes torchrun's flags as PET_* variables; PET_RDZV_BACKEND was dropped.
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "h:29803")
+    monkeypatch.setenv("PET_NNODES", "2")
+    pet = plan([])
+    assert (pet.backend, pet.embedded_etcd, pet.run_id) == ("c10d", False, "none")
+
+
 def test_rendezvous_follows_torchruns_rule_for_the_flags_given() -> None:
     static = plan(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29400"])
     assert (static.backend, static.embedded_etcd) == ("static", False)
@@ -323,6 +332,11 @@ def test_rendezvous_follows_torchruns_rule_for_the_flags_given() -> None:
     assert plan(["--master-port", "29400"]).backend == "static"  # as torchrun: an explicit port, one node
     c10d = plan(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500"])
     assert c10d.backend == "c10d" and "etcd-v3" in c10d.notes[0] and "--rdzv-endpoint" in c10d.notes[0]
+    assert c10d.run_id != "none"  # one node: its own id
+    # Several nodes on torch's backend without --rdzv-id: torchrun's shared default, or they never meet.
+    assert plan(["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29500", "--nnodes", "2"]).run_id == "none"
+    static_at = plan(["--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:29761", "--nnodes", "2"])
+    assert "static rendezvous at 127.0.0.1:29761," in static_at.notes[0]  # the store torch's handler really uses
     with pytest.raises(ValueError, match="--node-rank 2"):
         plan(["--nnodes", "2", "--node-rank", "2"])
     with pytest.raises(ValueError, match="needs --rdzv-endpoint"):

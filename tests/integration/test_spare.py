@@ -120,6 +120,8 @@ threading.Thread(target=late).start()  # not a daemon: the process waits for it,
 import torch
 print("out:" + json.dumps({"argv": sys.argv[1:], "rank": os.environ.get("RANK"), "name": __name__,
                            "session_leader": os.getsid(0) == os.getpid(), "threads": torch.get_num_threads()}))
+if sys.argv[-1] == "interrupt":
+    raise KeyboardInterrupt  # Python prints it, then ends killed by SIGINT (a shell sees 130, torch -2)
 sys.exit(int(sys.argv[-1]))
 '''
 
@@ -138,8 +140,13 @@ env["OMP_NUM_THREADS"] = "1"  # torchrun's for several workers a node; torch loa
 second.prepare(["-u", script], env, warm=True)
 second.take(local_rank=0, interpreter_args=["-u", script, "--flag", "4"], env={**env, "RANK": "3"},
             stdout=out, stderr=out)
-print("driver:" + json.dumps({"first": first_code, "second": second.proc.wait(timeout=60),
-                             "third": third.proc.returncode}))
+second_code = second.proc.wait(timeout=60)
+fourth = Spare.fork(env)
+fourth.prepare(["-u", script], env, warm=False)
+fourth.take(local_rank=0, interpreter_args=["-u", script, "interrupt"], env={**env, "RANK": "4"},
+            stdout=marks + "/fourth.log", stderr=marks + "/fourth.log")
+print("driver:" + json.dumps({"first": first_code, "second": second_code, "third": third.proc.returncode,
+                             "fourth": fourth.proc.wait(timeout=60)}))
 '''
 
 
@@ -159,7 +166,8 @@ def test_a_spare_forked_from_the_launcher_runs_its_order_and_exits_as_python_doe
     assert driver.returncode == 0, driver.stdout + driver.stderr
     reports = [x for x in driver.stdout.splitlines() if x.startswith("driver:")]
     assert len(reports) == 1, driver.stdout  # only the driver: no child came back into the code it was forked from
-    assert json.loads(reports[0][7:]) == {"first": 0, "second": 4, "third": -9}
+    assert json.loads(reports[0][7:]) == {"first": 0, "second": 4, "third": -9, "fourth": -2}
+    assert "KeyboardInterrupt" in (marks / "fourth.log").read_text()
     line = next(x for x in out.read_text().splitlines() if x.startswith("out:"))
     assert json.loads(line[4:]) == {"argv": ["--flag", "4"], "rank": "3", "name": "__main__", "session_leader": True,
                                      "threads": 1}

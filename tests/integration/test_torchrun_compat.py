@@ -10,9 +10,11 @@ All jobs of the module run up front, three at a time, so their start-up overlaps
 Each case costs two jobs of two or more processes that import torch (~10 s of CPU a job on 2 cores), so
 flags that do not interact share a case: the entrypoint flags (--run-path, -m, --no-python) ride along the
 rendezvous variants, and --log-dir/--redirects/--tee and --local-addr along two of them. A plain script
-path is the entrypoint of the static case. The static case is also elastic-run's own test of torchrun's
+path, relative to the working directory, is the entrypoint of the standalone case. The static case is also elastic-run's own test of torchrun's
 static multi-node command with env:// workers (tests/integration/test_static_multinode.py has the tcp:// ones),
-and the standalone case its test of the embedded etcd (--standalone, or no rendezvous flags: the same etcd).
+and the standalone case its test of the embedded etcd (--standalone, or no rendezvous flags: the same etcd) and of
+the interpreters elastic-run starts ahead for its workers (elastic/prestart.py: each its own torch seed, an absolute
+__file__ for a relative script path).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ WORKER = textwrap.dedent(
     env = {k: v for k, v in os.environ.items() if k not in json.loads(os.environ["COMPAT_BASE_KEYS"])}
     env["_SUM"] = str(int(total.item()))
     env["_ARGV"] = json.dumps(sys.argv[1:])
+    env["_FILE"] = __file__
+    env["_SEED"] = str(torch.initial_seed())
     out = os.path.join(os.environ["COMPAT_OUT"], f"rank{os.environ['RANK']}.json")
     with open(out, "w") as f:
         json.dump(env, f)
@@ -65,16 +69,16 @@ WORKER = textwrap.dedent(
 MUST_AGREE = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
     "ROLE_WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "_SUM", "_ARGV",
+    "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS", "_SUM", "_ARGV", "_FILE",
 )
 # Where they may differ by design: run ids and error-file paths are per job; the store's port and
 # host follow the rendezvous (compared where both launchers use the same one: static, --local-addr).
-MAY_DIFFER = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT", "MASTER_ADDR")
+MAY_DIFFER = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT", "MASTER_ADDR", "_SEED")
 # elastic-run's own additions (the agent's progress dir for hang detection, the peer-loss grace, the
 # node's tier-0 checkpoint directory, the in-process re-formation's mode, round generation and timeout:
-# elastic/reform.py).
+# elastic/reform.py; the node's id in the run, for events and faults).
 ELASTIC_ONLY = ("ELASTIC_PROGRESS_DIR", "ELASTIC_PEER_LOSS_GRACE_S", "ELASTIC_TIER0_DIR", "ELASTIC_REFORM",
-                "ELASTIC_ROUND_GENERATION", "ELASTIC_REFORM_TIMEOUT_S")
+                "ELASTIC_ROUND_GENERATION", "ELASTIC_REFORM_TIMEOUT_S", "ELASTIC_NODE_ID")
 
 
 @dataclass
@@ -136,7 +140,7 @@ def _cases(root: Path, etcd: EtcdServer) -> list[Case]:
 
     def static(port: int) -> list[list[str]]:
         return [["--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                 *one, "1", w, "a1"] for r in range(2)]
+                 *one, "1", "--run-path", w, "a1"] for r in range(2)]
 
     def both(*argv: str) -> tuple[list[list[str]], list[list[str]]]:
         return [list(argv)], [list(argv)]
@@ -144,11 +148,13 @@ def _cases(root: Path, etcd: EtcdServer) -> list[Case]:
     def logged(launcher: str) -> list[str]:
         return ["--log-dir", str(logs / launcher), "--redirects", "3", "--tee", "3"]
 
+    standalone = ["--standalone", *one, "2", "worker.py", "--flag", "x"]  # relative: cwd is `root`
     raw = {
-        "standalone+run-path": both("--standalone", *one, "2", "--run-path", w, "--flag", "x"),
+        # elastic-run's workers through the interpreters it starts ahead (prestart, with its warm spare)
+        "standalone": ([["--warm-spare", *standalone]], [standalone]),
         "no-python+local-addr": both("--standalone", "--local-addr", "127.0.0.1", *one, "1", "--no-python",
                                       sys.executable, w, "np"),
-        "static-2-nodes": (static(free_port()), static(free_port())),
+        "static-2-nodes+run-path": (static(free_port()), static(free_port())),
         "nnodes-min-max+module+logs": (
             [["--nnodes", "1:2", "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", f"compat-{uuid.uuid4().hex[:8]}",
               *one, "1", *logged("elastic"), "-m", "compat_worker", "m1"]],
@@ -168,7 +174,7 @@ def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tupl
     env.pop("OMP_NUM_THREADS", None)
     env["COMPAT_BASE_KEYS"] = json.dumps(sorted([*env, "COMPAT_OUT", "COMPAT_BASE_KEYS"]))
     futures: dict[str, tuple[Future[Job], Future[Job]]] = {}
-    first = ("static-2-nodes", "nnodes-min-max+module+logs", "standalone+run-path")  # the longest: none left alone
+    first = ("static-2-nodes+run-path", "nnodes-min-max+module+logs", "standalone")  # the longest: none left alone
     with ThreadPoolExecutor(max_workers=3) as pool:
         for case in sorted(cases, key=lambda c: first.index(c.name) if c.name in first else len(first)):
             futures[case.name] = (
@@ -178,8 +184,8 @@ def results(workspace: Path, etcd_server: EtcdServer) -> Iterator[dict[str, tupl
         yield {name: (e.result(), t.result()) for name, (e, t) in futures.items()}
 
 
-CASES = ["standalone+run-path", "no-python+local-addr", "static-2-nodes", "nnodes-min-max+module+logs"]
-SIZES = {"standalone+run-path": 2, "static-2-nodes": 2}
+CASES = ["standalone", "no-python+local-addr", "static-2-nodes+run-path", "nnodes-min-max+module+logs"]
+SIZES = {"standalone": 2, "static-2-nodes+run-path": 2}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -200,12 +206,15 @@ def test_workers_see_torchruns_environment(name: str, results: dict[str, tuple[J
         differ = {k: (got[k], expected[k]) for k in expected if k not in MAY_DIFFER and got[k] != expected[k]}
         assert not differ, f"rank {rank}: (elastic-run, torchrun) values differ: {differ}"
         assert int(got["MASTER_PORT"]) > 0
-        if name != "static-2-nodes":  # a static job's id only prefixes keys in its own store
+        if name != "static-2-nodes+run-path":  # a static job's id only prefixes keys in its own store
             assert got["TORCHELASTIC_RUN_ID"] not in ("", "none")
+        assert os.path.isabs(got["_FILE"]), got["_FILE"]  # as `python sub/train.py` has it, then a chdir works
+    for envs in (ours_env, theirs_env):  # each worker its own torch seed, as a fresh interpreter has
+        assert len({env["_SEED"] for env in envs.values()}) == len(envs), envs
 
 
 def test_static_nodes_use_the_given_master_address_and_node_ranks(results: dict[str, tuple[Job, Job]]) -> None:
-    for job in results["static-2-nodes"]:
+    for job in results["static-2-nodes+run-path"]:
         envs = job.envs()
         port = {argv[argv.index("--master-port") + 1] for argv in job.argvs}
         assert len(port) == 1  # both nodes were given the same store
@@ -214,7 +223,7 @@ def test_static_nodes_use_the_given_master_address_and_node_ranks(results: dict[
         assert {envs[r]["MASTER_ADDR"] for r in envs} == {"127.0.0.1"}
         assert {envs[r]["MASTER_PORT"] for r in envs} == port  # workers get the store the flags named
         assert {(envs[r]["WORLD_SIZE"], envs[r]["_SUM"]) for r in envs} == {("2", "2")}  # the all_reduce spanned both
-    ours, theirs = results["static-2-nodes"]
+    ours, theirs = results["static-2-nodes+run-path"]
     assert ours.output.count("static rendezvous at 127.0.0.1:") == 2  # each node's one-line note on elasticity
     assert "--rdzv-endpoint" in ours.output
     assert "embedded etcd" not in ours.output  # a static job starts no etcd
@@ -223,7 +232,7 @@ def test_static_nodes_use_the_given_master_address_and_node_ranks(results: dict[
 def test_standalone_runs_on_its_own_etcd_and_removes_it(results: dict[str, tuple[Job, Job]]) -> None:
     # --standalone: a private etcd, not torchrun's c10d store (the same embedded etcd as elastic-run with no
     # rendezvous flags, which every TinyJob of the suite is).
-    ours, _ = results["standalone+run-path"]
+    ours, _ = results["standalone"]
     assert ours.returncodes == [0], ours.output
     assert "embedded etcd at" in ours.output
     # The embedded etcd went away with the launcher, data dir included.
