@@ -10,11 +10,11 @@ All jobs of the module run up front, three at a time, so their start-up overlaps
 Each case costs two jobs of two or more processes that import torch (~10 s of CPU a job on 2 cores), so
 flags that do not interact share a case: the entrypoint flags (--run-path, -m, --no-python) ride along the
 rendezvous variants, and --log-dir/--redirects/--tee and --local-addr along two of them. A plain script
-path, relative to the working directory, is the entrypoint of the standalone case. The static case is also elastic-run's own test of torchrun's
-static multi-node command with env:// workers (tests/integration/test_static_multinode.py has the tcp:// ones),
-and the standalone case its test of the embedded etcd (--standalone, or no rendezvous flags: the same etcd) and of
-the interpreters elastic-run starts ahead for its workers (elastic/prestart.py: each its own torch seed, an absolute
-__file__ for a relative script path).
+path, relative to the working directory, is the entrypoint of the standalone case. The static case is also
+elastic-run's own test of torchrun's static multi-node command with env:// workers
+(tests/integration/test_static_multinode.py has the tcp:// ones), and the standalone case its test of the
+embedded etcd (--standalone, or no rendezvous flags: the same etcd) and of the interpreters elastic-run starts
+ahead for its workers (elastic/prestart.py: each its own torch seed, an absolute __file__ for a relative path).
 """
 
 from __future__ import annotations
