@@ -101,15 +101,34 @@ class ShardInfo:
 
 def local_box(tensor: DTensor) -> Box:
     """The box of `tensor` this rank holds (empty sizes are possible with uneven sharding)."""
-    return _box(tuple(int(s) for s in tensor.shape), tensor.device_mesh, tuple(tensor.placements))
+    return _box(tuple(int(s) for s in tensor.shape), tensor.device_mesh, tuple(tensor.placements), _rank())
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 @functools.lru_cache(maxsize=4096)
-def _box(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...]) -> Box:
-    # Cached: a save of a few hundred DTensors would otherwise spend milliseconds here every step.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def _coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...] | None:
+    """`rank`'s coordinate in `mesh`, None if it is not in it. Not `mesh.get_coordinate()`: that is fixed when the
+    mesh object is made, and torch hands an old mesh object out again (FSDP2's parameters, after an in-process
+    re-formation that gave this process another rank at the same world size), whose coordinate is the old rank's.
+    Cached by the mesh's layout and the rank, which it is a function of."""
+    found = (mesh.mesh == rank).nonzero()
+    return tuple(int(i) for i in found[0].tolist()) if len(found) else None
 
-    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+
+@functools.lru_cache(maxsize=4096)
+def _box(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], rank: int) -> Box:
+    # Cached: a save of a few hundred DTensors would otherwise spend milliseconds here every step.
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    coordinate = _coordinate(mesh, rank)
+    if coordinate is None:  # not part of the mesh: holds nothing
+        return Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+    sizes, offsets = _compute_local_shape_and_global_offset(shape, tuple(mesh.shape), list(coordinate), placements)
     return Box(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes))
 
 
@@ -117,13 +136,13 @@ def full_box(shape: Sequence[int]) -> Box:
     return Box(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
 
-def _writes(mesh: DeviceMesh, placements: tuple[Placement, ...], name: str) -> bool:
+def _writes(mesh: DeviceMesh, placements: tuple[Placement, ...], name: str, rank: int) -> bool:
     """Whether this rank is the one that writes its box: coordinate 0 on every Replicate dim of the
     tensor's mesh, and on every dim of the root mesh the tensor's (sub-)mesh does not span."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    coordinate = mesh.get_coordinate()
+    coordinate = _coordinate(mesh, rank)
     if coordinate is None:  # not part of the mesh: holds nothing
         return False
     for dim, placement in enumerate(placements):
@@ -136,21 +155,32 @@ def _writes(mesh: DeviceMesh, placements: tuple[Placement, ...], name: str) -> b
             )
         if coordinate[dim] != 0:
             return False
-    return _first_across_root(mesh)
+    return _first_across_root(mesh, rank)
 
 
-def _first_across_root(mesh: DeviceMesh) -> bool:
-    """For a sub-mesh (e.g. mesh["dp"] of a (dp, tp) mesh, where FSDP puts embeddings and norms),
-    the ranks that differ only on the root dims it lacks hold the same box: coordinate 0 there writes.
-    A flattened dim ("dp_cp") spans the root dims its name joins."""
+def _first_across_root(mesh: DeviceMesh, rank: int) -> bool:
+    """For a sub-mesh (e.g. mesh["dp"] of a (dp, tp) mesh, where FSDP puts embeddings and norms, or a flattened
+    one such as mesh["dp_shard", "cp"]._flatten("dp_shard_cp")), the ranks that differ only on the root dims it
+    does not span hold the same box: coordinate 0 there writes. Which root dims it spans is read from its ranks
+    (a step along a spanned dim stays among them), not from its dim names."""
     root = mesh._get_root_mesh()
-    if root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
+    if root is mesh:
         return True
-    spanned = {part for dim in mesh.mesh_dim_names for part in (dim, *dim.split("_"))}
-    where = root.get_coordinate()
+    where = _coordinate(root, rank)
     if where is None:
         return False
-    return all(where[i] == 0 for i, dim in enumerate(root.mesh_dim_names) if dim not in spanned)
+    members = set(mesh.mesh.flatten().tolist())
+    ranks = root.mesh
+
+    def spanned(dim: int) -> bool:
+        step = list(where)
+        for value in range(ranks.shape[dim]):
+            step[dim] = value
+            if value != where[dim] and int(ranks[tuple(step)]) in members:
+                return True
+        return False
+
+    return all(where[dim] == 0 for dim in range(ranks.dim()) if not spanned(dim))
 
 
 def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, ShardInfo]]:
@@ -168,7 +198,7 @@ def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
             written[name] = tensor
             continue
         shards[name] = info = _info(tuple(tensor.shape), tensor.dtype, tensor.device_mesh, tuple(tensor.placements),
-                                    name)
+                                    name, _rank())
         if info.piece is not None:
             written[name] = tensor._local_tensor  # what to_local() returns, without an autograd call
     return written, shards
@@ -176,11 +206,12 @@ def split_sharded(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.
 
 @functools.lru_cache(maxsize=4096)
 def _info(
-    shape: tuple[int, ...], dtype: torch.dtype, mesh: DeviceMesh, placements: tuple[Placement, ...], name: str
+    shape: tuple[int, ...], dtype: torch.dtype, mesh: DeviceMesh, placements: tuple[Placement, ...], name: str,
+    rank: int,
 ) -> ShardInfo:
-    # Cached per leaf: every save of the same layout describes it the same way (~1 ms a DTensor).
-    box = _box(shape, mesh, placements)
-    tensor_writes = box.numel > 0 and _writes(mesh, placements, name)
+    # Cached per leaf and rank: every save of the same layout describes it the same way (~1 ms a DTensor).
+    box = _box(shape, mesh, placements, rank)
+    tensor_writes = box.numel > 0 and _writes(mesh, placements, name, rank)
     return ShardInfo(
         global_shape=tuple(int(s) for s in shape),
         dtype=dtype_name(dtype),

@@ -150,6 +150,47 @@ def test_replicated_pieces_are_written_once_and_shards_describe_their_box(saved:
     assert pieces[3]["model/w"]["global_shape"] == [10, 6] and pieces[3]["model/w"]["mesh_shape"] == [2, 2]
 
 
+def _box_worker(rank: int, world: int, work: Path) -> None:
+    """The box each rank describes (ckpt.sharding.split_sharded) on a flattened sub-mesh, and after an in-process
+    re-formation that swapped the ranks (FSDP2's parameters then carry a mesh object with the old coordinate)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckpt.sharding import split_sharded
+
+    def piece(tensor: Any) -> Any:
+        found = split_sharded({"w": tensor})[1]["w"].piece
+        return found and [list(found.offsets), list(found.sizes)]
+
+    _init(rank, world, work, "box-1")
+    # torchtitan's FSDP + context parallel: FSDP over ("dp_shard", "cp") flattened; its name is no guide
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp_shard", "cp"))
+    flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    seen = {"flat": piece(distribute_tensor(torch.zeros(4, 2), flat, [Shard(0)]))}
+    layer = torch.nn.Linear(2, 4)
+    fully_shard(layer, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    seen["first"] = piece(layer.weight)
+    dist.destroy_process_group()
+    _init(world - 1 - rank, world, work, "box-2")  # the same process, the other rank
+    layer = torch.nn.Linear(2, 4)
+    fully_shard(layer, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    seen["swapped"] = piece(layer.weight)
+    dist.destroy_process_group()
+    (work / f"boxes-{rank}.json").write_text(json.dumps(seen))
+
+
+def test_every_rank_describes_the_box_it_holds_on_a_flattened_mesh_and_after_a_rank_change(tmp_path: Path) -> None:
+    _run(2, _box_worker, tmp_path)
+    seen = {r: json.loads((tmp_path / f"boxes-{r}.json").read_text()) for r in range(2)}
+    # Before: only the rank at coordinate 0 of "dp_shard" wrote (the other piece was missing from every save), and
+    # after the swap each rank described the other's rows (a restore put them in the wrong place).
+    for rank in range(2):
+        assert seen[rank]["flat"] == [[2 * rank, 0], [2, 2]], seen
+        assert seen[rank]["first"] == [[2 * rank, 0], [2, 2]], seen
+        assert seen[rank]["swapped"] == [[2 * (1 - rank), 0], [2, 2]], seen
+
+
 def test_restore_reshards_into_another_layout(saved: Path) -> None:
     _run(3, _restore_worker, saved)
 
