@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.launcher.api import LaunchConfig, _get_addr_and_port, _get_entrypoint_name
 
 from core import events, procfs, tier0_dir
@@ -97,6 +99,25 @@ class AgentConfig:
             raise ValueError(f"hang_timeout must be positive, got {self.hang_timeout}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+
+
+def _on_a_thread(call: Callable[..., None], *args: Any) -> None:
+    """`call(*args)` on a daemon thread, this thread waiting in Python (where signals are handled); its error
+    raised here. The call's own timeout bounds the wait."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call(*args)
+        except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="elastic-rendezvous-wait", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if failed:
+        raise failed[0]
 
 
 @runtime_checkable
@@ -226,6 +247,16 @@ class ElasticAgent(LocalElasticAgent):
 
     def _membership(self) -> tuple[str, ...]:
         return self._round_info.round_members if self._round_info is not None else ()
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if isinstance(self._handler, StaticTCPRendezvous):
+            # torch's static rendezvous waits for every node inside C++ (TCPStore's waitForWorkers, up to its
+            # 600 s timeout), where no Python signal handler runs: a SIGTERM (Slurm, kubectl) there was answered
+            # only by the SIGKILL after it, leaving the node's directories behind. On a thread of its own (ended by
+            # torch's timeout at the latest) the wait leaves this thread free to take the signal.
+            _on_a_thread(super()._rendezvous, worker_group)
+            return
+        super()._rendezvous(worker_group)
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         if not self._started_once:

@@ -527,6 +527,32 @@ def test_a_stop_signal_during_the_rendezvous_cleans_up_and_exits_128_plus_n(
     assert [p for pattern in mine for p in shm_root().glob(pattern)] == []
 
 
+@pytest.mark.timeout(120)
+def test_sigterm_while_a_static_node_waits_for_the_others_stops_it_cleanly(procs, tmp_path: Path) -> None:
+    # torch's static rendezvous waits in C++ (TCPStore's waitForWorkers, 600 s), where a Python signal handler never
+    # runs: the node ignored SIGTERM until a SIGKILL, and left its tier-0 directory in /dev/shm.
+    from core.tier0_dir import shm_root
+
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(3)\n")  # node rank 1 never comes
+    proc = procs.elastic_run("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+                             str(free_port()), "--nproc-per-node", "1", str(script))
+    mine = [f"elastic-tier0-{proc.pid}-*", f"elastic-progress-{proc.pid}-*"]
+    deadline = time.monotonic() + 60
+    while not all(list(shm_root().glob(pattern)) for pattern in mine):  # its agent exists: the wait comes next
+        assert proc.poll() is None and time.monotonic() < deadline, proc.returncode
+        time.sleep(0.1)
+    time.sleep(1.5)  # into the store's wait for node rank 1
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=30)[0]
+    except subprocess.TimeoutExpired:
+        pytest.fail("elastic-run did not stop within 30 s of SIGTERM while waiting in the static rendezvous")
+    assert proc.returncode == 143, out
+    assert "Traceback" not in out and "elastic-run: stopped by SIGTERM" in out, out
+    assert [p for pattern in mine for p in shm_root().glob(pattern)] == []
+
+
 def catches(pid: int, sig: signal.Signals) -> bool:
     """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
     try:
