@@ -236,6 +236,12 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
                 "Leave out --rdzv-backend and --standalone for torchrun's static rendezvous at "
                 "--master-addr:--master-port"
             )
+        if args.node_rank > 0:  # torchrun would wait for the others at --master-addr; here no other node can join
+            raise ValueError(
+                f"--node-rank {args.node_rank} with --nnodes {args.nnodes} and no --rdzv-endpoint: each node would run "
+                "alone on a private etcd. Pass --rdzv-endpoint <etcd host:port> (the same on every node), or a fixed "
+                "--nnodes N with --master-addr and --master-port for torchrun's static rendezvous"
+            )
         notes: tuple[str, ...] = ()
         if max_nodes > 1:
             notes = (f"no --rdzv-endpoint: a private etcd for this node only, so no other node can join "
@@ -310,8 +316,10 @@ def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be 0..65535")
     needs_file = not args.module and not args.no_python
-    if needs_file and not os.path.isfile(args.training_script):
-        what = "is a directory" if os.path.isdir(args.training_script) else "does not exist"
+    # What `python X` runs: a file, or a directory (or zip) with a __main__.py
+    runnable = os.path.isfile(args.training_script) or os.path.isfile(os.path.join(args.training_script, "__main__.py"))
+    if needs_file and not runnable:
+        what = "is a directory without a __main__.py" if os.path.isdir(args.training_script) else "does not exist"
         raise ValueError(f"training script {args.training_script!r} {what}")
     if args.no_python and shutil.which(args.training_script) is None:
         raise ValueError(f"--no-python: command {args.training_script!r} is not found or not executable")

@@ -316,6 +316,15 @@ def test_run_id_comes_from_the_scheduler_and_is_required_for_several_nodes_on_an
     assert plan(["--standalone"], {"SLURM_JOB_ID": "77"}).run_id != "slurm-77-0"  # standalone: always fresh
 
 
+def test_a_directory_with_a_main_module_is_a_training_script(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    with pytest.raises(ValueError, match="is a directory without a __main__.py"):
+        launcher._validate(launcher.build_parser().parse_args([str(app)]), {})  # noqa: SLF001
+    (app / "__main__.py").write_text("print('app')\n")  # what `python app` runs
+    assert launcher._validate(launcher.build_parser().parse_args([str(app)]), {}).embedded_etcd  # noqa: SLF001
+
+
 def test_torchruns_pet_variables_set_the_rendezvous(monkeypatch: pytest.MonkeyPatch) -> None:
     # Kubeflow's PyTorchJob passes torchrun's flags as PET_* variables; PET_RDZV_BACKEND was dropped.
     monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
@@ -339,6 +348,9 @@ def test_rendezvous_follows_torchruns_rule_for_the_flags_given() -> None:
     assert "static rendezvous at 127.0.0.1:29761," in static_at.notes[0]  # the store torch's handler really uses
     with pytest.raises(ValueError, match="--node-rank 2"):
         plan(["--nnodes", "2", "--node-rank", "2"])
+    with pytest.raises(ValueError, match="--node-rank 1 with --nnodes 1:2 and no --rdzv-endpoint: each node would run "
+                                         "alone on a private etcd"):
+        plan(["--nnodes", "1:2", "--node-rank", "1", "--master-addr", "127.0.0.1"])  # torchrun: one static job
     with pytest.raises(ValueError, match="needs --rdzv-endpoint"):
         plan(["--rdzv-backend", "etcd-v3", "--nnodes", "2"])
     with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is not supported by etcd-v3"):
