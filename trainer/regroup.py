@@ -29,6 +29,7 @@ step some rank can read, instead of the group starting over from step 0.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import logging
@@ -274,17 +275,21 @@ def interrupt_join(newer: Round) -> None:
 
 
 def _destroy_default_group() -> None:
-    """`dist.destroy_process_group()` of a gloo group, the group itself freed on a daemon thread.
+    """`dist.destroy_process_group()` of a gloo group whose object is then kept for the life of the process.
 
     Freeing a gloo group joins its worker threads, so it waits for the collective one of them runs, and a
     send queued on a connection that closed meanwhile is never failed (gloo's `UnboundBuffer::waitSend`,
     seen on this project's 2-core host under load, about 1 in 25 runs of test_reform's warm-spare scenario
     with every socket of the group already closed): it waits out the group's timeout, 30 min by default.
     The training thread must not wait with it (the agent restarts a worker that has not left the group within
-    10 s), so the last reference goes to a thread of its own; the stuck thread ends at that timeout."""
-    held = [dist.distributed_c10d._get_default_group()]  # the only reference once the group is destroyed
+    10 s). Nor may another thread free it: torch runs that destructor without the GIL, and a daemon thread that
+    comes back for the GIL once the interpreter is finalizing is ended inside C++, which aborts the process
+    ("terminate called without an active exception", exit -6: the survivor of a re-formation that then finished
+    its job). So the group is never freed: its sockets are shut down already (gloo_sockets), its threads idle or
+    stuck, a few per re-formation, and they go with the process."""
+    group = dist.distributed_c10d._get_default_group()
     dist.destroy_process_group()
-    threading.Thread(target=held.clear, name="elastic-free-old-group", daemon=True).start()
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # a reference nothing releases, not even finalization
 
 
 def rewrap_ddp(ddp: DistributedDataParallel) -> None:
