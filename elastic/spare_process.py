@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType, TracebackType
 from typing import IO, Any, NoReturn
 
 from core import premap
@@ -376,13 +377,34 @@ def serve(control_fd: int) -> int:
             return code or 0
         print(code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
         return 1
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
+    except KeyboardInterrupt as exc:
+        _report(exc)
         return KILLED_BY_SIGINT  # as Python ends on an uncaught KeyboardInterrupt
-    except BaseException:  # noqa: BLE001 - the worker's uncaught error, reported as Python would
-        sys.excepthook(*sys.exc_info())
+    except BaseException as exc:  # noqa: BLE001 - the worker's uncaught error, reported as Python would
+        _report(exc)
         return 1
     return 0
+
+
+def _report(exc: BaseException) -> None:
+    """The script's uncaught `exc` through sys.excepthook, its traceback from the script's own frames on (the
+    hook prints the exception's own traceback, whatever it is passed)."""
+    exc.__traceback__ = _script_traceback(exc.__traceback__)
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+
+
+def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """`tb` from the script's own frames on, as `python train.py` prints it: this module's and runpy's are not
+    the user's."""
+    def ours(frame: FrameType) -> bool:  # runpy's frames may be named "<frozen runpy>"
+        return os.path.abspath(frame.f_code.co_filename) == _THIS_FILE or frame.f_globals.get("__name__") == "runpy"
+
+    while tb is not None and tb.tb_next is not None and ours(tb.tb_frame):
+        tb = tb.tb_next
+    return tb
+
+
+_THIS_FILE = os.path.abspath(__file__)
 
 
 KILLED_BY_SIGINT = -int(signal.SIGINT)

@@ -167,7 +167,9 @@ def test_a_spare_forked_from_the_launcher_runs_its_order_and_exits_as_python_doe
     reports = [x for x in driver.stdout.splitlines() if x.startswith("driver:")]
     assert len(reports) == 1, driver.stdout  # only the driver: no child came back into the code it was forked from
     assert json.loads(reports[0][7:]) == {"first": 0, "second": 4, "third": -9, "fourth": -2}
-    assert "KeyboardInterrupt" in (marks / "fourth.log").read_text()
+    interrupted = (marks / "fourth.log").read_text()
+    assert "KeyboardInterrupt" in interrupted and f'File "{script}", line' in interrupted, interrupted
+    assert "spare_process" not in interrupted and "runpy" not in interrupted, interrupted  # the script's frames only
     line = next(x for x in out.read_text().splitlines() if x.startswith("out:"))
     assert json.loads(line[4:]) == {"argv": ["--flag", "4"], "rank": "3", "name": "__main__", "session_leader": True,
                                      "threads": 1}
