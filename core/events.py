@@ -6,7 +6,8 @@ Every event is one JSON object. It goes to three places:
   harness and tests set it per simulated node and read only these files, never stdout);
 - torch's event handler, see below.
 
-Every record carries `event`, `ts` (wall clock, seconds), `pid`, and from the torchrun worker
+Every record carries `event`, `ts` (wall clock, seconds), `mono` (CLOCK_MONOTONIC) with `boot` (the
+kernel's boot id; `read_events` orders one machine's records by `mono`), `pid`, and from the torchrun worker
 environment where it is set: `rank`, `local_rank`, `world`, `restart` (TORCHELASTIC_RESTART_COUNT)
 and `node` (ELASTIC_NODE_ID). Field names below are the contract; add fields, never rename them.
 
@@ -72,12 +73,18 @@ _file_lock = threading.Lock()
 
 
 def emit(event: str, **fields: Any) -> dict[str, Any]:
-    """Record `event` with `fields` (JSON-serialisable; anything else is written as its str)."""
-    record: dict[str, Any] = {"event": event, "ts": round(time.time(), 3), "pid": os.getpid()}
+    """Record `event` with `fields` (JSON-serialisable; anything else is written as its str). A `ts` among the
+    fields (an event stamped with an earlier moment) moves `mono` back with it."""
+    wall, mono = time.time(), time.monotonic()
+    record: dict[str, Any] = {"event": event, "ts": round(wall, 3), "pid": os.getpid()}
     for key, env in _IDENTITY_ENV.items():
         value = os.environ.get(env)
         if value is not None:
             record[key] = int(value) if value.lstrip("-").isdigit() else value
+    if _BOOT is not None:
+        given = fields.get("ts")
+        earlier = wall - given if isinstance(given, (int, float)) and not isinstance(given, bool) else 0.0
+        record.update(mono=round(mono - earlier, 6), boot=_BOOT)
     record.update(fields)
     line = json.dumps(record, sort_keys=True, default=str)
     log.info("%s", line)
@@ -92,9 +99,22 @@ def events_path(directory: str, pid: int | None = None) -> str:
     return os.path.join(directory, f"events-{os.getpid() if pid is None else pid}.jsonl")
 
 
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+_BOOT = _boot_id()
+"""This machine's boot: records of one boot carry `mono` (CLOCK_MONOTONIC, the same clock in all its processes)."""
+
+
 def read_events(directory: str) -> list[dict[str, Any]]:
-    """Every event under `directory`, all processes, ordered by time. A torn last line (a process
-    killed mid-write) is skipped."""
+    """Every event under `directory`, all processes, ordered by time: by `mono` where every record has it from
+    the same boot (processes of one machine: a wall-clock step, NTP's or an operator's, does not reorder them),
+    else by `ts`. A torn last line (a process killed mid-write) is skipped."""
     records: list[dict[str, Any]] = []
     if not os.path.isdir(directory):
         return records
@@ -107,7 +127,9 @@ def read_events(directory: str) -> list[dict[str, Any]]:
                     records.append(json.loads(raw))
                 except json.JSONDecodeError:
                     continue
-    records.sort(key=lambda r: (r.get("ts", 0.0), r.get("pid", 0)))
+    one_boot = len({r.get("boot") for r in records}) == 1 and all("mono" in r for r in records)
+    clock = "mono" if one_boot and records and records[0].get("boot") is not None else "ts"
+    records.sort(key=lambda r: (r.get(clock, 0.0), r.get("pid", 0)))
     return records
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -27,9 +28,28 @@ def test_events_go_to_a_file_per_process_with_identity(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTIC_NODE_ID", "node-b")
     events.emit("restored", step=7, tier="local", source_rank=2, path="/x")
     lines = (tmp_path / f"events-{os.getpid()}.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
     assert [json.loads(line) for line in lines] == [
-        {"event": "restored", "ts": json.loads(lines[0])["ts"], "pid": os.getpid(), "rank": 2,
-         "restart": 1, "node": "node-b", "step": 7, "tier": "local", "source_rank": 2, "path": "/x"}]
+        {"event": "restored", "ts": first["ts"], "mono": first["mono"], "boot": first["boot"], "pid": os.getpid(),
+         "rank": 2, "restart": 1, "node": "node-b", "step": 7, "tier": "local", "source_rank": 2, "path": "/x"}]
+    assert abs(first["mono"] - time.monotonic()) < 60 and first["boot"]
+
+
+def test_events_of_one_machine_are_ordered_by_its_monotonic_clock_not_the_wall_clock(tmp_path, monkeypatch):
+    # The wall clock stepped back 1 h between the two (NTP, an operator): by `ts` the later event came first.
+    monkeypatch.setenv(events.EVENTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(time, "time", lambda: 1_000_000.0)
+    events.emit("hang_detected", rank=1)
+    monkeypatch.setattr(time, "time", lambda: 1_000_000.0 - 3600)
+    events.emit("worker_started", rank=1)
+    assert [r["event"] for r in events.read_events(str(tmp_path))] == ["hang_detected", "worker_started"]
+    before = time.monotonic()
+    stamped = events.emit("step", step=3, ts=1_000_000.0 - 3600 - 0.5)  # stamped with a moment 0.5 s earlier
+    assert before - 0.5 - 1e-5 <= stamped["mono"] <= time.monotonic() - 0.5 + 1e-5, (before, stamped)
+    # Records of another boot (another machine) in the same directory: the wall clock is all they share.
+    other = {"event": "join", "ts": 1_000_000.0 - 3600 - 10, "pid": 1, "mono": 5.0, "boot": "another-boot"}
+    (tmp_path / "events-1.jsonl").write_text(json.dumps(other) + "\n")
+    assert [r["event"] for r in events.read_events(str(tmp_path))][0] == "join"
 
 
 def test_read_events_merges_processes_and_skips_a_torn_line(tmp_path):
