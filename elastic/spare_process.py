@@ -393,6 +393,9 @@ def _report(exc: BaseException) -> None:
     sys.excepthook(type(exc), exc, exc.__traceback__)
 
 
+_THIS_FILE = os.path.abspath(__file__)
+
+
 def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
     """`tb` from the script's own frames on, as `python train.py` prints it: this module's and runpy's are not
     the user's."""
@@ -403,8 +406,6 @@ def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
         tb = tb.tb_next
     return tb
 
-
-_THIS_FILE = os.path.abspath(__file__)
 
 
 KILLED_BY_SIGINT = -int(signal.SIGINT)
