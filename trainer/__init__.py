@@ -20,7 +20,7 @@ from trainer.config import ResumeConfig
 from trainer.data import DataConfig, ElasticSampler
 from trainer.ddp import wrap_ddp
 from trainer.digest import state_digest, training_digest
-from trainer.errors import StateMismatchError, TrainerError
+from trainer.errors import ExtrasError, StaleIteratorError, StateMismatchError, TrainerError, UsageError
 from trainer.in_place import run_elastic
 from trainer.loop import train_loop
 from trainer.resumable import Resumable
@@ -33,11 +33,14 @@ gloo_sockets.record_new_groups()
 __all__ = [
     "DataConfig",
     "ElasticSampler",
+    "ExtrasError",
     "ResumeConfig",
     "Resumable",
+    "StaleIteratorError",
     "StateMismatchError",
     "Topology",
     "TrainerError",
+    "UsageError",
     "run_elastic",
     "state_digest",
     "train_loop",

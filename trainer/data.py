@@ -34,7 +34,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
-from trainer.errors import InvalidStateError, StateMismatchError
+from trainer.errors import InvalidStateError, StaleIteratorError, StateMismatchError
 from trainer.samples import SampleLog
 from trainer.sharding import Layout
 from trainer.topology import Topology
@@ -50,9 +50,15 @@ class DataConfig:
     """Seed of the per-epoch permutation."""
     max_micro_batch: int | None = None
     """Most samples a rank puts through one forward/backward; None: its whole share of the step.
-    A hardware setting: it may change between restarts (the checkpoint does not record it)."""
+    A hardware setting: it may change between restarts (the checkpoint does not record it); the data stays
+    exactly-once, but the micro-batch sums round differently, so such a resume is not bitwise."""
 
     def __post_init__(self) -> None:
+        for name in ("dataset_size", "global_batch", "seed", "max_micro_batch"):
+            value = getattr(self, name)
+            if not (value is None and name == "max_micro_batch") and (not isinstance(value, int)
+                                                                      or isinstance(value, bool)):
+                raise TypeError(f"DataConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
         if self.dataset_size <= 0:
             raise ValueError(f"dataset_size must be positive, got {self.dataset_size}")
         if not 0 < self.global_batch <= self.dataset_size:
@@ -76,6 +82,10 @@ def _split(n: int, parts: int) -> list[tuple[int, int]]:
 def _permutation(seed: int, epoch: int, size: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(size, generator=gen)
+
+
+RESUME_HINT = " Resume with the same data settings, or start from a fresh --ckpt-dir."
+"""The advice of a data-settings mismatch with the run's own checkpoint (an init_from source gets its own)."""
 
 
 class ElasticSampler:
@@ -105,6 +115,9 @@ class ElasticSampler:
         self._partition(rank, world_size)
         self.epoch = 0
         self.position = 0
+        self.moved = 0
+        """How often the committed position or this rank's share was set from outside the loop (a restore, a
+        re-formation): an iterator made before the last such change hands out batches of the wrong place."""
         self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size) if logs else None
         """The sample log (trainer/samples.py), when ELASTIC_SAMPLE_LOG_DIR turns it on (one writer per
         data-parallel rank)."""
@@ -117,7 +130,8 @@ class ElasticSampler:
         if world_size > g:
             raise ValueError(
                 f"global batch {g} cannot be split over world size {world_size}: every rank needs at "
-                f"least one sample per step; use a global batch of at least {world_size}")
+                f"least one sample per step; use at most {g} ranks (a resumed run keeps its global batch), or, "
+                f"in a new run, a global batch of at least {world_size}")
         largest = math.ceil(g / world_size)
         accum = math.ceil(largest / (config.max_micro_batch or largest))
         if g // world_size < accum:
@@ -138,6 +152,7 @@ class ElasticSampler:
         position on (an in-process re-formation, trainer/regroup.py). Iterators made before are void:
         make a new one (`iter(sampler.loader(...))`)."""
         self._partition(rank, world_size)
+        self.moved += 1
         if self.sample_log is not None:
             self.sample_log.close()
             self.sample_log = SampleLog.from_env(rank=rank, world_size=world_size)
@@ -219,6 +234,12 @@ class ElasticSampler:
         for key in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"):
             if key in kwargs:
                 raise ValueError(f"loader() sets the batching itself; do not pass {key}=")
+        size = len(dataset) if hasattr(dataset, "__len__") else None
+        if size is not None and size != self.config.dataset_size:
+            raise ValueError(f"the dataset has {size} samples but DataConfig.dataset_size is "
+                             f"{self.config.dataset_size}: set dataset_size={size} (a run's epochs and data position "
+                             "count that many samples), or pass torch.utils.data.Subset(dataset, range(n)) to use "
+                             "the first n")
         kwargs.setdefault("generator", torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rank))
         return DataLoader(dataset, batch_sampler=self.batch_sampler(), **kwargs)
 
@@ -229,6 +250,8 @@ class ElasticSampler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
+        if (state["epoch"], state["position"]) != (self.epoch, self.position):
+            self.moved += 1
         self.epoch = state["epoch"]
         self.position = state["position"]
 
@@ -242,7 +265,7 @@ class ElasticSampler:
                   if state.get(k) != v]
         if differ:
             raise StateMismatchError("the checkpoint's data settings differ from this run's: " + "; ".join(differ)
-                                     + ". Resume with the same data settings, or start from a fresh --ckpt-dir.")
+                                     + "." + RESUME_HINT)
         # The settings match: a bad position is damage (the restore falls back to an older step), not a mismatch.
         position, epoch = state.get("position"), state.get("epoch")
         if not isinstance(position, int) or not isinstance(epoch, int) or epoch < 0:
@@ -282,11 +305,17 @@ class StepBatchSampler:
         epoch, position = s.epoch, s.position  # a snapshot: iter() is called when the loader's iterator is made
         if s.sample_log is not None:
             s.sample_log.restart()
-        return self._from(epoch, position)
+        return self._from(epoch, position, s.moved)
 
-    def _from(self, epoch: int, position: int) -> Iterator[list[int]]:
+    def _from(self, epoch: int, position: int, moved: int) -> Iterator[list[int]]:
         s = self.sampler
         while True:
+            if s.moved != moved:  # each batch handed out (DataLoader workers: each one asked for), checked
+                raise StaleIteratorError(
+                    f"this data iterator was made before the data position moved to epoch {s.epoch}, position "
+                    f"{s.position} (a restore or a re-formation) and would hand out epoch {epoch}, position "
+                    f"{position} again: make the iterator, iter(sampler.loader(...)), after Resumable.restore() "
+                    "and after each re-formation (train_loop does)")
             batch = s._global_batch(epoch, position)
             for i, (a, b) in enumerate(s._micro):
                 ids = batch[a:b].tolist()

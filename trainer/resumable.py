@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import secrets
 import sys
@@ -72,11 +73,11 @@ from trainer.agree import agree_on_checkpoint
 from trainer.apply_state import Stateful
 from trainer.cadence import Cadence
 from trainer.config import ResumeConfig
-from trainer.data import ElasticSampler
+from trainer.data import RESUME_HINT, ElasticSampler
 from trainer.ddp import release_process_group
 from trainer.deferred import DeferredSaves, NextForward
 from trainer.digest import state_digests_on, training_digest
-from trainer.errors import RoundChanged
+from trainer.errors import RoundChanged, StateMismatchError, UsageError
 from trainer.sharding import Layout
 from trainer.state_view import Boundary, ParamKey, StateView, copy_plain, param_key
 from trainer.telemetry import Telemetry
@@ -160,6 +161,7 @@ class Resumable:
         self._saved_step = -1
         self._cadence = Cadence(config)  # which steps persist or snapshot (trainer/cadence.py)
         self._closed = False
+        self._restored_once = False  # saves only after restore(): else a run would overwrite its own checkpoints
         # In-process re-formation (trainer/regroup.py): the step held live in memory, whether the optimizer
         # has stepped past it, and the RNG streams at that step boundary.
         self._live_step = -1
@@ -209,6 +211,7 @@ class Resumable:
         if reentry is not None and reentry.joined is not None:
             self.reformed_in_place = True
             self._reformed(reentry.joined, step, reentry.started)
+        self._restored_once = True
         return step
 
     def _join_group(self) -> int | None:
@@ -272,10 +275,23 @@ class Resumable:
                 by_name.append(self._tree(*sharding.model_state(self.model, self.optimizer), None))
             return by_name[0]
 
+        def check(restored: Restored) -> None:
+            try:
+                check_state(restored.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+                            template=template_for(restored), step=restored.step, stateful=self._stateful())
+            except StateMismatchError as exc:
+                if not restored.init_from:
+                    raise
+                # Not this run's own checkpoint: "a fresh --ckpt-dir" would not help.
+                why = str(exc).replace(RESUME_HINT, "")
+                raise StateMismatchError(
+                    f"init_from={self.config.ckpt.init_from} (step {restored.step}) does not fit this run: {why} "
+                    "A run started with init_from continues that run whole (model, optimizer, step, data position "
+                    "and settings); to fine-tune on other data, load only the weights into the model before "
+                    "Resumable(...) and leave init_from unset.") from exc
+
         agree = partial(agree_on_checkpoint, self.checkpointer, self.topology, where=self.config.ckpt_dir,
-                        into=template, check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
-                                                                   sampler=self.sampler, template=template_for(r),
-                                                                   step=r.step, stateful=self._stateful()))
+                        into=template, check=check)
         restored = agree()
         if restored is None and not self.sharded:
             # Not every rank can read a checkpoint (a replacement node's empty --ckpt-dir): a peer's, sent
@@ -485,6 +501,7 @@ class Resumable:
         the next forward is queued (or at the next save, re-formation or close).
         `loss` (optional) goes into the `step` event; a tensor is read with .item() (a device sync).
         """
+        step = self._check_step(step, f"step_done({step!r})", self.step + 1)
         # What the step before left, if no forward ran since (a compiled or scripted one runs no hook); first, so
         # that a metrics write it holds is done before the telemetry judges the next one due.
         self._later.flush()
@@ -612,13 +629,36 @@ class Resumable:
 
         A failed save is logged and training goes on, until `max_failed_saves` fail in a row:
         then CheckpointSaveError (naming the directory and the cause) stops the job."""
+        step = self._check_step(step, f"save({step!r})", self.step)
         if self._checkpoint(step, persist=True):
             self._cadence.persist_owed = False
 
     def snapshot(self, step: int) -> None:
         """Snapshot this rank's state for `step` into tier 0 only (host memory; ckpt/tier0.py); failures
         as for `save`. A snapshot that finds its slots busy is skipped (in the checkpointer's metrics)."""
+        step = self._check_step(step, f"snapshot({step!r})", self.step)
         self._checkpoint(step, persist=False)
+
+    def _check_step(self, step: Any, call: str, expected: int) -> int:
+        """`step` as an int, when `call` is in order: after restore(), before close(), with the step count
+        `expected`. Else UsageError: a checkpoint whose step is not the state's is refused at the next restart,
+        which then starts over and replaces it (nothing is written here)."""
+        if self._closed:
+            raise UsageError(f"{call}: this Resumable is closed (close() or teardown() ran); make a new one to "
+                             "train on")
+        if not self._restored_once:
+            raise UsageError(f"{call} before restore(): call run.restore() first and continue from the step it "
+                             f"returns (train_loop does); a run that saves without it overwrites the checkpoints "
+                             f"in {self.config.ckpt_dir}")
+        try:
+            value = operator.index(step)
+        except TypeError:
+            value = None
+        if value != expected or isinstance(step, bool):
+            raise UsageError(f"{call}: expected {expected}, the run having completed {self.step} steps; pass the "
+                             "number of optimizer steps completed so far, counting from 1 (step_done(step + 1) in a "
+                             "loop over range(run.restore(), total))")
+        return value
 
     def _checkpoint(self, step: int, *, persist: bool, rng_state: dict[str, Any] | None = None) -> bool:
         if self._deferred is not None:

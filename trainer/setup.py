@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainer import sharding
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable
+from trainer.errors import ExtrasError
 from trainer.sharding import Layout
 from trainer.topology import Topology
 
@@ -62,8 +63,57 @@ def hint_unstable_layout(model: torch.nn.Module, world_size: int) -> None:
 
 
 def check_json_able(extras: dict[str, Any]) -> None:
+    """Raise ExtrasError, naming the entry, unless `extras` round-trips through a checkpoint's JSON unchanged in
+    kind: dicts with str keys (json.dumps would turn an int key into a str, and restore refuses the checkpoint),
+    lists, str, int, float, bool, None. Runs every save: a dump, and a walk of the keys."""
     try:
         json.dumps(extras)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"extras must be JSON-able (dicts with str keys, lists, str, int, float, bool, None): "
-                         f"{exc}") from exc
+        entry = _bad_entry(extras, "", set()) or _bad_key(extras) or ""
+        raise ExtrasError(f"extras{entry} is not JSON-able ({exc}): a checkpoint keeps extras "
+                          "as JSON (dicts with str keys, lists, str, int, float, bool, None)") from exc
+    key = _bad_key(extras)
+    if key is not None:
+        raise ExtrasError(f"extras{key} is not a str key: a checkpoint keeps extras as JSON, whose keys are "
+                          "strings (a restart would find a different key); use str keys")
+
+
+def _bad_key(value: Any, path: str = "") -> str | None:
+    """The path of the first dict key in `value` that is not a str, else None."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"{path}[{key!r}]"
+            found = _bad_key(item, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _bad_key(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _bad_entry(value: Any, path: str, seen: set[int]) -> str | None:
+    """The path of the first value in `value` that json.dumps cannot write (a container met again: a cycle),
+    else None."""
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in seen:
+            return path
+        seen.add(id(value))
+    if isinstance(value, dict):
+        items: Any = ((f"{path}[{k!r}]", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            return path
+        return None
+    for where, item in items:
+        found = _bad_entry(item, where, seen)
+        if found is not None:
+            return found
+    return None

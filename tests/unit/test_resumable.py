@@ -57,6 +57,8 @@ def train(run: Resumable, model: nn.Module, opt: torch.optim.Optimizer, start: i
           settle: bool = False) -> list[float]:
     """`settle`: after each step wait until the snapshot before is checksummed (`settled`), so that a loaded
     machine skips none of a snapshot-every-step run's snapshots."""
+    if not run._restored_once:  # a fresh run restores first, as any loop must (step_done refuses otherwise)
+        assert run.restore() == start == 0
     data = torch.randn(64, 4, generator=torch.Generator().manual_seed(1)).to(next(model.parameters()).device)
     losses = []
     for step in range(start, stop):
@@ -447,6 +449,7 @@ def test_a_persist_is_postponed_on_every_rank_when_any_rank_s_disk_is_behind(tmp
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=1, persist_every=2, tier0_dir=shm),
                     model=model, optimizer=opt, topology=_OtherRankBusy(rank=0, world_size=2, local_rank=0))
+    assert run.restore() == 0
     for step in (1, 2, 3):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
@@ -461,6 +464,7 @@ def test_a_compiled_full_graph_forward_takes_the_deferred_snapshot_hook(tmp_path
     # The hook is a no-op inside a traced forward (no graph break); the optimizer's pre-hook finishes the snapshot.
     run, model, opt, _ = make(tmp_path, every=1, persist_every=100, tier0_dir=shm)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert run.restore() == 0
     for step in (1, 2, 3):
         compiled(torch.randn(2, 4)).sum().backward()
         opt.step()
@@ -577,6 +581,7 @@ def test_grad_scaler_and_extras_round_trip(tmp_path: Path) -> None:
     scaler.load_state_dict(saved)
     run = Resumable(ResumeConfig.at(str(tmp_path), save_every=1), model=model, scaler=scaler,
                     extras={"tokens": 123, "phase": ["warmup", 1.5]})
+    assert run.restore() == 0
     run.step_done(1)
     run.close()  # flush the asynchronous save
     fresh = torch.amp.GradScaler("cpu")
@@ -590,8 +595,9 @@ def test_extras_must_be_json_able(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="JSON-able"):
         Resumable(ResumeConfig.at(str(tmp_path), save_every=1), model=nn.Linear(2, 1), extras={"t": torch.ones(1)})
     run = Resumable(ResumeConfig.at(str(tmp_path), save_every=1), model=nn.Linear(2, 1))
+    assert run.restore() == 0
     run.extras["bad"] = {1, 2}
-    with pytest.raises(ValueError, match="JSON-able"):
+    with pytest.raises(ValueError, match=r"extras\['bad'\] is not JSON-able"):
         run.step_done(1)
 
 

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -232,3 +233,77 @@ def test_teardown_ends_the_process_group_after_the_digest(tmp_path: Path) -> Non
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*"))
+
+
+def test_a_loop_out_of_order_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A step count that is not the next one, a save before restore(), a call after close(): each wrote a
+    checkpoint whose step is not the state's; the next restart refused it as damaged, started over at step 0 and
+    replaced the committed steps. Now UsageError, naming the step expected, and nothing is written."""
+    from trainer import UsageError
+
+    run, model, opt, _ = build(tmp_path)
+    with pytest.raises(UsageError, match=r"step_done\(1\) before restore\(\)"):
+        run.step_done(1)  # a run that forgot restore() on a directory with checkpoints would overwrite them
+    with pytest.raises(UsageError, match=r"save\(0\) before restore\(\)"):
+        run.save(0)
+    assert train(run, model, opt, 4) == 4
+    for wrong in (4, 6, 0, True, 5.0):  # repeated, skipped, 0-based, a bool, a float
+        with pytest.raises(UsageError, match=r"expected 5, the run having completed 4 steps"):
+            run.step_done(wrong)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"save\(3\): expected 4"):
+        run.save(3)
+    run.step_done(np.int64(5))  # the right one goes through, a numpy int too
+    run.close()
+    with pytest.raises(UsageError, match="closed"):
+        run.step_done(6)
+    assert _steps_on_disk(tmp_path) == [2, 4]
+    run2, *_ = build(tmp_path)
+    with run2:
+        assert run2.restore() == 4  # the committed steps, untouched
+
+
+def test_extras_with_a_key_a_checkpoint_cannot_keep_are_refused_naming_the_key(tmp_path: Path) -> None:
+    """An int key of extras was saved as a str; restore then refused every checkpoint as damaged, started over
+    and replaced them. Now ExtrasError at construction or at the save, naming the entry."""
+    from trainer import ExtrasError
+
+    with pytest.raises(ExtrasError, match=r"extras\[0\] is not a str key"):
+        Resumable(ResumeConfig.at(tmp_path, save_every=1), model=nn.Linear(2, 1), extras={0: "notes"})
+    run = Resumable(ResumeConfig.at(tmp_path, save_every=1), model=nn.Linear(2, 1), extras={"ok": 1})
+    with run:
+        assert run.restore() == 0
+        run.extras["nested"] = {"by_rank": {1: 0.5}}
+        with pytest.raises(ExtrasError, match=r"extras\['nested'\]\['by_rank'\]\[1\] is not a str key"):
+            run.step_done(1)
+    assert _steps_on_disk(tmp_path) == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_made_before_restore_is_refused_not_replayed(tmp_path: Path, workers: int) -> None:
+    """An iterator made before restore() handed out the epoch from its start again (samples trained twice, others
+    never). Now the first batch it is asked for after the position moved raises StaleIteratorError."""
+    from trainer import StaleIteratorError
+
+    run, model, opt, _ = build(tmp_path)
+    with run:
+        train(run, model, opt, 4)
+    run, model, opt, sampler = build(tmp_path)
+    with run:
+        early = iter(sampler.loader(DATA, num_workers=workers))
+        assert run.restore() == 4
+        with pytest.raises(StaleIteratorError, match="made before the data position moved"):
+            for _ in range(4):
+                next(early)
+        fresh = iter(sampler.loader(DATA, num_workers=workers))
+        assert torch.equal(next(fresh), DATA[sampler.micro_batches()[0]])  # made after restore: its place
+
+
+def test_a_loader_over_a_dataset_of_another_size_is_refused() -> None:
+    sampler = ElasticSampler(DataConfig(dataset_size=24, global_batch=6))
+    with pytest.raises(ValueError, match="the dataset has 30 samples but DataConfig.dataset_size is 24"):
+        sampler.loader(torch.zeros(30, 2))
+    assert len(list(zip(range(2), sampler.loader(torch.zeros(24, 2)), strict=False))) == 2

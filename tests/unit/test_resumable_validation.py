@@ -146,6 +146,7 @@ def test_extras_is_the_callers_dict_saved_as_it_is_at_each_save(tmp_path: Path) 
     mine: dict[str, Any] = {}
     run = Resumable(config, model=nn.Linear(2, 1), extras=mine)
     assert run.extras is mine
+    assert run.restore() == 0
     mine["tokens"] = 5
     run.step_done(1)
     mine["tokens"] = 7  # after the save of step 1, before that of step 2

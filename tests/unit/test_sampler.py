@@ -210,3 +210,11 @@ def test_bad_config_values_name_the_value() -> None:
         DataConfig(dataset_size=0, global_batch=1)
     with pytest.raises(ValueError, match="global_batch"):
         DataConfig(dataset_size=4, global_batch=5)
+
+
+@pytest.mark.parametrize("field,value", [("dataset_size", 10.0), ("global_batch", True), ("seed", "0"),
+                                         ("max_micro_batch", 2.5)])
+def test_config_values_of_another_type_are_refused_naming_the_field(field: str, value: object) -> None:
+    settings: dict[str, object] = {"dataset_size": 10, "global_batch": 2, field: value}
+    with pytest.raises(TypeError, match=f"DataConfig.{field} must be an int"):
+        DataConfig(**settings)  # type: ignore[arg-type]
