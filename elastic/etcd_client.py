@@ -68,10 +68,15 @@ def parse_endpoints(spec: str) -> tuple[tuple[str, int, bool], ...]:
         item = raw.strip()
         if not item:
             continue
+        if ";" in item or " " in item:
+            raise ValueError(f"bad etcd endpoint {raw.strip()!r}: separate endpoints with commas, e.g. "
+                             "127.0.0.1:2379,127.0.0.1:22379")
         secure = item.startswith("https://")
         for scheme in ("http://", "https://"):
             if item.startswith(scheme):
                 item = item[len(scheme):]
+        if "://" in item:
+            raise ValueError(f"bad etcd endpoint {raw.strip()!r}: the scheme is http:// or https:// (or none)")
         item = item.rstrip("/")
         host, sep, port_s = item.rpartition(":")
         port = decimal(port_s)
@@ -230,6 +235,11 @@ class EtcdClient:
                     f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. "
                     "Check the user/password and TLS settings in --rdzv-conf."
                 )) from exc
+            advice = _ADVICE.get(exc.code()) if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
+            if advice is not None:
+                raise EtcdUnavailableError(redact(
+                    f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. {advice}"  # type: ignore[attr-defined]
+                )) from exc
             raise
 
     def close(self) -> None:
@@ -237,6 +247,18 @@ class EtcdClient:
             self.raw.close()
         except Exception:  # noqa: BLE001 - closing a dead channel must not mask the real error
             log.debug("closing etcd client failed", exc_info=True)
+
+
+_ADVICE = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (
+        "etcd is out of space (its --quota-backend-bytes) and takes no writes: compact and defragment it and "
+        "disarm the NOSPACE alarm (etcdctl compact <revision>; etcdctl defrag; etcdctl alarm disarm), or give it a "
+        "larger quota; then start the job again."),
+    grpc.StatusCode.UNIMPLEMENTED: (
+        "That server does not speak etcd's v3 API: check that --rdzv-endpoint names an etcd (3.4 or later) client "
+        "URL, e.g. 127.0.0.1:2379."),
+}
+"""What to do about etcd's refusals that no retry mends (beside authentication's, handled above)."""
 
 
 def _read(path: str | None) -> bytes | None:

@@ -58,6 +58,7 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._unsure_until = 0.0  # time.monotonic(): till then the run's live set may lack nodes that are alive
 
     @property
     def node_id(self) -> str:
@@ -107,12 +108,25 @@ class Membership:
             try:
                 if not self._store.refresh_lease(lease):
                     log.warning("membership: lease of %s expired; registering again", self.key)
+                    self._doubt()  # the others' leases may have lapsed with this one (etcd paused or restored)
                     self._register(self._info)
+                    self._doubt()
             except NodeIdConflictError:
                 log.error("membership: %s was taken by another agent; giving up the keep-alive", self.key)
                 return
             except Exception as exc:  # noqa: BLE001 - thread boundary: log and keep trying
+                self._doubt()
                 log.warning("membership: refreshing the lease of %s failed: %s", self.key, exc)
+
+    def _doubt(self) -> None:
+        self._unsure_until = time.monotonic() + self.config.lease_ttl.total_seconds()
+
+    def live_set_settled(self, live: frozenset[str]) -> bool:
+        """Whether a live set read now can say that nodes are gone: this node is in it, and no refresh failed nor
+        was this node's lease renewed within the last lease TTL. After etcd was unreachable past the TTL (paused,
+        restarted) every node's lease lapsed at once; each registers again at its next refresh (a third of the
+        TTL), so for one TTL a live set lacks nodes that are alive."""
+        return self.node_id in live and time.monotonic() >= self._unsure_until
 
     def live_nodes(self) -> list[str]:
         """Node ids with a live lease, in registration order (by creation revision)."""

@@ -200,11 +200,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def below_minimum(self) -> tuple[int, int] | None:
         """(live nodes, --nnodes MIN) when fewer nodes of the run are alive than a round needs, else None."""
         try:
-            live = len(self.view.snapshot().live)
+            live = self.view.snapshot().live
         except Exception as exc:  # noqa: BLE001 - etcd unreachable: the degraded mode decides, not this
             log.debug("rendezvous: membership unknown (%s)", exc)
             return None
-        return (live, self.config.min_nodes) if live < self.config.min_nodes else None
+        if len(live) >= self.config.min_nodes or not self._live_set_settled(live):
+            return None
+        return len(live), self.config.min_nodes
+
+    def _live_set_settled(self, live: frozenset[str]) -> bool:
+        """Membership.live_set_settled, logged when it is not (a healthy job must not stop on a stale live set)."""
+        if self.membership.live_set_settled(live):
+            return True
+        log.debug("rendezvous: %d of --nnodes MIN %d nodes live, but this node's own lease is renewing (etcd was "
+                 "unreachable past the lease TTL?): not judged until the nodes have registered again", len(live),
+                 self.config.min_nodes)
+        return False
 
     def joins_a_running_round(self) -> bool:
         """Whether other nodes train in a round this node is not in: it would join a running job (scale-up, or a
@@ -358,7 +369,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         return took
                 continue
             last_reason = decision.reason
-            if self._stop_below_min and self._ran_round and len(snap.live) < self.config.min_nodes:
+            if (self._stop_below_min and self._ran_round and len(snap.live) < self.config.min_nodes
+                    and self._live_set_settled(snap.live)):
                 # Nodes lost while this round forms, after the job ran (not nodes still arriving at its start): no
                 # round can form until some come back. The agent stops the job (exit 75) rather than wait that long.
                 raise BelowMinimumError.of(len(snap.live), self.config.min_nodes)

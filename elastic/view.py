@@ -70,6 +70,7 @@ class RunView:
         self._warned: set[tuple[str, int]] = set()
         self._cond = threading.Condition()
         self._snapshot: Snapshot | None = None
+        self._published_at = 0.0  # time.monotonic() when the read of `_snapshot` ended
         self._dirty = threading.Event()
         self._watch_broken = False
         self._stop = threading.Event()
@@ -82,6 +83,7 @@ class RunView:
 
     def read(self, deadline: timedelta | None = None) -> Snapshot:
         """A fresh, linearizable read of the run's keys (also publishes it to waiters)."""
+        started = time.monotonic()
         response = self._store.read(deadline=deadline)
         records = parse_run(self.keys, response.kvs)
         if self._admission is not None:
@@ -91,7 +93,7 @@ class RunView:
         revision = response.revision
         snap = Snapshot(records.state, records.state_revision, frozenset(records.nodes), records.nodes, records.stores,
                         revision, records.state_error)
-        self._publish(snap)
+        self._publish(snap, started)
         return snap
 
     def _warn_once(self, bad: EtcdRecordError) -> None:
@@ -117,12 +119,21 @@ class RunView:
                 self._cond.wait(until.remaining())
             return True
 
-    def _publish(self, snap: Snapshot) -> None:
+    def _publish(self, snap: Snapshot, started: float) -> None:
+        """Publish the snapshot of a read begun at `started` (time.monotonic())."""
         with self._cond:
             if self._snapshot is not None and snap.revision < self._snapshot.revision:
-                return  # a concurrent read finished later with older data: keep the newer one
+                if started <= self._published_at:
+                    return  # a concurrent read finished later with older data: keep the newer one
+                # Begun after the newer one was read, and older: etcd went back (its data reset or restored from a
+                # backup). Its revisions count from there on, so take it, and watch from its revision.
+                log.warning("view: etcd's revision went back from %d to %d (its data was reset or restored?); "
+                            "following it", self._snapshot.revision, snap.revision)
+                self._watch_broken = True
+                self._dirty.set()
             changed = _content(self._snapshot) != _content(snap)
             self._snapshot = snap
+            self._published_at = time.monotonic()
             if changed:
                 self._cond.notify_all()
         if changed and self.on_change is not None:

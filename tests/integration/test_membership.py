@@ -148,3 +148,69 @@ def test_keep_alive_holds_the_lease_well_past_the_ttl(client: EtcdClient, member
     # The very same registration: never expired and re-created behind our back.
     assert now.create_revision == meta.create_revision
     assert now.lease_id == meta.lease_id
+
+
+def test_after_every_lease_lapsed_a_live_set_cannot_say_nodes_are_gone_for_one_ttl(client: EtcdClient,
+                                                                                   member) -> None:
+    """etcd paused past the lease TTL expires every node's lease when it resumes; each node registers again at
+    its next refresh. A live set read in between lacked nodes that were alive: both agents of a healthy job judged
+    it below --nnodes MIN and stopped it (exit 75). Now it cannot judge until this node is back in the live set
+    and one TTL has passed since its lease was renewed."""
+    ttl = 2
+    a, b = member("lapse-a", ttl=ttl), member("lapse-b", ttl=ttl)
+    a.join()
+    b.join()
+    assert a.live_set_settled(frozenset(a.live_nodes()))
+    assert not a.live_set_settled(frozenset({"lapse-b"}))  # a live set without this node: its lease lapsed
+    for m in (a, b):  # what a resumed etcd does to the leases that ran out while it was stopped
+        assert m.lease_id is not None
+        client.raw.revoke_lease(m.lease_id)
+    lapsed = a.lease_id
+    assert wait_until(lambda: a.lease_id != lapsed and "lapse-a" in a.live_nodes(), 10), "a did not register again"
+    renewed = time.monotonic()
+    assert not a.live_set_settled(frozenset(a.live_nodes()))  # b may not be back yet: no judgement
+    assert wait_until(lambda: a.live_set_settled(frozenset(a.live_nodes())), 3 * ttl)
+    assert time.monotonic() - renewed >= ttl * 0.9
+    assert set(a.live_nodes()) == {"lapse-a", "lapse-b"}  # both back: the judgement would have been wrong
+
+
+def test_the_view_follows_etcd_whose_data_was_reset(tmp_path) -> None:
+    """etcd restarted with an empty data dir counts its revisions from 1 again. The view kept the newest
+    revision it had seen and dropped every later read as older, so it never saw the run's nodes again (a node
+    lost after that was found only by the worker's timeout and a restart of the group: 10.6 s, not 0.25 s)."""
+    from elastic.etcd_client import EtcdClientConfig
+    from elastic.etcd_server import EtcdServerConfig
+    from elastic.view import RunView
+
+    first = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "one"))).start()
+    port = first.client_port
+    own = EtcdClient(EtcdClientConfig(endpoints=first.endpoint))
+    second: EtcdServer | None = None
+    try:
+        store = EtcdRunStore(own, RunKeys.of("reset-run"))
+        for i in range(20):  # revisions well above the fresh server's
+            own.raw.put(f"/padding/{i}", "x")
+        store.create(store.keys.node("before"), json.dumps({"node_id": "before", "joined_at": 1.0}),
+                     lease=own.raw.lease(60).id)
+        view = RunView(store).start()
+        try:
+            assert wait_until(lambda: view.snapshot().live == frozenset({"before"}), 10)
+            first.stop()
+            second = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "two"), client_port=port)).start()
+            assert wait_until(lambda: _created(store, own, "after"), 10)  # the client's endpoint back first
+            assert wait_until(lambda: view.snapshot().live == frozenset({"after"}), 15), view.snapshot().live
+        finally:
+            view.stop()
+    finally:
+        own.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def _created(store: EtcdRunStore, client: EtcdClient, node_id: str) -> bool:
+    try:
+        return store.create(store.keys.node(node_id), json.dumps({"node_id": node_id, "joined_at": 2.0}),
+                            lease=client.raw.lease(60).id)[0]
+    except Exception:  # noqa: BLE001 - the client's endpoint is marked failed for a second after the restart
+        return False

@@ -273,3 +273,35 @@ def test_bad_rdzv_conf_values_exit_2_naming_the_key(
     assert exc.value.code == 2
     key, value = conf.split("=")
     assert f"elastic-run: error: --rdzv-conf: {key}={value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_etcd_out_of_space_and_a_server_that_is_not_etcd_are_named_with_what_to_do(tmp_path: Path) -> None:
+    """Both ended the job with a raw gRPC traceback (RESOURCE_EXHAUSTED "mvcc: database space exceeded",
+    UNIMPLEMENTED "Method not found"), naming neither the endpoint nor what to do."""
+    from concurrent import futures
+
+    import grpc
+
+    from elastic.errors import EtcdUnavailableError
+    from elastic.etcd_client import EtcdClientConfig
+    from elastic.etcd_server import EtcdServerConfig, free_port
+
+    port = free_port()
+    other = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # a gRPC server with no etcd services
+    other.add_insecure_port(f"127.0.0.1:{port}")
+    other.start()
+    try:
+        with pytest.raises(EtcdUnavailableError, match=rf"127.0.0.1:{port}.*does not speak etcd's v3 API"):
+            EtcdClient(EtcdClientConfig(endpoints=f"127.0.0.1:{port}"))
+    finally:
+        other.stop(0)
+
+    with EtcdServer(EtcdServerConfig(extra_args=("--quota-backend-bytes", str(1 << 20)))) as small:
+        client = EtcdClient(EtcdClientConfig(endpoints=small.endpoint))
+        try:
+            with pytest.raises(EtcdUnavailableError, match=rf"{small.endpoint}.*out of space.*alarm disarm"):
+                for i in range(4096):  # until the NOSPACE alarm
+                    client.call(lambda i=i: client.raw.put(f"/fill/{i}", "x" * 4096), what="put")
+        finally:
+            client.close()

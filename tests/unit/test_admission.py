@@ -190,6 +190,11 @@ def test_password_auth_over_plain_http_is_refused_and_tls_is_accepted(tmp_path: 
     assert parse_endpoints("[::1]:2379, https://[fe80::1]:2380") == (("[::1]", 2379, False), ("[fe80::1]", 2380, True))
     with pytest.raises(ValueError, match="brackets"):
         parse_endpoints("::1")
+    # an unknown scheme and a ";" separator were told "an IPv6 address goes in brackets"
+    with pytest.raises(ValueError, match=r"'etcd://127.0.0.1:2379': the scheme is http:// or https://"):
+        parse_endpoints("etcd://127.0.0.1:2379")
+    with pytest.raises(ValueError, match="separate endpoints with commas"):
+        parse_endpoints("127.0.0.1:2379;127.0.0.1:2380")
 
 
 def test_no_repr_shows_the_password_or_the_token(monkeypatch: pytest.MonkeyPatch) -> None:
