@@ -146,6 +146,8 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_sum4": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_THREADS", "4"),)),
     "ours_tier0_1_tier1_10_nice19": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_NICE", "19"),)),
     "ours_tier0_1_tier1_10_pnice0": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_NICE", "0"),)),
+    "ours_tier0_1_tier1_10_keep2": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_KEEP_CORES", "2"),)),
+    "ours_tier0_1_tier1_10_keep4": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_KEEP_CORES", "4"),)),
     "ours_tier0_1_tier1_10_tmpfs": Variant("ours", 1, 10, ckpt_in_memory=True),
     "ours_tier0_1_tier1_10_device_image": Variant("ours", 1, 10, device_image=True),
     "none_repeat": Variant("none"),

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,57 @@ def persist_nice() -> int:
     return env_count("ELASTIC_HELPER_PERSIST_NICE", PERSIST_NICE, minimum=0)
 
 
+KEEP_CORES = 0
+"""Whole cores (with their SMT siblings) the helper leaves to the training processes: its threads run only on the
+other CPUs the agent may use. 0: the helper may run anywhere (niceness alone keeps it behind training)."""
+
+
+def keep_cores() -> int:
+    """$ELASTIC_HELPER_KEEP_CORES, else KEEP_CORES."""
+    return env_count("ELASTIC_HELPER_KEEP_CORES", KEEP_CORES, minimum=0)
+
+
+def cpus_without_cores(allowed: set[int], keep: int, siblings_of: Callable[[int], set[int]]) -> set[int]:
+    """`allowed` less its `keep` lowest-numbered whole cores (each CPU with its SMT siblings); `allowed` itself when
+    that would leave nothing."""
+    left, kept = set(allowed), 0
+    for cpu in sorted(allowed):
+        if kept >= keep or cpu not in left:
+            continue
+        left -= siblings_of(cpu) | {cpu}
+        kept += 1
+    return left or set(allowed)
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The CPUs that share `cpu`'s core (Linux sysfs; just `cpu` where the topology is not readable)."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()
+    except OSError:
+        return {cpu}
+    return cpulist(text)
+
+
+def cpulist(text: str) -> set[int]:
+    """A Linux CPU list ("0-3,8,10-11") as a set."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def _leave_cores(keep: int) -> None:
+    """Move this process (before its threads start: they inherit it) off `keep` whole cores."""
+    if keep <= 0 or not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = os.sched_getaffinity(0)
+    left = cpus_without_cores(allowed, keep, _siblings)
+    if left != allowed:
+        os.sched_setaffinity(0, left)
+        logger.info("on CPUs %s, leaving %d cores to training", sorted(left), keep)
+
+
 def _lower_priority(extra: int) -> None:
     """A pool thread's initializer: this thread only `extra` nicer (Linux: a thread id is a PRIO_PROCESS target)."""
     if extra <= 0 or not sys.platform.startswith("linux"):  # elsewhere a thread id is no PRIO_PROCESS target
@@ -349,10 +401,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="an inherited pipe holding the key that signs replica pushes (a run with a join token)")
     parser.add_argument("--nice", type=int, default=env_count("ELASTIC_HELPER_NICE", NICE, minimum=0),
                         help=f"added to the CPU niceness (default: $ELASTIC_HELPER_NICE, else {NICE})")
+    parser.add_argument("--keep-cores", type=int, default=keep_cores(),
+                        help=f"whole cores left to training (default: $ELASTIC_HELPER_KEEP_CORES, else {KEEP_CORES})")
     args = parser.parse_args(argv)
     if args.nice > 0:
         os.nice(args.nice)
     logging.basicConfig(level=logging.INFO, format="[ckpt-helper] %(asctime)s %(levelname)s %(message)s")
+    _leave_cores(args.keep_cores)
     _die_with_parent()
     if args.parent is not None and os.getppid() != args.parent:
         return 0

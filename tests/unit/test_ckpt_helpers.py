@@ -131,6 +131,22 @@ def test_helper_persist_pool_size_from_the_environment(monkeypatch: pytest.Monke
     assert env_count("ELASTIC_HELPER_NICE", 10, minimum=0) == 0
 
 
+def test_the_helper_leaves_whole_cores_siblings_included_and_never_all_of_them() -> None:
+    """$ELASTIC_HELPER_KEEP_CORES: the helper runs on the CPUs it may use less that many whole cores, the lowest
+    numbered, each with its SMT siblings; a setting that would leave it nothing leaves its CPUs as they were."""
+    from ckpt.helper_process import cpulist, cpus_without_cores
+
+    def smt(cpu: int) -> set[int]:  # 8 cores of two threads, cpu N and N + 8 on one core
+        return {cpu % 8, cpu % 8 + 8}
+
+    assert cpus_without_cores(set(range(16)), 2, smt) == set(range(16)) - {0, 1, 8, 9}
+    assert cpus_without_cores(set(range(16)), 2, lambda c: {c}) == set(range(2, 16))
+    assert cpus_without_cores({3, 5, 11}, 1, smt) == {5}  # of the CPUs it may use: 3 and its sibling 11
+    assert cpus_without_cores({0, 1}, 0, smt) == {0, 1}
+    assert cpus_without_cores({0, 1}, 5, lambda c: {c}) == {0, 1}
+    assert cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
 @pytest.mark.parametrize("setting", [None, "0", "3"])
 def test_the_helpers_tier1_pool_runs_nicer_than_its_snapshot_pool(
