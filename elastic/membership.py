@@ -90,8 +90,9 @@ class Membership:
         if not ok:
             self._store.revoke_lease(lease)
             raise NodeIdConflictError(
-                f"node id {self.node_id!r} is already registered by a live agent at {self.key}. "
-                "Give each agent a unique node id (--rdzv-conf node_id=...), or wait "
+                f"node id {self.node_id!r} is already registered at {self.key}, under a lease that is still live: "
+                "another agent runs with this node id, or one that ended less than a lease TTL ago. Give each agent "
+                "a unique node id (--rdzv-conf node_id=...), or wait "
                 f"{self.config.lease_ttl.total_seconds():.0f}s for the old agent's lease to expire."
             )
         self._lease = lease
