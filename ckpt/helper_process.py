@@ -215,7 +215,7 @@ class Helper:
         lock = SlotLock(slot / STATE_FILE, wait=True)
         rank = int(header["rank"])
         try:
-            _require_open(conn)  # persist_rank starts by uncommitting the step: not for a worker that gave up
+            _require_open(conn)  # persist_rank uncommits the step: not for a worker that gave up
             image = self.images.view(slot / STATE_FILE, int(header["size"]))
 
             def release() -> None:  # the slot's bytes are all written (before the fsync): the worker may reuse it

@@ -91,8 +91,11 @@ class WrittenRank:
     manifest_sha256: str
 
 
-def uncommit(layout: Layout, step: int, identity: RunIdentity | None = None) -> None:
-    """Remove the COMMIT of `step` (if any) so that a re-save is invisible until committed again.
+def uncommit(layout: Layout, step: int, identity: RunIdentity | None = None, *,
+             check_only: bool = False) -> None:
+    """Remove the COMMIT of `step` (if any) so that a re-save is invisible until committed again (with
+    `check_only`, only the check below: a re-save checks first and uncommits once its files are whole, so that a
+    write that fails, on a full disk say, leaves the committed step as it was).
 
     Raises CheckpointConflictError, touching nothing, when that COMMIT names another run than
     `identity`: a run never replaces another run's step (a damaged COMMIT is replaced)."""
@@ -113,6 +116,8 @@ def uncommit(layout: Layout, step: int, identity: RunIdentity | None = None) -> 
                     f"was copied in from another run) or use another checkpoint directory",
                     path=commit_path,
                 )
+        if check_only:
+            return
         logger.warning("step %d is committed in %s; replacing it", step, commit_path.parent)
         commit_path.unlink(missing_ok=True)
         fsync_dir(commit_path.parent)
@@ -155,7 +160,7 @@ def persist_rank(
     digest: PendingDigest | None = None
     result: Checksum | None = None
     try:
-        uncommit(layout, step, identity)
+        uncommit(layout, step, identity, check_only=True)
         if not step_dir.is_dir():
             step_dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(step_dir.parent)
@@ -216,6 +221,7 @@ def persist_rank(
         fsync_dir(tmp)
         if before_publish is not None:
             before_publish()
+        uncommit(layout, step, identity)  # this copy is whole: its rank directory replaces the committed one
         publish_dir(tmp, final)
         tmp = None
     except OSError as exc:

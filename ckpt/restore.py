@@ -140,12 +140,15 @@ class Restorer:
             except (SharedStorageError, CheckpointError) as exc:
                 unlisted = exc
                 logger.warning("shared tier not listed, restoring from the local tier only: %s", exc)
-        if unlisted is not None and not (local or host) and self.config.init_from is not None:
-            # Falling back to init_from here could throw away this run's own progress.
+        if unlisted is not None and not (local or host):
+            # Starting over (or from init_from) here would throw away this run's progress in the shared tier: the
+            # first save of the new start removes the committed steps newer than it (ckpt/retention.py).
+            instead = (f"init_from ({self.config.init_from}) is used" if self.config.init_from is not None
+                       else "the run starts from step 0")
             raise SharedStorageError(
-                f"cannot tell whether run {self.identity.describe()} has checkpoints of its own: "
-                f"{unlisted}; init_from ({self.config.init_from}) is used only once the shared "
-                f"tier answers. Restart when it is reachable",
+                f"cannot tell whether run {self.identity.describe()} has checkpoints in the shared tier: "
+                f"{unlisted}; with none in this node's tiers, {instead} only once the shared tier answers. "
+                f"Start the job again when it is reachable",
             ) from unlisted
         candidates = _select(sorted(local | set(shared) | set(host), reverse=True), step, max_step)
         for candidate in candidates:
@@ -269,6 +272,17 @@ class Restorer:
                     return self._load(copy, step, rank, init_from=init_from, detach=detach)
                 except CheckpointVersionError:
                     raise
+                except SharedStorageError as exc:
+                    if init_from:
+                        self._unusable(copy.tier, step, rank, exc, init_from=True)
+                        continue
+                    # The store did not answer (or tier 1 had no room for the download): no sign the step is
+                    # damaged. Going back to an older one would throw it away (its first save removes the newer).
+                    raise SharedStorageError(
+                        f"step {step} (rank {rank}'s part) could not be read from "
+                        f"{copy.tier.describe_rank(step, rank)}: {exc}. Not going back to an older step, whose "
+                        "first save would remove this one: start the job again once the store answers and "
+                        "tier 1 has room for the download") from exc
                 except CheckpointError as exc:
                     self._unusable(copy.tier, step, rank, exc, init_from=init_from)
                     if files.is_sharded(rank):

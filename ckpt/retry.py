@@ -69,11 +69,11 @@ def call_with_retries(
     except (CheckpointError, FileNotFoundError):
         raise
     except Exception as exc:
+        tried = (f"retried up to {retry.attempts} times within {retry.deadline}" if _transient(exc)
+                 else "not retried (an error no retry mends)")
         raise SharedStorageError(
-            f"{what} at {url} failed ({type(exc).__name__}: {exc}); retried up to "
-            f"{retry.attempts} times within {retry.deadline}. Training goes on and the upload "
-            f"is tried again later; check that the store is reachable and the credentials "
-            f"in shared.storage_options",
+            f"{what} at {url} failed ({type(exc).__name__}: {exc}); {tried}. Check that the store is "
+            f"reachable, the credentials in shared.storage_options, and the local disk's free space",
         ) from exc
 
 

@@ -446,7 +446,12 @@ class SharedTier:
                 if "/" in name or name in ("", ".", "..", MANIFEST_FILE):
                     continue  # the reader rejects it, naming the manifest
                 source = f"{self.rank_path(step, rank)}/{name}"
-                self.call(f"download of {self.describe(source)}", self.fs.get_file, source, str(fetch / name))
+                try:
+                    self.call(f"download of {self.describe(source)}", self.fs.get_file, source, str(fetch / name))
+                except FileNotFoundError as exc:  # the store answered: the file is not there (damage, not outage)
+                    raise CheckpointCorruptError(
+                        f"{self.describe(source)}: missing although step {step} is committed; restore an earlier "
+                        "step", path=Path(self.describe(source))) from exc
             logger.info("downloaded rank %d of step %d from %s", rank, step, where)
             yield fetch
         finally:

@@ -166,3 +166,64 @@ def checkpointers() -> Iterator[Checkpointers]:
         made.close_all()
     left = sorted(t.name for t in ckpt_threads() - before)
     assert left == [], f"checkpoint threads left running after close(): {left}"
+
+
+class FailingGets:
+    """An HTTP proxy in front of a real S3 endpoint that answers 503 to the GETs whose path matches `pattern`
+    while `failing` is set, and passes everything else through: a store whose downloads fail for a while."""
+
+    def __init__(self, upstream: MotoS3, pattern: str) -> None:
+        import http.client
+        import re
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.failing = threading.Event()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.close_connection = True
+                if proxy.failing.is_set() and self.command == "GET" and re.search(pattern, self.path):
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", upstream.port, timeout=30)
+                conn.request(self.command, self.path, body=body,
+                             headers={k: v for k, v in self.headers.items() if k.lower() != "connection"})
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for key, value in resp.getheaders():
+                    if key.lower() not in ("connection", "transfer-encoding", "content-length"):
+                        self.send_header(key, value)
+                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self._upstream = upstream
+
+    def storage_options(self) -> dict[str, Any]:
+        options = self._upstream.storage_options()
+        return {**options, "endpoint_url": f"http://127.0.0.1:{self._server.server_address[1]}"}
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)

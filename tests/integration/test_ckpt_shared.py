@@ -272,6 +272,21 @@ def test_damaged_shared_copy_falls_back_to_the_previous_step(
     assert any("step 2" in r.getMessage() and "checksum" in r.getMessage() for r in caplog.records)
 
 
+def test_a_shared_copy_missing_a_file_falls_back_to_the_previous_step(
+    tmp_path: Path, store: Store, checkpointers: Checkpointers
+) -> None:
+    # The store answered "no such object" (damage, not an outage): the download raised FileNotFoundError past
+    # the restore, which stopped instead of taking step 1.
+    c = checkpointers.make(local(tmp_path, "node", store.shared("run")))
+    for step in (1, 2):
+        c.save_async(step, state_of(step)).wait_persisted(WAIT)
+    c.wait_uploaded(WAIT)
+    store.fs.rm_file(store.path("run", 2, "rank_00000", "state.safetensors"))
+    fresh = checkpointers.make(local(tmp_path, "fresh", store.shared("run")))
+    restored = fresh.restore()
+    assert restored is not None and (restored.step, restored.tier) == (1, "shared")
+
+
 def test_shared_store_down_then_back_uploads_catch_up(
     tmp_path: Path,
     own_moto_s3: MotoS3,
@@ -323,3 +338,38 @@ def test_restore_works_from_the_local_tier_while_the_store_is_down(
     restored = c.restore()
     assert restored is not None and (restored.step, restored.tier) == (4, "local")
     assert time.monotonic() - started < 10
+
+
+def test_a_fresh_node_does_not_start_over_while_the_shared_tier_cannot_be_read(
+    tmp_path: Path, own_moto_s3: MotoS3, fast_s3fs_retries: None, checkpointers: Checkpointers
+) -> None:
+    """A node with an empty tier 1 restored while tier 2 could not be listed, or while its downloads failed
+    (503, or no room in tier 1 for them), started from step 0 (a failed download counted as a damaged step), and
+    the first save of that new start removed every committed step in tier 2. Now restore raises, naming the
+    store, and the steps are there once it answers."""
+    from ckpt import SharedStorageError
+
+    proxy = s3_fixtures.FailingGets(own_moto_s3, r"state\.safetensors")
+    try:
+        bucket = own_moto_s3.make_bucket()
+        store = Store(f"s3://{bucket}/ckpt", proxy.storage_options())
+        first = checkpointers.make(local(tmp_path, "node", store.shared("run")))
+        for step in (1, 2):
+            first.save_async(step, state_of(step)).wait_persisted(WAIT)
+        first.wait_uploaded(WAIT)
+        first.close()
+
+        fresh = checkpointers.make(local(tmp_path, "fresh", store.shared("run")))
+        proxy.failing.set()  # the downloads of the tensors fail
+        with pytest.raises(SharedStorageError, match=r"step 2 .*could not be read .*Not going back to an older"):
+            fresh.restore()
+        proxy.failing.clear()
+        own_moto_s3.stop()  # the store does not answer at all
+        with pytest.raises(SharedStorageError, match="cannot tell whether run .* has checkpoints in the shared"):
+            fresh.restore()
+        own_moto_s3.start()
+        restored = fresh.restore()
+        assert restored is not None and (restored.step, restored.tier) == (2, "shared")
+        assert store.committed("run") == [1, 2]
+    finally:
+        proxy.close()

@@ -21,8 +21,10 @@ from ckpt import (
     CheckpointWriteError,
 )
 from ckpt.fs_errors import advice
+from tests.unit import test_ckpt_tier0
 
 pytestmark = pytest.mark.timeout(60)
+small_tmpfs = test_ckpt_tier0.small_tmpfs  # a real 1 MiB tmpfs
 WAIT = timedelta(seconds=20)
 STATE = {"w": torch.ones(16)}
 
@@ -110,3 +112,26 @@ def test_each_errno_gets_its_own_advice(code: int, says: str) -> None:
     assert says in text
     if code not in (errno.ENOSPC, errno.EDQUOT):
         assert "space" not in text
+
+
+def test_a_re_save_that_fails_on_a_full_disk_leaves_the_committed_step(tmp_path: Path, small_tmpfs: Path) -> None:
+    """The COMMIT of a step saved again was removed before the new copy was written: on a full disk the write
+    failed ("nothing of this attempt is visible") and the committed step was gone, restore took the one before."""
+    big = {"w": torch.arange(40_000, dtype=torch.float32)}  # 160 kB
+    with make(small_tmpfs, tier0_dir="") as c:
+        for step in (1, 2):
+            c.save_async(step, big).wait_persisted(WAIT)
+        filler = small_tmpfs / "filler"
+        with open(filler, "wb") as f:  # the rest of the 1 MiB
+            try:
+                while True:
+                    f.write(bytes(65536))
+                    f.flush()
+            except OSError:
+                pass
+        pending = c.save_async(2, {"w": torch.zeros(40_000)})
+        with pytest.raises(CheckpointWriteError, match="No space left"):
+            pending.wait_persisted(WAIT)
+        assert c.committed_steps() == [2, 1]
+        restored = c.restore()
+        assert restored is not None and restored.step == 2 and torch.equal(restored.state["w"], big["w"])
