@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
+from core import tier0_dir
 from core.deadline import Deadline
 from core.procfs import alive, cmdline, descendants, environ
 from core.tier0_dir import ENV as TIER0_ENV
@@ -131,6 +133,9 @@ class Injection:
     details: dict[str, Any] = field(default_factory=dict)
     skipped: str | None = None
     corrupted_step: int | None = None
+    """The newest committed step whose tier-1 files a corruption damaged."""
+    damaged_steps: tuple[int, ...] = ()
+    """Every step a corruption damaged a copy of on the node: that one and its tier-0 snapshots'."""
 
 
 @dataclass
@@ -233,7 +238,7 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
     killed = None
     # The node's tier 0 (host memory, ckpt/tier0.py) holds newer snapshots than its disk: damage them too,
     # so that the restore has to reject them and the disk's newest step, and go back past both.
-    tier0 = next((d for w in workers if (d := environ(w.pid).get(TIER0_ENV))), None)
+    tier0 = _tier0_dir(node.pid, workers)
     # Every node's workers die, after the damage: a survivor that re-forms in place (elastic/reform.py) would
     # hand its live state to the replacement, so no restore would read a checkpoint; and a warm spare restores
     # within a fraction of a second, before bytes flipped after the kill. Stopped first, they save nothing more.
@@ -250,9 +255,13 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
         step, step_dir = newest_committed(node.local_dir)
         flipped = {} if step_dir is None else {str(f): flip_bytes(f)
                                                 for f in sorted(step_dir.glob("rank_*/*.safetensors"))}
+        damaged = {step} if step is not None else set()
         if tier0 and step_dir is not None:
-            flipped.update({str(f): flip_bytes(f) for f in sorted(Path(tier0).glob("rank_*/slot_*/*.safetensors"))
-                            if (f.parent / "manifest.json").is_file()})
+            for f in sorted(Path(tier0).glob("rank_*/slot_*/*.safetensors")):
+                slot_step = _slot_step(f.parent / "manifest.json")
+                if slot_step is not None:
+                    flipped[str(f)] = flip_bytes(f)
+                    damaged.add(slot_step)
     finally:
         for n, w in everyone:
             to.ledger.record(w.pid, f"worker rank {w.rank} of {n.name}")
@@ -272,7 +281,27 @@ def _corrupt_checkpoint(fault: PlannedFault, to: Target) -> Injection:
         return Injection(node.name, f"group rank {fault.target}", skipped=f"{step_dir} holds no safetensors file",
                          details={"killed_worker_pid": killed})
     return Injection(node.name, f"group rank {fault.target}: step {step}",
-                     {"files": flipped, "killed_worker_pid": killed}, corrupted_step=step)
+                     {"files": flipped, "killed_worker_pid": killed}, corrupted_step=step,
+                     damaged_steps=tuple(sorted(damaged)))
+
+
+def _tier0_dir(agent_pid: int, workers: list[Any]) -> str | None:
+    """The node's tier-0 directory: named in a worker's environment, else (workers forked from a warm spare get
+    theirs over a pipe: /proc shows the spare's) the one the agent made, found by its pid."""
+    named = next((d for w in workers if (d := environ(w.pid).get(TIER0_ENV))), None)
+    if named:
+        return named
+    made = tier0_dir.node_dirs_of(agent_pid)
+    return str(made[0]) if made else None
+
+
+def _slot_step(manifest: Path) -> int | None:
+    """The step of a published tier-0 slot (its manifest's), None for a slot not published or unreadable."""
+    try:
+        step = json.loads(manifest.read_bytes()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
 
 
 def _wait_gone(pid: int, timeout_s: float = 5.0) -> None:

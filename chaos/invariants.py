@@ -57,6 +57,8 @@ class FaultOutcome:
     injected_t: float | None = None
     corrupted_step: int | None = None
     corrupted_node: str | None = None
+    damaged_steps: tuple[int, ...] = ()
+    """Every step the corruption damaged a copy of on its node (tier 1's and tier 0's); () = corrupted_step's."""
     exercised: bool | None = None
     """For a corruption: a restore afterwards found it corrupt and skipped it."""
     superseded_by: int | None = None
@@ -239,9 +241,9 @@ def no_corrupt_restore(ev: Evidence) -> Check:
     runs = attempts(ev.events)
     members = _members(ev.events, runs)
     bad, fine = [], []
-    for f in corruptions:
-        assert f.injected_t is not None and f.corrupted_step is not None
-        step, node = f.corrupted_step, f.corrupted_node
+    for f, step in [(c, s) for c in corruptions for s in (c.damaged_steps or (c.corrupted_step,))]:
+        assert f.injected_t is not None and step is not None
+        node = f.corrupted_node
         rewritten = next((e.t for e in ev.events if isinstance(e, Step) and e.t > f.injected_t and e.step == step),
                          float("inf"))
         for r in (e for e in ev.events if isinstance(e, Resumed) and f.injected_t < e.t < rewritten and e.step == step):
@@ -260,7 +262,7 @@ def no_corrupt_restore(ev: Evidence) -> Check:
                            "reported the damage and the steps after it do not repeat their earlier losses")
     if bad:
         return Check(False, "; ".join(bad[:3]))
-    steps = sorted({f.corrupted_step for f in corruptions if f.corrupted_step is not None})
+    steps = sorted({s for f in corruptions for s in (f.damaged_steps or (f.corrupted_step,)) if s is not None})
     return Check(True, "; ".join([f"no damaged copy of steps {steps} was restored", *sorted(set(fine))]))
 
 

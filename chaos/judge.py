@@ -169,11 +169,19 @@ def cost_faults(records: list[rpt.FaultRecord], job: JobResult, t0: float) -> No
         r.detect_s, r.resume_s, r.steps_lost, r.restarts = cost.detect_s, cost.resume_s, cost.steps_lost, cost.restarts
         step = r.details.get("corrupted_step")
         if step is not None:
-            r.details["exercised"] = any(isinstance(e, tl.CheckpointSkipped) and e.step == step and e.node == r.node
-                                         and e.t > start for e in job.events)
+            damaged = set(damaged_steps(r.details))
+            r.details["exercised"] = any(isinstance(e, tl.CheckpointSkipped) and e.step in damaged
+                                         and e.node == r.node and e.t > start for e in job.events)
             resumed = next((e.step for e in job.events if isinstance(e, tl.Resumed) and start < e.t < end), None)
-            if not r.details["exercised"] and resumed is not None and resumed > step:
+            # Superseded only by a step newer than every damaged copy (tier 0's snapshots are newer than tier 1's).
+            if not r.details["exercised"] and resumed is not None and resumed > max(damaged):
                 r.details["superseded_by"] = resumed
+
+
+def damaged_steps(details: dict[str, Any]) -> tuple[int, ...]:
+    """The steps a corruption damaged a copy of (older reports: the corrupted tier-1 step alone)."""
+    steps = details.get("damaged_steps") or [details.get("corrupted_step")]
+    return tuple(sorted(s for s in steps if isinstance(s, int)))
 
 
 def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], reference: Reference,
@@ -185,6 +193,7 @@ def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], r
             lost_bound=CATALOG[r.kind].lost_bound,
             injected_t=None if r.injected_t is None else job.t0 + r.injected_t,
             corrupted_step=r.details.get("corrupted_step"), corrupted_node=r.node,
+            damaged_steps=damaged_steps(r.details),
             exercised=r.details.get("exercised"), superseded_by=r.details.get("superseded_by"),
             not_fired=r.details.get("not_fired"),
             corrupted_ranks=_ranks_of(r.details.get("files", {})),

@@ -216,6 +216,8 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
         record.injected_t = round(t_inj - cluster.t0, 3)
         record.details["committed_everywhere"] = committed
         record.details["corrupted_step"] = injection.corrupted_step
+        if injection.damaged_steps:
+            record.details["damaged_steps"] = list(injection.damaged_steps)
         log.info("elastic-chaos: fault %d %s on %s at step %s", pf.index + 1, pf.kind, injection.target, record.at_step)
         recovery_deadline = min(deadline, time.monotonic() + config.recovery_timeout_s)
         if CATALOG[pf.kind].restarts:

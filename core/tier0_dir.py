@@ -35,6 +35,12 @@ def make_node_dir(root: Path | None = None) -> str:
     return owned_dir.make(root if root is not None else shm_root(), _PREFIX)
 
 
+def node_dirs_of(agent_pid: int, root: Path | None = None) -> list[Path]:
+    """The tier-0 directories the agent with this pid made (the chaos harness: a worker forked from a warm spare
+    got its environment over a pipe, so its /proc/<pid>/environ does not name the directory)."""
+    return sorted((root if root is not None else shm_root()).glob(f"{_PREFIX}{agent_pid}-*"))
+
+
 def remove_node_dir(directory: str | Path) -> None:
     """Free the node's tier-0 memory (at the agent's exit)."""
     shutil.rmtree(directory, ignore_errors=True)

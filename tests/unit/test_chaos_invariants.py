@@ -511,3 +511,24 @@ def test_a_killed_checkpoint_helper_must_be_started_again_by_its_agent() -> None
     assert check.ok is False and "the agent of node1 never started a new checkpoint helper" in check.detail
     log.events.append(tl.AgentEvent(t + 0.5, "node1", "ckpt_helper_restarted", {"dead_pid": 7}))
     assert inv.all_injected(evidence(log, faults=[fault])).ok is True
+
+
+def test_a_resume_from_a_damaged_tier0_snapshot_newer_than_the_damaged_disk_step_is_caught() -> None:
+    """The corruption damages the disk's newest step (15) and the node's tier-0 snapshots (16, 17). Only 15 was
+    checked: a restore that loaded the damaged snapshot of 17 was judged 'superseded by 17' and passed (a
+    mutation that ignored checksum mismatches went unseen)."""
+    bad = Log().start().steps(1, 17)
+    t = bad.t
+    bad.start(resumed=17).steps(18, 20, loss=9.9)
+    fault = inv.FaultOutcome(kind="corrupt-checkpoint", injected=True, skipped=None, steps_lost=0, lost_bound=2,
+                             injected_t=t, corrupted_step=15, corrupted_node="node1", exercised=False,
+                             corrupted_ranks=(1,), damaged_steps=(15, 16, 17))
+    check = inv.no_corrupt_restore(evidence(bad, faults=[fault]))
+    assert check.ok is False and "resumed from step 17" in check.detail
+
+
+def test_a_corruption_is_superseded_only_by_a_step_newer_than_every_damaged_copy() -> None:
+    from chaos import judge
+
+    assert judge.damaged_steps({"corrupted_step": 15, "damaged_steps": [17, 15, 16]}) == (15, 16, 17)
+    assert judge.damaged_steps({"corrupted_step": 15}) == (15,)  # a report from before tier 0 was tracked
