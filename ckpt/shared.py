@@ -208,7 +208,12 @@ class SharedTier:
             target.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(target, data)
         else:
-            self.fs.pipe_file(path, data)
+            try:
+                self.fs.pipe_file(path, data)
+            except FileNotFoundError as exc:  # a write: what is missing is the bucket (or container) itself
+                raise SharedStorageError(
+                    f"{self.describe(path)}: the store says it does not exist ({exc}): create the bucket, or fix "
+                    "shared.url") from exc
 
     def _cat(self, path: str) -> bytes | None:
         try:

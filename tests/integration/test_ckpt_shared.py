@@ -375,3 +375,15 @@ def test_a_fresh_node_does_not_start_over_while_the_shared_tier_cannot_be_read(
         assert store.committed("run") == [1, 2]
     finally:
         proxy.close()
+
+
+def test_a_bucket_that_does_not_exist_is_named_at_start(
+    tmp_path: Path, moto_s3: MotoS3, fast_s3fs_retries: None, checkpointers: Checkpointers,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A bare FileNotFoundError ("The specified bucket does not exist") stopped the start, naming no URL nor option.
+    store = Store("s3://no-such-bucket-here/ckpt", moto_s3.storage_options())
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        checkpointers.make(local(tmp_path, "node", store.shared("run")))
+    assert any("s3://no-such-bucket-here/ckpt/run/OWNER.json: the store says it does not exist" in r.getMessage()
+               and "create the bucket, or fix shared.url" in r.getMessage() for r in caplog.records), caplog.text
