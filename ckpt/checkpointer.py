@@ -405,6 +405,7 @@ class Checkpointer:
                 saved=self._writer.saved,
                 shared=self._shared,
                 shared_committed=shared_committed,
+                uploading=self._replicator.uploading() if self._replicator is not None else None,
             )
 
     def _hash_pool(self) -> ThreadPoolExecutor:
@@ -484,6 +485,7 @@ class Checkpointer:
         replicated: bool = True,
         into: Mapping[str, Any] | None = None,
         detach: bool = True,
+        if_unsure: str = "raise",
     ) -> Restored | None:
         """Load the newest checkpoint this rank can read completely and intact; None if none.
 
@@ -504,9 +506,23 @@ class Checkpointer:
         shared memory, valid until this rank's second save after the restore rewrites that slot. For a caller
         that copies the state into its model and optimizer at once and keeps nothing else (`trainer` does,
         and then gives the optimizer's CPU tensors memory of their own).
+
+        SharedStorageError when none is restored because the shared tier could not be listed (and this node holds
+        no step) or a step could not be downloaded: starting over then would throw that progress away (the first
+        save removes the newer steps). `if_unsure="none"` returns None instead and leaves the error in
+        `restore_blocked` (`trainer` first asks its peers for their state, and raises if none has any).
         """
         self._check_open()
-        return self._restorer.restore(step=step, max_step=max_step, replicated=replicated, into=into, detach=detach)
+        restored = self._restorer.restore(step=step, max_step=max_step, replicated=replicated, into=into,
+                                          detach=detach)
+        if restored is None and self._restorer.blocked is not None and if_unsure == "raise":
+            raise self._restorer.blocked
+        return restored
+
+    @property
+    def restore_blocked(self) -> SharedStorageError | None:
+        """Why the last `restore(if_unsure="none")` returned None without knowing that no newer step exists."""
+        return self._restorer.blocked
 
     # -- lifecycle -----------------------------------------------------------------------
 

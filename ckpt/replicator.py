@@ -122,6 +122,11 @@ class Replicator:
                 steps.add(self._current.step)
             return sorted(steps)
 
+    def uploading(self) -> int | None:
+        """The step whose files are being uploaded now, if any (its local copy must stay: ckpt/retention.py)."""
+        with self._cond:
+            return self._current.step if self._current is not None else None
+
     def wait_idle(self, timeout: float | None) -> bool:
         deadline = Deadline.after(timeout, clock=self._clock)
         with self._cond:

@@ -112,6 +112,9 @@ class Restorer:
         self.config = config
         self._pool = pool
         self._timeout = config.read_timeout.total_seconds()
+        self.blocked: SharedStorageError | None = None
+        """Why the last restore returned None without knowing that nothing newer exists (the shared tier could not
+        be listed, or a step could not be downloaded): starting over would throw that progress away."""
 
     def available_steps(self) -> list[int]:
         """Steps committed in any tier, newest first (the shared tier only if reachable)."""
@@ -140,16 +143,20 @@ class Restorer:
             except (SharedStorageError, CheckpointError) as exc:
                 unlisted = exc
                 logger.warning("shared tier not listed, restoring from the local tier only: %s", exc)
+        self.blocked = None
         if unlisted is not None and not (local or host):
             # Starting over (or from init_from) here would throw away this run's progress in the shared tier: the
             # first save of the new start removes the committed steps newer than it (ckpt/retention.py).
-            instead = (f"init_from ({self.config.init_from}) is used" if self.config.init_from is not None
-                       else "the run starts from step 0")
-            raise SharedStorageError(
+            if self.config.init_from is not None:
+                raise SharedStorageError(
+                    f"cannot tell whether run {self.identity.describe()} has checkpoints of its own: {unlisted}; "
+                    f"init_from ({self.config.init_from}) is used only once the shared tier answers. Restart when "
+                    "it is reachable") from unlisted
+            self.blocked = SharedStorageError(
                 f"cannot tell whether run {self.identity.describe()} has checkpoints in the shared tier: "
-                f"{unlisted}; with none in this node's tiers, {instead} only once the shared tier answers. "
-                f"Start the job again when it is reachable",
-            ) from unlisted
+                f"{unlisted}; with none in this node's tiers, the run starts from step 0 only once the shared "
+                "tier answers. Start the job again when it is reachable")
+            self.blocked.__cause__ = unlisted
         candidates = _select(sorted(local | set(shared) | set(host), reverse=True), step, max_step)
         for candidate in candidates:
             copies = []
@@ -161,8 +168,11 @@ class Restorer:
             if candidate in shared:
                 assert self.shared is not None
                 copies.append(Copy(self.shared, shared[candidate]))
-            restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False, into=into,
-                                          detach=detach)
+            try:
+                restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False, into=into,
+                                              detach=detach)
+            except _Blocked:
+                return None
             if restored is None:
                 continue
             if any(c.tier.name == restored.tier and c.marker.legacy for c in copies):
@@ -277,12 +287,15 @@ class Restorer:
                         self._unusable(copy.tier, step, rank, exc, init_from=True)
                         continue
                     # The store did not answer (or tier 1 had no room for the download): no sign the step is
-                    # damaged. Going back to an older one would throw it away (its first save removes the newer).
-                    raise SharedStorageError(
+                    # damaged. Going back to an older one would throw it away (its first save removes the newer):
+                    # none is restored here, and the caller decides (Checkpointer.restore raises `blocked`).
+                    self.blocked = SharedStorageError(
                         f"step {step} (rank {rank}'s part) could not be read from "
                         f"{copy.tier.describe_rank(step, rank)}: {exc}. Not going back to an older step, whose "
                         "first save would remove this one: start the job again once the store answers and "
-                        "tier 1 has room for the download") from exc
+                        "tier 1 has room for the download")
+                    self.blocked.__cause__ = exc
+                    raise _Blocked from exc
                 except CheckpointError as exc:
                     self._unusable(copy.tier, step, rank, exc, init_from=init_from)
                     if files.is_sharded(rank):
@@ -343,6 +356,10 @@ class Restorer:
         reason = f"{tier.name} copy of rank {rank} is unusable: {exc}"
         logger.warning("skipping checkpoint step %d: %s", step, reason)
         emit("ckpt_skipped", step=step, reason=reason, tier=tier.name, source_rank=rank)
+
+
+class _Blocked(Exception):
+    """A step could not be read for want of the store (Restorer.blocked says which): stop, go back to none."""
 
 
 def _bytes_read(rank_dir: Path) -> int:

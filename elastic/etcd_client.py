@@ -235,7 +235,7 @@ class EtcdClient:
                     f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. "
                     "Check the user/password and TLS settings in --rdzv-conf."
                 )) from exc
-            advice = _ADVICE.get(exc.code()) if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else None
+            advice = _advice(exc)
             if advice is not None:
                 raise EtcdUnavailableError(redact(
                     f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. {advice}"  # type: ignore[attr-defined]
@@ -259,6 +259,17 @@ _ADVICE = {
         "URL, e.g. 127.0.0.1:2379."),
 }
 """What to do about etcd's refusals that no retry mends (beside authentication's, handled above)."""
+
+
+def _advice(exc: Exception) -> str | None:
+    """_ADVICE for `exc`; RESOURCE_EXHAUSTED only when it is the space quota (etcd also says it for too many
+    requests, or a message too large, which the retries or the caller handle)."""
+    if not isinstance(exc, grpc.RpcError) or not hasattr(exc, "code"):
+        return None
+    code = exc.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "space exceeded" not in str(exc.details()):
+        return None
+    return _ADVICE.get(code)
 
 
 def _read(path: str | None) -> bytes | None:

@@ -122,6 +122,10 @@ class Membership:
     def _doubt(self) -> None:
         self._unsure_until = time.monotonic() + self.config.lease_ttl.total_seconds()
 
+    def unsure_for(self) -> float:
+        """Seconds until a live set can judge again (0: it can now, if this node is in it)."""
+        return max(0.0, self._unsure_until - time.monotonic())
+
     def live_set_settled(self, live: frozenset[str]) -> bool:
         """Whether a live set read now can say that nodes are gone: this node is in it, and no refresh failed nor
         was this node's lease renewed within the last lease TTL. After etcd was unreachable past the TTL (paused,

@@ -369,11 +369,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         return took
                 continue
             last_reason = decision.reason
-            if (self._stop_below_min and self._ran_round and len(snap.live) < self.config.min_nodes
-                    and self._live_set_settled(snap.live)):
-                # Nodes lost while this round forms, after the job ran (not nodes still arriving at its start): no
-                # round can form until some come back. The agent stops the job (exit 75) rather than wait that long.
-                raise BelowMinimumError.of(len(snap.live), self.config.min_nodes)
+            judge_again: Deadline | None = None  # a judgement held back while the live set settles: retried after
+            if self._stop_below_min and self._ran_round and len(snap.live) < self.config.min_nodes:
+                if self._live_set_settled(snap.live):
+                    # Nodes lost while this round forms, after the job ran (not nodes still arriving at its start):
+                    # no round can form until some come back. The agent stops the job (exit 75) rather than wait.
+                    raise BelowMinimumError.of(len(snap.live), self.config.min_nodes)
+                judge_again = Deadline.after(timedelta(seconds=max(0.1, self.membership.unsure_for())),
+                                             clock=self._clock)
             generation = state.generation if state else 0
             if decision.last_call_armed and (last_call is None or generation != last_call_generation):
                 last_call = Deadline.after(self.config.last_call_timeout, clock=self._clock)
@@ -386,7 +389,8 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     f"{self.config.join_timeout.total_seconds():.0f}s: {last_reason}. Live nodes: "
                     f"{sorted(snap.live)}. Are the other agents running with the same --rdzv-endpoint and --rdzv-id?"
                 )
-            self.view.wait_changed(snap, deadline if last_call is None else _earlier(deadline, last_call))
+            until = deadline if last_call is None else _earlier(deadline, last_call)
+            self.view.wait_changed(snap, until if judge_again is None else _earlier(until, judge_again))
 
     def _swap_state(self, state: protocol.RoundState, token: int) -> bool:
         """Compare-and-set the round state on `token` (with the join-token MAC, in a run with a token)."""

@@ -76,10 +76,10 @@ def _load(checkpointer: Checkpointer, *, step: int | None = None, max_step: int 
     try:
         # Not copied out of tier 0: the trainer copies the state into its model and optimizer at once (Resumable).
         if into is not None:  # only a sharded run passes it
-            return checkpointer.restore(step=step, max_step=max_step, into=into, detach=False), None
+            return checkpointer.restore(step=step, max_step=max_step, into=into, detach=False, if_unsure="none"), None
         if step is not None:
-            return checkpointer.restore(step=step, detach=False), None
-        return checkpointer.restore(max_step=max_step, detach=False), None
+            return checkpointer.restore(step=step, detach=False, if_unsure="none"), None
+        return checkpointer.restore(max_step=max_step, detach=False, if_unsure="none"), None
     except (CheckpointVersionError, ShardMismatchError) as exc:
         return None, exc
 

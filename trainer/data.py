@@ -310,7 +310,7 @@ class StepBatchSampler:
     def _from(self, epoch: int, position: int, moved: int) -> Iterator[list[int]]:
         s = self.sampler
         while True:
-            if s.moved != moved:  # each batch handed out (DataLoader workers: each one asked for), checked
+            if s.moved != moved:  # before each step's micro-batches (DataLoader workers: as they ask for them)
                 raise StaleIteratorError(
                     f"this data iterator was made before the data position moved to epoch {s.epoch}, position "
                     f"{s.position} (a restore or a re-formation) and would hand out epoch {epoch}, position "

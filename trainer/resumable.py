@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored
+from ckpt import Checkpointer, CheckpointError, CheckpointSaveError, Restored, SharedStorageError
 from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
 from core import faults
@@ -220,7 +220,7 @@ class Resumable:
         loaded: list[Restored] = []  # the own part catch_up loaded, to report its tier
 
         def load_own(step: int) -> Restored | None:
-            found = self.checkpointer.restore(step=step, replicated=False, detach=False)
+            found = self.checkpointer.restore(step=step, replicated=False, detach=False, if_unsure="none")
             loaded[:] = [found] if found is not None else []
             return found
 
@@ -237,7 +237,7 @@ class Resumable:
         return self._continue_from(step, source, own=next((r for r in loaded if r.step == step), None))
 
     def _has_own_checkpoint(self) -> bool:
-        found = self.checkpointer.restore(replicated=False, detach=False)
+        found = self.checkpointer.restore(replicated=False, detach=False, if_unsure="none")
         return found is not None and found.own
 
     def _continue_from(self, step: int, source: str, own: Restored | None = None) -> int:
@@ -297,7 +297,7 @@ class Resumable:
             # Not every rank can read a checkpoint (a replacement node's empty --ckpt-dir): a peer's, sent
             # over the group, rather than everyone starting over.
             peer = regroup.peer_checkpoint(
-                self.topology, self.checkpointer.restore(),
+                self.topology, self.checkpointer.restore(if_unsure="none"),
                 check=lambda r: check_state(r.state, model=self.model, optimizer=self.optimizer,
                                             sampler=self.sampler, step=r.step, stateful=self._stateful()),
                 apply_own=lambda r: apply_state.whole(self, r.state, own_rank=True),
@@ -308,6 +308,18 @@ class Resumable:
             restored = agree()  # the parts some ranks lacked are in their tier 0 now
         if restored is None and self.sharded:
             part_transfer.refuse_to_start_over(self.checkpointer, self.topology, self.config.ckpt_dir)
+        if restored is None and self.topology.all_min(-int(self.checkpointer.restore_blocked is not None)) < 0:
+            # Some rank could not tell whether a newer step exists (the shared tier unreachable), and no rank had
+            # a state to send: starting over would throw that progress away (its first save removes the newer).
+            raise self.checkpointer.restore_blocked or SharedStorageError(
+                f"another rank could not read the shared tier of {self.config.ckpt_dir}: not starting over from "
+                "step 0. Start the job again once the store answers")
+        if restored is None and self.step > 0:
+            # A re-formation that found neither a live state (every rank had stepped past it) nor a checkpoint: the
+            # model here is past step `self.step`, and going on from step 0 would train it twice. This worker
+            # exits and restarts, as without in-process re-formation.
+            raise RuntimeError(f"rank {self.topology.rank}: re-formed with no state to go on from (no live step, no "
+                               f"checkpoint in {self.config.ckpt_dir}); restarting this worker from step 0")
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self._prepare()  # staging buffer allocated before the loop

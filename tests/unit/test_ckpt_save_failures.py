@@ -135,3 +135,4 @@ def test_a_re_save_that_fails_on_a_full_disk_leaves_the_committed_step(tmp_path:
         assert c.committed_steps() == [2, 1]
         restored = c.restore()
         assert restored is not None and restored.step == 2 and torch.equal(restored.state["w"], big["w"])
+        del restored  # its tensors map the file: the tmpfs could not be unmounted

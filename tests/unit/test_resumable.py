@@ -436,10 +436,12 @@ def test_a_persist_left_for_the_next_forward_is_written_at_close(tmp_path: Path,
 
 
 class _OtherRankBusy(Topology):
-    """Rank 0 of two whose other rank answers every all_min with "my tier-1 write still runs" (-1)."""
+    """Rank 0 of two whose other rank, once `busy`, answers every all_min with "my tier-1 write still runs" (-1)."""
+
+    busy = False
 
     def all_min(self, value: int) -> int:
-        return min(value, -1)
+        return min(value, -1) if self.busy else value
 
 
 def test_a_persist_is_postponed_on_every_rank_when_any_rank_s_disk_is_behind(tmp_path: Path, shm: Path) -> None:
@@ -450,6 +452,7 @@ def test_a_persist_is_postponed_on_every_rank_when_any_rank_s_disk_is_behind(tmp
     run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=1, persist_every=2, tier0_dir=shm),
                     model=model, optimizer=opt, topology=_OtherRankBusy(rank=0, world_size=2, local_rank=0))
     assert run.restore() == 0
+    run.topology.busy = True  # type: ignore[attr-defined]
     for step in (1, 2, 3):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -307,3 +308,41 @@ def test_a_loader_over_a_dataset_of_another_size_is_refused() -> None:
     with pytest.raises(ValueError, match="the dataset has 30 samples but DataConfig.dataset_size is 24"):
         sampler.loader(torch.zeros(30, 2))
     assert len(list(zip(range(2), sampler.loader(torch.zeros(24, 2)), strict=False))) == 2
+
+
+def test_a_re_formation_with_no_state_to_go_on_from_restarts_the_worker_not_the_count(tmp_path: Path) -> None:
+    """A re-formation after every rank's optimizer had stepped (no live step) and before any checkpoint: the
+    restore path started over at step 0 with the stepped model kept (trained twice) and the step count left as it
+    was (the next step_done(1) refused). Now it raises, and the agent restarts the worker from step 0."""
+    run, model, opt, _ = build(tmp_path)  # save_every=2
+    with run:
+        assert train(run, model, opt, 1) == 1  # no checkpoint yet
+        opt.step()  # the interrupted step's optimizer step, before its collective failed
+        with pytest.raises(RuntimeError, match="re-formed with no state to go on from"):
+            run._restore_from_checkpoints()  # what reform() runs when catch_up finds no live step
+
+
+def test_a_fresh_node_does_not_start_over_while_the_shared_tier_cannot_be_listed(tmp_path: Path) -> None:
+    """With no step in its own tiers and the shared tier unreadable, the run started from step 0, and its first
+    save removed every committed step there. Now, when no rank has a state to send, restore raises."""
+    from ckpt import RetryConfig, SharedConfig, SharedStorageError
+
+    fast = RetryConfig(attempts=2, initial=timedelta(seconds=0.01), maximum=timedelta(seconds=0.02),
+                       jitter=timedelta(seconds=0.01), deadline=timedelta(seconds=1))
+    shared = tmp_path / "shared"
+    config = {"shared": SharedConfig(url=str(shared), retry=fast, run_name="r")}
+    run, model, opt, _ = build(tmp_path / "node", **config)
+    with run:
+        assert train(run, model, opt, 4) == 4
+        run.checkpointer.wait_uploaded(timedelta(seconds=30))
+    (shared / "r").rename(tmp_path / "away")
+    (shared / "r").write_bytes(b"")  # the run's directory there is not one: it cannot be listed
+    fresh, *_ = build(tmp_path / "fresh", **config)
+    with fresh:
+        with pytest.raises(SharedStorageError, match="cannot tell whether run .* has checkpoints in the shared"):
+            fresh.restore()
+    (shared / "r").unlink()
+    (tmp_path / "away").rename(shared / "r")
+    again, *_ = build(tmp_path / "fresh", **config)
+    with again:
+        assert again.restore() == 4

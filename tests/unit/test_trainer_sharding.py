@@ -148,4 +148,5 @@ def test_a_sharded_tensor_of_another_global_shape_stops_the_restore_with_a_clear
         agree_on_checkpoint(checkpointer, Topology(rank=0, world_size=1, local_rank=0),  # type: ignore[arg-type]
                             check=lambda r: None, where="/ckpt", into=template)
     # not retried on older steps
-    assert checkpointer.calls == [{"step": None, "max_step": None, "into": template, "detach": False}]
+    assert checkpointer.calls == [{"step": None, "max_step": None, "into": template, "detach": False,
+                                   "if_unsure": "none"}]
