@@ -74,6 +74,10 @@ class FaultOutcome:
     """Steps run after the newest checkpoint step whose save had not committed on every node when
     the fault hit; they are allowed on top of the bound."""
 
+    def damaged(self) -> tuple[int, ...]:
+        """The steps whose copies the corruption damaged: `damaged_steps`, else the corrupted step (none: ())."""
+        return self.damaged_steps or (() if self.corrupted_step is None else (self.corrupted_step,))
+
 
 @dataclass(frozen=True, kw_only=True)
 class Evidence:
@@ -241,8 +245,8 @@ def no_corrupt_restore(ev: Evidence) -> Check:
     runs = attempts(ev.events)
     members = _members(ev.events, runs)
     bad, fine = [], []
-    for f, step in [(c, s) for c in corruptions for s in (c.damaged_steps or (c.corrupted_step,))]:
-        assert f.injected_t is not None and step is not None
+    for f, step in [(c, s) for c in corruptions for s in c.damaged()]:
+        assert f.injected_t is not None
         node = f.corrupted_node
         rewritten = next((e.t for e in ev.events if isinstance(e, Step) and e.t > f.injected_t and e.step == step),
                          float("inf"))
@@ -262,7 +266,7 @@ def no_corrupt_restore(ev: Evidence) -> Check:
                            "reported the damage and the steps after it do not repeat their earlier losses")
     if bad:
         return Check(False, "; ".join(bad[:3]))
-    steps = sorted({s for f in corruptions for s in (f.damaged_steps or (f.corrupted_step,)) if s is not None})
+    steps = sorted({s for f in corruptions for s in f.damaged()})
     return Check(True, "; ".join([f"no damaged copy of steps {steps} was restored", *sorted(set(fine))]))
 
 

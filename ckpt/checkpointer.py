@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ckpt import peer_parts
 from ckpt.config import CheckpointConfig
@@ -485,7 +485,7 @@ class Checkpointer:
         replicated: bool = True,
         into: Mapping[str, Any] | None = None,
         detach: bool = True,
-        if_unsure: str = "raise",
+        if_unsure: Literal["raise", "none"] = "raise",
     ) -> Restored | None:
         """Load the newest checkpoint this rank can read completely and intact; None if none.
 

@@ -152,7 +152,7 @@ class Restorer:
                     f"cannot tell whether run {self.identity.describe()} has checkpoints of its own: {unlisted}; "
                     f"init_from ({self.config.init_from}) is used only once the shared tier answers. Restart when "
                     "it is reachable") from unlisted
-            self.blocked = SharedStorageError(
+            self.blocked = _Blocked(
                 f"cannot tell whether run {self.identity.describe()} has checkpoints in the shared tier: "
                 f"{unlisted}; with none in this node's tiers, the run starts from step 0 only once the shared "
                 "tier answers. Start the job again when it is reachable")
@@ -171,7 +171,8 @@ class Restorer:
             try:
                 restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False, into=into,
                                               detach=detach)
-            except _Blocked:
+            except _Blocked as exc:
+                self.blocked = exc
                 return None
             if restored is None:
                 continue
@@ -289,13 +290,11 @@ class Restorer:
                     # The store did not answer (or tier 1 had no room for the download): no sign the step is
                     # damaged. Going back to an older one would throw it away (its first save removes the newer):
                     # none is restored here, and the caller decides (Checkpointer.restore raises `blocked`).
-                    self.blocked = SharedStorageError(
+                    raise _Blocked(
                         f"step {step} (rank {rank}'s part) could not be read from "
                         f"{copy.tier.describe_rank(step, rank)}: {exc}. Not going back to an older step, whose "
                         "first save would remove this one: start the job again once the store answers and "
-                        "tier 1 has room for the download")
-                    self.blocked.__cause__ = exc
-                    raise _Blocked from exc
+                        "tier 1 has room for the download") from exc
                 except CheckpointError as exc:
                     self._unusable(copy.tier, step, rank, exc, init_from=init_from)
                     if files.is_sharded(rank):
@@ -358,8 +357,9 @@ class Restorer:
         emit("ckpt_skipped", step=step, reason=reason, tier=tier.name, source_rank=rank)
 
 
-class _Blocked(Exception):
-    """A step could not be read for want of the store (Restorer.blocked says which): stop, go back to none."""
+class _Blocked(SharedStorageError):
+    """No step restored for want of the store (Restorer.blocked): a newer step than any this rank can read may
+    exist. Raised out of a step's load only to stop the walk back to older steps."""
 
 
 def _bytes_read(rank_dir: Path) -> int:

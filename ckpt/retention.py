@@ -12,9 +12,10 @@ Per tier:
   damaged newer step outranks every fresh save, and keep_last=1 deletes the save at its commit.
 - `protected` steps stay whatever the rules above say (abandoned ones too: they are not ours
   to decide about, e.g. another run's step directory). For tier 1 with a shared tier these are
-  the steps whose upload is not committed yet (`awaiting_replication`) and will be: the one uploading,
-  the newest, and those tier 2 keeps forever. The local copy is kept until the shared copy exists or a newer shared
-  commit supersedes it; older ones are superseded in the upload queue and go by the rules above.
+  the steps whose upload is not committed yet (`awaiting_replication`) and will be: the one
+  uploading and those tier 2 keeps forever (the newest is within `keep_last`). The local copy is
+  kept until the shared copy exists or a newer shared commit supersedes it; older ones are
+  superseded in the upload queue and go by the rules above.
 """
 
 from __future__ import annotations
@@ -128,13 +129,11 @@ def apply_local_retention(
                 shared_committed=set(shared_committed),
                 shared_keep_every=shared.config.keep_every,
             )
-            # Of the steps not yet in tier 2, only the one uploading now (`uploading`) and the newest (queued: the
-            # replicator supersedes older queued ones) are ever uploaded, and those tier 2 keeps forever: holding
-            # every one filled tier 1 in a long outage of tier 2, and the job stopped on a full disk.
-            newest = max(set(committed) - abandoned, default=None)
+            # Of the steps not yet in tier 2 only the one uploading now, the newest (queued: the replicator
+            # supersedes older queued ones; keep_last >= 1 keeps it) and those tier 2 keeps forever are ever
+            # uploaded: holding every one filled tier 1 in a long outage of tier 2, and the job stopped on a full disk.
             every = shared.config.keep_every
-            protected |= {s for s in waiting
-                          if s in (newest, uploading) or (every is not None and s % every == 0)}
+            protected |= {s for s in waiting if s == uploading or (every is not None and s % every == 0)}
     doomed = set(
         select_deletions(
             committed=committed,

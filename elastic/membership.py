@@ -109,9 +109,8 @@ class Membership:
             try:
                 if not self._store.refresh_lease(lease):
                     log.warning("membership: lease of %s expired; registering again", self.key)
-                    self._doubt()  # the others' leases may have lapsed with this one (etcd paused or restored)
                     self._register(self._info)
-                    self._doubt()
+                    self._doubt()  # the others' leases may have lapsed with this one (etcd paused or restored)
             except NodeIdConflictError:
                 log.error("membership: %s was taken by another agent; giving up the keep-alive", self.key)
                 return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,51 +70,40 @@ def check_json_able(extras: dict[str, Any]) -> None:
     try:
         json.dumps(extras)
     except (TypeError, ValueError) as exc:
-        entry = _bad_entry(extras, "", set()) or _bad_key(extras) or ""
+        entry = _first_bad(extras, _json_able, set()) or ""
         raise ExtrasError(f"extras{entry} is not JSON-able ({exc}): a checkpoint keeps extras "
                           "as JSON (dicts with str keys, lists, str, int, float, bool, None)") from exc
-    key = _bad_key(extras)
+    key = _first_bad(extras, lambda _: True, set())
     if key is not None:
         raise ExtrasError(f"extras{key} is not a str key: a checkpoint keeps extras as JSON, whose keys are "
                           "strings (a restart would find a different key); use str keys")
 
 
-def _bad_key(value: Any, path: str = "") -> str | None:
-    """The path of the first dict key in `value` that is not a str, else None."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"{path}[{key!r}]"
-            found = _bad_key(item, f"{path}[{key!r}]")
+def _first_bad(value: Any, leaf_ok: Callable[[Any], bool], inside: set[int]) -> str | None:
+    """The path (`['a'][0]`) of the first dict key in `value` that is not a str or leaf that `leaf_ok` refuses (or
+    container inside itself: a cycle), else None. `inside`: the containers above `value`. The path is built only
+    for what is found."""
+    if not isinstance(value, (dict, list, tuple)):
+        return None if leaf_ok(value) else ""
+    if id(value) in inside:
+        return ""
+    inside.add(id(value))
+    try:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(value, dict) and not isinstance(key, str):
+                return f"[{key!r}]"
+            found = _first_bad(item, leaf_ok, inside)
             if found is not None:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            found = _bad_key(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-def _bad_entry(value: Any, path: str, seen: set[int]) -> str | None:
-    """The path of the first value in `value` that json.dumps cannot write (a container met again: a cycle),
-    else None."""
-    if isinstance(value, (dict, list, tuple)):
-        if id(value) in seen:
-            return path
-        seen.add(id(value))
-    if isinstance(value, dict):
-        items: Any = ((f"{path}[{k!r}]", v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    else:
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            return path
+                return f"[{key!r}]{found}"
         return None
-    for where, item in items:
-        found = _bad_entry(item, where, seen)
-        if found is not None:
-            return found
-    return None
+    finally:
+        inside.discard(id(value))
+
+
+def _json_able(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True

@@ -274,6 +274,8 @@ def test_extras_with_a_key_a_checkpoint_cannot_keep_are_refused_naming_the_key(t
 
     with pytest.raises(ExtrasError, match=r"extras\[0\] is not a str key"):
         Resumable(ResumeConfig.at(tmp_path, save_every=1), model=nn.Linear(2, 1), extras={0: "notes"})
+    shared = [1, 2]  # one list under two keys is no cycle
+    Resumable(ResumeConfig.at(tmp_path / "ok", save_every=1), model=nn.Linear(2, 1), extras={"a": shared, "b": shared})
     run = Resumable(ResumeConfig.at(tmp_path, save_every=1), model=nn.Linear(2, 1), extras={"ok": 1})
     with run:
         assert run.restore() == 0
