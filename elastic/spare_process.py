@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import atexit
 import contextlib
 import io
 import json
 import logging
 import os
 import runpy
-import signal
 import sys
 import threading
 import time
@@ -33,7 +31,8 @@ from core import premap
 from core.heap import imports_without_gc
 from core.numbers import decimal
 from core.tier0_dir import ENV as TIER0_ENV
-from elastic import stop_signals
+from elastic import fast_exit, stop_signals
+from elastic.fast_exit import KILLED_BY_SIGINT
 from elastic.progress import ENV_DIR as ENV_PROGRESS_DIR
 
 log = logging.getLogger(__name__)
@@ -291,24 +290,10 @@ def _forked_child(control_fd: int, write_end: int, pipes: Sequence[IO[bytes]], e
     except BaseException:  # noqa: BLE001 - reported as Python would, then the exit below
         sys.excepthook(*sys.exc_info())
     finally:
-        _exit_as_python_does(code)
-
-
-def _exit_as_python_does(code: int) -> NoReturn:
-    """What an interpreter does when its main module ends (wait for non-daemon threads, run atexit handlers, flush),
-    then leave without unwinding into the launcher's frames this process was forked from. Unlike a spawned worker's
-    exit, the interpreter's finalization does not run: objects' finalizers at shutdown, C-level exit handlers and
-    C++ static destructors (a native profiler that writes its file from one: use a spawned worker,
-    ELASTIC_PRESTART_SPAWN=1)."""
-    try:
-        shutdown = getattr(threading, "_shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        atexit._run_exitfuncs()  # noqa: SLF001 - the worker's own handlers (a logger's flush, a tracker's finish)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        _end(code)
+        # Never unwinds into the launcher's frames this process was forked from; nor does the interpreter's
+        # finalization run (a native profiler that writes its file from a C++ static destructor: use a spawned
+        # worker, ELASTIC_PRESTART_SPAWN=1).
+        fast_exit.exit_as_python_does(code)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -372,11 +357,9 @@ def serve(control_fd: int) -> int:
     try:
         become(order, set_by_imports)
     except SystemExit as exc:
-        code = exc.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
-        return 1
+        if not (exc.code is None or isinstance(exc.code, int)):
+            print(exc.code, file=sys.stderr)  # sys.exit("message"): Python prints it and exits 1
+        return fast_exit.code_of(exc.code)
     except KeyboardInterrupt as exc:
         _report(exc)
         return KILLED_BY_SIGINT  # as Python ends on an uncaught KeyboardInterrupt
@@ -407,24 +390,10 @@ def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-
-KILLED_BY_SIGINT = -int(signal.SIGINT)
-"""`serve`'s result for an uncaught KeyboardInterrupt: the process then ends killed by SIGINT (`_end`)."""
-
-
-def _end(code: int) -> NoReturn:
-    """os._exit(code), or for KILLED_BY_SIGINT death by SIGINT, as Python's own exit after a KeyboardInterrupt."""
-    if code == KILLED_BY_SIGINT:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        code = 128 + int(signal.SIGINT)  # not reached
-    os._exit(code)
-
-
 if __name__ == "__main__":
     code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     if code == KILLED_BY_SIGINT:
-        _end(code)
+        fast_exit.end(code)
     sys.exit(code)
