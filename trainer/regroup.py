@@ -286,7 +286,8 @@ def _destroy_default_group() -> None:
     comes back for the GIL once the interpreter is finalizing is ended inside C++, which aborts the process
     ("terminate called without an active exception", exit -6: the survivor of a re-formation that then finished
     its job). So the group is never freed: its sockets are shut down already (gloo_sockets), its threads idle or
-    stuck, a few per re-formation, and they go with the process."""
+    stuck, a few per re-formation, and they go with the process: a run that succeeds after a re-formation ends
+    without the interpreter's finalization (trainer/in_place.py, elastic/fast_exit.py), which aborted on them too."""
     group = dist.distributed_c10d._get_default_group()
     dist.destroy_process_group()
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # a reference nothing releases, not even finalization
