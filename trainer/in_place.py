@@ -122,7 +122,7 @@ def _end_without_finalization() -> None:
     (elastic/fast_exit.py). It ends after its atexit handlers instead, with the code Python would use: 0, or
     that of an uncaught exception or sys.exit(code) after this (not that of a bare `raise SystemExit(code)`).
     A failed run keeps Python's exit: its code is a failure either way."""
-    if _state.reentries:
+    if regroup.keeps_old_groups():
         fast_exit.end_without_finalization()
 
 

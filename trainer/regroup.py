@@ -288,9 +288,21 @@ def _destroy_default_group() -> None:
     its job). So the group is never freed: its sockets are shut down already (gloo_sockets), its threads idle or
     stuck, a few per re-formation, and they go with the process: a run that succeeds after a re-formation ends
     without the interpreter's finalization (trainer/in_place.py, elastic/fast_exit.py), which aborted on them too."""
+    global _kept
     group = dist.distributed_c10d._get_default_group()
     dist.destroy_process_group()
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # a reference nothing releases, not even finalization
+    _kept += 1
+
+
+_kept = 0
+"""How many old gloo groups this process keeps (`_destroy_default_group`)."""
+
+
+def keeps_old_groups() -> bool:
+    """Whether this process keeps an old gloo group, whose threads Python's finalization can abort on: a run that
+    succeeds then ends without it (elastic/fast_exit.py)."""
+    return _kept > 0
 
 
 def rewrap_ddp(ddp: DistributedDataParallel) -> None:

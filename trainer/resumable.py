@@ -64,7 +64,7 @@ from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
 from core import faults
 from core.events import emit
-from elastic import worker
+from elastic import fast_exit, worker
 from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
 from trainer import apply_state, in_place, part_transfer, regroup, rng, setup, sharding
@@ -769,7 +769,8 @@ class Resumable:
         """End a finished run in the one order that cannot hang, and return the final digest: stop the
         DataLoader workers of `batches` (the loader's iterator), save the last step (`save_final`),
         close, digest, drop DDP's hold on the process group (trainer/ddp.py, "Teardown": the wrapper is
-        unusable afterwards), then destroy the process group (unless told not to)."""
+        unusable afterwards), then destroy the process group (unless told not to). A process that re-formed in
+        place then ends without the interpreter's finalization (elastic/fast_exit.py, trainer/regroup.py)."""
         shutdown = getattr(batches, "_shutdown_workers", None)  # what the iterator's __del__ would do
         if callable(shutdown):
             shutdown()
@@ -780,6 +781,8 @@ class Resumable:
             release_process_group(self.ddp)
         if destroy_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        if regroup.keeps_old_groups():  # re-formed in place (DDP; run_elastic does the same for a sharded run)
+            fast_exit.end_without_finalization()
         return digest
 
 
