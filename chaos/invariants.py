@@ -24,7 +24,8 @@
                                      its own); every other worker keeps its pid. A worker its agent restarts as
                                      stuck (`reform_fallback`) or hung (`hang_detected`: a peer waiting on a hung
                                      worker makes no progress either) is allowed and named, but not a peer of
-                                     hang-worker's stopped worker judged hung (a stopped one is judged first)
+                                     hang-worker's stopped worker judged hung (a stopped one is judged first);
+                                     broken too when every worker restarted although in-process was expected
 
 A check that cannot be made (e.g. the script emits no `final_digest` event) is `None` with the reason: it never
 counts as passed.
@@ -100,6 +101,9 @@ class Evidence:
     """The sample ids each committed step consumed, as the script logged them; None: not logged."""
     consumed_problems: list[str] = field(default_factory=list)
     """Gaps in that log (a committed step without records, ranks missing)."""
+    in_process_expected: bool = False
+    """The agents ran with --reform in-process and the default script (trainer): a fault that loses or replaces
+    a worker must be followed by a re-formation in place, not a restart of every worker."""
 
 
 def check_all(ev: Evidence) -> dict[str, Check]:
@@ -363,12 +367,21 @@ _NEW_PROCESSES: dict[str, tuple[int | None, int] | None] = {
 }
 
 
+_REFORMS = frozenset({"kill-worker", "hang-worker", "kill-node", "partition-node", "add-node"})
+"""Faults after which in-process re-formation keeps the other workers' processes (a `reform` or a `restart`
+that replaced only the hit worker)."""
+
+
 def only_hit_processes_restart(ev: Evidence) -> Check:
     fired = sorted((f for f in ev.faults if f.injected_t is not None), key=lambda f: f.injected_t or 0.0)
     if not fired:
         return Check(True, "no fault fired")
     agents = [e for e in ev.events if isinstance(e, AgentEvent)]
     if not any(e.name == "reform" or (e.name == "restart" and e.fields.get("replaced")) for e in agents):
+        reforming = sorted({f.kind for f in fired if f.kind in _REFORMS})
+        if ev.in_process_expected and reforming:
+            return Check(False, f"no worker re-formed in place after {', '.join(reforming)}, with --reform "
+                                "in-process and the default script: every worker restarted")
         return Check(None, "no worker re-formed in place (--reform restart, or a script without trainer): every "
                            "worker restarts on a fault by design")
     starts = [e for e in ev.events if isinstance(e, WorkerStart)]

@@ -216,6 +216,7 @@ def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], r
         startup_lost=sum(n for t, n in job.lineage.lost if t < first_fault),
         consumed=job.consumed[0] if job.consumed else None,
         consumed_problems=job.consumed[1] if job.consumed else [],
+        in_process_expected=config.reform == "in-process" and config.is_default_script,
     )
     checks = inv.check_all(evidence)
     return rpt.Report(

@@ -456,7 +456,8 @@ def test_reference_is_the_first_attempt_that_finished() -> None:
 
 
 def _killed_worker_run(*, node0_restarts: bool, fallback: bool = False, in_place: bool = True,
-                       kind: str = "kill-worker", node0_judged_hung: bool = False) -> inv.Evidence:
+                       kind: str = "kill-worker", node0_judged_hung: bool = False,
+                       expected: bool = False) -> inv.Evidence:
     """2 nodes; rank 1's worker (node1) is killed (or, `kind` hang-worker, stopped) at t=5: its node replaces it,
     node0 re-forms in place (or, with `node0_restarts`, starts a new process too)."""
     log = Log().start().steps(1, 5)
@@ -474,7 +475,7 @@ def _killed_worker_run(*, node0_restarts: bool, fallback: bool = False, in_place
     log.worker(0, 2, pid=300 if node0_restarts else 100, node="node0")
     log.worker(1, 2, pid=201, node="node1")
     log.steps(6, 20).digest("ab")
-    return evidence(log, faults=[fault])
+    return inv.Evidence(**{**evidence(log, faults=[fault]).__dict__, "in_process_expected": expected})
 
 
 def test_only_the_hit_process_restarts_after_a_worker_kill() -> None:
@@ -486,6 +487,13 @@ def test_only_the_hit_process_restarts_after_a_worker_kill() -> None:
     assert excused.ok is True and "judged stuck or hung" in excused.detail, excused
     restart_mode = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, in_place=False))
     assert restart_mode.ok is None, restart_mode
+    # In-process expected (--reform in-process, the default script), yet every worker restarted: broken, not
+    # "not checked" (the chaos mutation audit of stop 48 switched in-process off and the run still passed).
+    switched_off = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=True, in_place=False,
+                                                                     expected=True))
+    assert switched_off.ok is False and "kill-worker" in switched_off.detail, switched_off
+    kept = inv.only_hit_processes_restart(_killed_worker_run(node0_restarts=False, expected=True))
+    assert kept.ok is True, kept
 
 
 def test_a_stopped_workers_blocked_peer_judged_hung_is_not_excused() -> None:
