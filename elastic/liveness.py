@@ -4,7 +4,9 @@ Each agent listens on a "beacon" socket for as long as it lives, and publishes i
 membership record. Peers hold one idle TCP connection to every beacon. When an agent process dies,
 even by SIGKILL, its kernel closes the socket and the peers read EOF at once; they then revoke the
 dead node's lease, so everyone sees it leave through the normal watch. When a whole machine or its
-network goes away no EOF arrives, and the lease TTL remains the (slower) safety net.
+network goes away no EOF arrives, and the lease TTL remains the (slower) safety net. An agent that leaves on
+purpose (its job done, a stop signal) sends `LEAVING` on each held connection before it closes them: its peers
+then log its leaving, not its loss.
 
 Every socket this package listens on is made by `listening_socket`: bound to `--local-addr` when
 one is given, so nothing listens on interfaces the user did not name.
@@ -30,6 +32,9 @@ def listening_socket(host: str | None, backlog: int = 128) -> socket.socket:
     family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
     return socket.create_server((host, 0), family=family, backlog=backlog)
 
+
+LEAVING = b"L"
+"""The one byte a beacon sends: its agent is leaving on purpose (the connection closes next)."""
 
 MAX_HELD = 4096
 """Connections a beacon holds at most: one per live peer is what it needs; past this, new ones are refused."""
@@ -92,12 +97,18 @@ class Beacon:
             conn.close()
 
     def close(self) -> None:
+        """Stop listening; tell each peer this agent leaves on purpose, then close its connection."""
         self._closed.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked select() on Linux
         except OSError:
             pass
         self._thread.join(timeout=2)
+        for peer in list(self._peers):
+            try:
+                peer.send(LEAVING)  # non-blocking: one byte into an idle connection's empty buffer
+            except OSError:
+                pass
         for s in [self._sock, *self._peers]:
             try:
                 s.close()
@@ -113,6 +124,8 @@ class Monitor:
         self._selector = selectors.DefaultSelector()
         self._conns: dict[str, socket.socket] = {}
         self._addresses: dict[str, str] = {}
+        self._leaving: set[str] = set()
+        """Peers whose beacon said LEAVING: their closing is a leave, not a loss."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -142,6 +155,7 @@ class Monitor:
     def _drop(self, node: str) -> None:
         conn = self._conns.pop(node, None)
         self._addresses.pop(node, None)
+        self._leaving.discard(node)
         if conn is not None:
             try:
                 self._selector.unregister(conn)
@@ -162,13 +176,20 @@ class Monitor:
                     continue
                 except OSError:
                     data = b""
+                if data == LEAVING:
+                    self._leaving.add(node)
+                    continue
                 if data == b"":
                     with self._lock:
+                        left = node in self._leaving
                         if self._conns.get(node) is key.fileobj:
                             self._drop(node)
                         else:
                             continue
-                    log.warning("liveness: the agent of node %s closed its beacon: it is gone", node)
+                    if left:
+                        log.info("liveness: the agent of node %s left (it closed its beacon on purpose)", node)
+                    else:
+                        log.warning("liveness: the agent of node %s closed its beacon: it is gone", node)
                     try:
                         self._on_lost(node)
                     except Exception:  # noqa: BLE001 - thread boundary; the lease TTL is the fallback

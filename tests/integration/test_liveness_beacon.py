@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 
 import pytest
 
-from elastic.liveness import Beacon
+from elastic.liveness import LEAVING, Beacon, Monitor, listening_socket
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -44,5 +45,30 @@ def test_a_beacon_lets_go_of_every_peer_that_closed_and_keeps_the_live_ones() ->
     finally:
         beacon.close()
     again.settimeout(10)
-    assert again.recv(1) == b""  # closing the beacon closes what it holds: the peer reads EOF (its node is gone)
+    # Closing the beacon says its agent leaves on purpose, then closes what it holds: the peer reads EOF.
+    assert again.recv(1) == LEAVING and again.recv(1) == b""
     again.close()
+
+
+def test_a_peer_that_left_on_purpose_is_logged_as_leaving_and_a_dead_one_as_gone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Every normal finish logged the other agents as gone, a warning ("closed its beacon: it is gone").
+    lost: list[str] = []
+    monitor = Monitor(lost.append)
+    leaving = Beacon("127.0.0.1")
+    dead = listening_socket("127.0.0.1")  # an agent SIGKILLed: its kernel closes the connection, nothing sent
+    try:
+        monitor.track({"leaving": leaving.address, "dead": f"127.0.0.1:{dead.getsockname()[1]}"})
+        held, _ = dead.accept()
+        wait_for(lambda: leaving.held == 1, "the monitor connected")
+        with caplog.at_level(logging.INFO, logger="elastic.liveness"):
+            leaving.close()
+            held.close()
+            wait_for(lambda: sorted(lost) == ["dead", "leaving"], "both reported lost")
+    finally:
+        monitor.close()
+        dead.close()
+    by_node = {n: [r for r in caplog.records if n in r.getMessage()] for n in ("leaving", "dead")}
+    assert [(r.levelno, "left" in r.getMessage()) for r in by_node["leaving"]] == [(logging.INFO, True)], caplog.text
+    assert [(r.levelno, "gone" in r.getMessage()) for r in by_node["dead"]] == [(logging.WARNING, True)], caplog.text
