@@ -234,7 +234,14 @@ class SharedTier:
                 failed = exc  # it tried: this thread tries too, and whether that works tells the two apart
             except HelperError:
                 pass  # the helper is gone or hangs: this thread uploads, as without one (it logged why)
-        put_file(self.fs, local, path, describe=self.describe)
+        try:
+            put_file(self.fs, local, path, describe=self.describe)
+        except FileNotFoundError as exc:
+            if not local.is_file():
+                raise  # the local copy is gone: nothing to upload (the replicator gives this step up)
+            raise SharedStorageError(
+                f"{self.describe(path)}: the store says it does not exist ({exc}): was the bucket deleted? Create "
+                "it again, or fix shared.url; the upload is tried again") from exc
         if failed is not None:
             logger.warning("the node's checkpoint helper could not upload %s (%s) but this worker could: this worker "
                            "uploads tier 2 itself from now on (does the agent's environment lack the store's "

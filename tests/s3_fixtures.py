@@ -74,10 +74,11 @@ class MotoS3:
             "skip_instance_cache": True,
         }
 
-    def make_bucket(self) -> str:
+    def make_bucket(self, name: str | None = None) -> str:
+        """A new bucket (`name`, else a fresh one); returns its name."""
         import boto3
 
-        name = f"ckpt-{uuid.uuid4().hex[:12]}"
+        name = name or f"ckpt-{uuid.uuid4().hex[:12]}"
         client = boto3.client(
             "s3",
             endpoint_url=self.endpoint_url,

@@ -387,3 +387,28 @@ def test_a_bucket_that_does_not_exist_is_named_at_start(
         checkpointers.make(local(tmp_path, "node", store.shared("run")))
     assert any("s3://no-such-bucket-here/ckpt/run/OWNER.json: the store says it does not exist" in r.getMessage()
                and "create the bucket, or fix shared.url" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_bucket_deleted_mid_run_is_named_and_uploads_go_on_once_it_is_back(
+    tmp_path: Path, moto_s3: MotoS3, fast_s3fs_retries: None, checkpointers: Checkpointers,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The upload's FileNotFoundError was taken for the local copy gone ("nothing to retry"): the step was given up
+    # and the log blamed the local disk.
+    bucket = moto_s3.make_bucket()
+    store = Store(f"s3://{bucket}/ckpt", moto_s3.storage_options())
+    ckpt = checkpointers.make(local(tmp_path, "node", store.shared("run")))
+    ckpt.save_async(1, state_of(1)).wait_persisted(WAIT)
+    ckpt.wait_uploaded(WAIT)
+    assert store.committed("run") == [1]
+    store.fs.rm(bucket, recursive=True)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        ckpt.save_async(2, state_of(2)).wait_persisted(WAIT)
+        wait_for(lambda: any("was the bucket deleted?" in r.getMessage() for r in caplog.records),
+                 "the failed upload named")
+    assert not any("gave up" in r.getMessage() or "giving up" in r.getMessage() for r in caplog.records), caplog.text
+    moto_s3.make_bucket(bucket)  # back, empty
+    ckpt.save_async(3, state_of(3)).wait_persisted(WAIT)
+    ckpt.wait_uploaded(WAIT)
+    assert 3 in store.committed("run"), store.committed("run")
+    ckpt.close()
