@@ -53,7 +53,7 @@ from ckpt.errors import (
     SharedStorageError,
 )
 from ckpt.helper import HelperClient
-from ckpt.identity import DirectoryLock, claim_directory, job_id
+from ckpt.identity import LOCK_FILE, DirectoryLock, claim_directory, job_id
 from ckpt.local import LocalTier
 from ckpt.metrics import MetricsLog, SaveMetrics
 from ckpt.owner import SharedOwner, claim_shared_prefix
@@ -398,6 +398,7 @@ class Checkpointer:
     def _apply_local_retention(self, shared_committed: Collection[int] | None = None) -> None:
         """Tier-1 retention (ckpt/retention.py), after a tier-1 commit or a tier-2 round."""
         with self._retention_lock:
+            self._keep_directory_locked()
             apply_local_retention(
                 self._local,
                 keep_last=self.config.keep_last,
@@ -407,6 +408,21 @@ class Checkpointer:
                 shared_committed=shared_committed,
                 uploading=self._replicator.uploading() if self._replicator is not None else None,
             )
+
+    def _keep_directory_locked(self) -> None:
+        """The directory deleted (or its LOCK removed) while this job ran: its saves recreate it, but without a
+        LOCK nothing keeps another job out. Take the lock again (RUN.json too), loudly: what was saved there
+        before is gone."""
+        if self._lock.held():
+            return
+        root = self._local.root
+        logger.error("%s lost its %s while this job ran (was the directory deleted?): the checkpoints saved there "
+                     "before are gone; locking it again so that no other job writes there", root, LOCK_FILE)
+        lost, self._lock = self._lock, DirectoryLock.acquire(
+            root, run_name=self.config.run_name, job=job_id(),
+            under_guard=lambda: claim_directory(root, self.config.run_name, committed=self._local.committed,
+                                                shared_uid=self.identity.uid))
+        lost.release()
 
     def _hash_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:

@@ -304,6 +304,17 @@ class DirectoryLock:
         fcntl.flock(fd, fcntl.LOCK_SH)  # downgrade; safe: contenders wait on the guard
         return DirectoryLock(root, fd, mine)
 
+    def held(self) -> bool:
+        """Whether `<root>/LOCK` is still the file this lock holds (not deleted or replaced, e.g. with the whole
+        directory while the job ran: then nothing keeps another job out of the directory)."""
+        if self._fd is None:
+            return False
+        try:
+            now, mine = os.stat(self.root / LOCK_FILE, follow_symlinks=False), os.fstat(self._fd)
+        except OSError:
+            return False
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
     def release(self) -> None:
         """Release the lock (idempotent); the record stays, stale, for the next job to replace."""
         if self._fd is not None:

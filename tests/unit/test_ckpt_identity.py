@@ -204,6 +204,28 @@ def test_two_live_jobs_cannot_share_a_directory(
     run_in(tmp_path, "alpha").close()
 
 
+def test_a_directory_deleted_while_the_job_runs_is_locked_again_at_the_next_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its saves recreated the directory without a LOCK: another job could then start in it beside this one.
+    root = tmp_path / "ckpt"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    with run_in(root, "alpha") as job:
+        save(job, 1)
+        shutil.rmtree(root)
+        with caplog.at_level(logging.ERROR, logger="ckpt"):
+            save(job, 2)
+        assert any(f"{root} lost its LOCK" in r.getMessage() for r in caplog.records), caplog.text
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+        with pytest.raises(CheckpointConflictError, match="another live job"):
+            run_in(root, "alpha")
+        save(job, 3)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    with run_in(root, "alpha") as again:
+        restored = again.restore()
+    assert restored is not None and restored.step == 3  # under the run's own identity, as before the deletion
+
+
 @pytest.fixture(params=["path", "s3"])
 def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
     if request.param == "path":
