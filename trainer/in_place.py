@@ -37,7 +37,7 @@ from typing import TypeVar
 import torch
 
 from ckpt import Checkpointer
-from elastic import fast_exit, reform
+from elastic import reform
 from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
 from trainer import regroup
@@ -99,7 +99,7 @@ def run_elastic(main: Callable[[], T]) -> T:
         while True:
             try:
                 result = main()
-                _end_without_finalization()
+                regroup.end_without_finalization_if_kept()
                 return result
             except Reentry as reentry:
                 release_frames(reentry)  # the old model, optimizer and loader live in those frames' locals
@@ -107,23 +107,13 @@ def run_elastic(main: Callable[[], T]) -> T:
                 pending = reentry
             except SystemExit as exc:
                 if not exc.code:
-                    _end_without_finalization()
+                    regroup.end_without_finalization_if_kept()
                 raise
             _rejoin(pending)
             _state.pending, _state.reentries = pending, _state.reentries + 1
     finally:
         _state.active = False
         _state.pending = None
-
-
-def _end_without_finalization() -> None:
-    """A run that re-formed in place and then succeeded: the process holds the old groups, whose threads Python's
-    finalization can abort on, turning the success into a crash its agent restarts the node for
-    (elastic/fast_exit.py). It ends after its atexit handlers instead, with the code Python would use: 0, or
-    that of an uncaught exception or sys.exit(code) after this (not that of a bare `raise SystemExit(code)`).
-    A failed run keeps Python's exit: its code is a failure either way."""
-    if regroup.keeps_old_groups():
-        fast_exit.end_without_finalization()
 
 
 def _rejoin(reentry: Reentry) -> None:

@@ -51,7 +51,7 @@ from ckpt import Restored, tree
 from ckpt.checksum import digest_parts
 from core import faults
 from core.deadline import Deadline
-from elastic import peer_loss, reform
+from elastic import fast_exit, peer_loss, reform
 from elastic.reform import Round, RoundWatcher
 from trainer import gloo_sockets
 from trainer.ddp import release_process_group
@@ -299,10 +299,13 @@ _kept = 0
 """How many old gloo groups this process keeps (`_destroy_default_group`)."""
 
 
-def keeps_old_groups() -> bool:
-    """Whether this process keeps an old gloo group, whose threads Python's finalization can abort on: a run that
-    succeeds then ends without it (elastic/fast_exit.py)."""
-    return _kept > 0
+def end_without_finalization_if_kept() -> None:
+    """A run that re-formed in place (under elastic-run) and then succeeded: the process keeps old gloo groups,
+    whose threads Python's finalization can abort on, turning the success into a crash its agent restarts the node
+    for. It ends after its atexit handlers instead (elastic/fast_exit.py), with the code Python would use: 0, or
+    that of an uncaught exception or sys.exit(code) after this (not that of a bare `raise SystemExit(code)`)."""
+    if _kept and reform.enabled():
+        fast_exit.end_without_finalization()
 
 
 def rewrap_ddp(ddp: DistributedDataParallel) -> None:

@@ -64,7 +64,7 @@ from ckpt.snapshot import StateMark
 from ckpt.tree import Flat
 from core import faults
 from core.events import emit
-from elastic import fast_exit, worker
+from elastic import worker
 from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
 from trainer import apply_state, in_place, part_transfer, regroup, rng, setup, sharding
@@ -781,8 +781,7 @@ class Resumable:
             release_process_group(self.ddp)
         if destroy_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        if regroup.keeps_old_groups():  # re-formed in place (DDP; run_elastic does the same for a sharded run)
-            fast_exit.end_without_finalization()
+        regroup.end_without_finalization_if_kept()  # re-formed in place (as run_elastic does for a sharded run)
         return digest
 
 
