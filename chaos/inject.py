@@ -29,6 +29,7 @@ from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
 from ckpt.layout import COMMIT_FILE, parse_step_dir_name
+from ckpt.tier0 import HostTier
 from core import tier0_dir
 from core.deadline import Deadline
 from core.procfs import alive, cmdline, descendants, environ
@@ -318,6 +319,18 @@ def newest_committed(local_dir: Path) -> tuple[int | None, Path | None]:
             if step is not None and (d / COMMIT_FILE).is_file() and (best is None or step > best[0]):
                 best = (step, d)
     return (best[0], best[1]) if best else (None, None)
+
+
+def newest_held(node: Any, nproc: int) -> int | None:
+    """The newest step `node` holds whole: committed in its tier 1, or published in tier 0 by each of its `nproc`
+    ranks (own slots or peers' replicas, as a restore counts them). None: neither holds one."""
+    newest = newest_committed(node.local_dir)[0]
+    root = _tier0_dir(node.pid, node.workers())
+    if root is not None:
+        in_memory = HostTier(Path(root), read_timeout=2.0, local_world_size=nproc).committed_steps()
+        if in_memory and (newest is None or in_memory[0] > newest):
+            newest = in_memory[0]
+    return newest
 
 
 def flip_bytes(path: Path, count: int = 16) -> list[int]:

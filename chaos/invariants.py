@@ -12,7 +12,9 @@
                                      corrupt-checkpoint, which destroys the newest one on purpose), plus
                                      the steps run while the newest save was still being written when
                                      the fault hit (saves are asynchronous: an uncommitted checkpoint
-                                     cannot be restored, but no committed one may be lost)
+                                     cannot be restored, but no committed one may be lost); and a fault
+                                     that leaves every node's state (a killed or hung worker, a killed
+                                     helper) resumes from the newest step all nodes held, or newer
     no_orphan_processes              nothing the harness started, or any of its descendants, is alive
     all_faults_injected              every fault not skipped fired, each corruption was read by a restore (or
                                      superseded: the resume went on from a newer intact state, such as another
@@ -74,6 +76,10 @@ class FaultOutcome:
     in_flight: int = 0
     """Steps run after the newest checkpoint step whose save had not committed on every node when
     the fault hit; they are allowed on top of the bound."""
+    held_everywhere: int | None = None
+    """The newest step every live node held whole when the fault hit (tier 0's snapshots or tier 1)."""
+    resumed_from: int | None = None
+    """The step the first resume after the fault went on from."""
 
     def damaged(self) -> tuple[int, ...]:
         """The steps whose copies the corruption damaged: `damaged_steps`, else the corrupted step (none: ())."""
@@ -308,6 +314,11 @@ def _close(x: float, y: float) -> bool:
     return abs(x - y) <= 1e-4 * max(1.0, abs(y))
 
 
+_KEEPS_STATE = frozenset({"kill-worker", "hang-worker", "kill-ckpt-helper"})
+"""Faults that take no node's tier 0 or tier 1 away (a lost node's memory goes with it; a corruption damages
+copies on purpose)."""
+
+
 def steps_lost_within(ev: Evidence) -> Check:
     def allowed(f: FaultOutcome) -> int:
         return f.lost_bound * ev.ckpt_every + f.in_flight
@@ -323,6 +334,12 @@ def steps_lost_within(ev: Evidence) -> Check:
 
     over = [f"{f.kind}: {f.steps_lost} steps lost > {allowed(f)}{why(f)}"
             for f in ev.faults if f.injected and f.steps_lost > allowed(f)]
+    # Within the bound, still a step too old: a fault that leaves every node's state in place must resume from
+    # the newest step all of them held, or newer (their memory).
+    over += [f"{f.kind}: resumed from step {f.resumed_from}, older than step {f.held_everywhere}, which every node "
+             "held whole (tier 0 or 1) when the fault hit" for f in ev.faults
+             if f.injected and f.kind in _KEEPS_STATE and f.held_everywhere is not None
+             and f.resumed_from is not None and f.resumed_from < f.held_everywhere]
     costs = ", ".join(cost(f) for f in ev.faults if f.injected)
     if over:
         return Check(False, "; ".join(over))

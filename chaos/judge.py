@@ -167,12 +167,13 @@ def cost_faults(records: list[rpt.FaultRecord], job: JobResult, t0: float) -> No
         end = t0 + after if after is not None else float("inf")
         cost = ln.fault_cost(job.events, job.attempts, job.lineage, start, end)
         r.detect_s, r.resume_s, r.steps_lost, r.restarts = cost.detect_s, cost.resume_s, cost.steps_lost, cost.restarts
+        resumed = next((e.step for e in job.events if isinstance(e, tl.Resumed) and start < e.t < end), None)
+        r.details["resumed_from"] = resumed
         step = r.details.get("corrupted_step")
         if step is not None:
             damaged = set(damaged_steps(r.details))
             r.details["exercised"] = any(isinstance(e, tl.CheckpointSkipped) and e.step in damaged
                                          and e.node == r.node and e.t > start for e in job.events)
-            resumed = next((e.step for e in job.events if isinstance(e, tl.Resumed) and start < e.t < end), None)
             # Superseded only by a step newer than every damaged copy (tier 0's snapshots are newer than tier 1's).
             if not r.details["exercised"] and resumed is not None and resumed > max(damaged):
                 r.details["superseded_by"] = resumed
@@ -198,6 +199,7 @@ def judge(config: ChaosConfig, job: JobResult, records: list[rpt.FaultRecord], r
             not_fired=r.details.get("not_fired"),
             corrupted_ranks=_ranks_of(r.details.get("files", {})),
             in_flight=in_flight(r, config.ckpt_every), node=r.node,
+            held_everywhere=r.details.get("held_everywhere"), resumed_from=r.details.get("resumed_from"),
         )
         for r in records
     ]

@@ -24,7 +24,7 @@ from chaos.cluster import Cluster
 from chaos.config import ChaosConfig
 from chaos.etcd_members import EtcdMembers
 from chaos.faults import CATALOG
-from chaos.inject import Capabilities, Target, inject, newest_committed, probe, skip_reason
+from chaos.inject import Capabilities, Target, inject, newest_committed, newest_held, probe, skip_reason
 from chaos.judge import (
     ChaosError,
     JobResult,
@@ -205,6 +205,7 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
             continue
         latest = timeline.latest_step()
         committed = _committed_everywhere(cluster)
+        held = _held_everywhere(cluster, config.nproc_per_node)
         t_inj = time.monotonic()
         injection = inject(pf, target)
         record.node, record.details = injection.node, injection.details
@@ -215,6 +216,7 @@ def _drive(config: ChaosConfig, cluster: Cluster, fault_plan: tuple[PlannedFault
         record.at_step = latest.step if latest else None
         record.injected_t = round(t_inj - cluster.t0, 3)
         record.details["committed_everywhere"] = committed
+        record.details["held_everywhere"] = held
         record.details["corrupted_step"] = injection.corrupted_step
         if injection.damaged_steps:
             record.details["damaged_steps"] = list(injection.damaged_steps)
@@ -251,6 +253,12 @@ def _restarted(cluster: Cluster, since: float) -> bool:
 
 def _progressed(cluster: Cluster, since: float) -> bool:
     return cluster.finished() or cluster.timeline.latest_step(since=since) is not None
+
+
+def _held_everywhere(cluster: Cluster, nproc: int) -> int | None:
+    """The newest step every live node holds whole, in tier 0 or tier 1 (None: some node holds none)."""
+    steps = [newest_held(n, nproc) for n in cluster.live_nodes]
+    return None if not steps or any(s is None for s in steps) else min(s for s in steps if s is not None)
 
 
 def _committed_everywhere(cluster: Cluster) -> int | None:

@@ -195,6 +195,21 @@ def test_steps_run_while_the_newest_save_was_being_written_are_allowed_on_top_of
     assert check.ok is False and "7 steps lost > 6 (5 + 1 run while a save was being written)" in check.detail
 
 
+def test_a_resume_older_than_the_step_every_node_held_breaks_the_bound_even_within_the_interval() -> None:
+    # The chaos mutation audit of stop 48: a restore that went one committed step too old lost fewer steps than an
+    # interval, and the run passed. Killed at step 12 with step 11 in every node's tier 0: resuming from 10 is wrong.
+    log = Log().start().steps(1, 12).start(world=1, resumed=10).steps(11, 20)
+    fault = inv.FaultOutcome(kind="kill-worker", injected=True, skipped=None, steps_lost=2, lost_bound=1,
+                             held_everywhere=11, resumed_from=10)
+    check = inv.steps_lost_within(evidence(log, faults=[fault]))
+    assert check.ok is False and "resumed from step 10, older than step 11" in check.detail, check
+    newest = inv.FaultOutcome(**{**fault.__dict__, "resumed_from": 11})
+    assert inv.steps_lost_within(evidence(log, faults=[newest])).ok is True
+    # A lost node's memory goes with it: the step the others held is no promise there.
+    lost_node = inv.FaultOutcome(**{**fault.__dict__, "kind": "kill-node"})
+    assert inv.steps_lost_within(evidence(log, faults=[lost_node])).ok is True
+
+
 def test_skipped_and_repeated_steps_break_exactly_once() -> None:
     gap = Log().start().steps(1, 12).start(resumed=10).steps(12, 20)  # step 11 never ran
     check = inv.data_exactly_once(evidence(gap))
