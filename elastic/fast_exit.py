@@ -22,6 +22,7 @@ would have used.
 from __future__ import annotations
 
 import atexit
+import builtins
 import gc
 import os
 import signal
@@ -29,8 +30,9 @@ import sys
 import threading
 from typing import Any, NoReturn
 
-KILLED_BY_SIGINT = -int(signal.SIGINT)
-"""An exit code for an uncaught KeyboardInterrupt: the process then ends killed by SIGINT (`end`)."""
+KILLED_BY_SIGINT = 1 << 40
+"""The code `end` takes for an uncaught KeyboardInterrupt: the process then ends killed by SIGINT, as Python's own
+exit does (a value no exit code takes: sys.exit(-2) is status 254, not a death by SIGINT)."""
 
 _installed = False
 _exit_code: int | None = None
@@ -48,21 +50,27 @@ def install() -> None:
         atexit.register(gc.freeze)
 
 
-def end_without_finalization() -> None:
+def end_without_finalization(code: int | None = None) -> None:
     """From now on this process ends as a warm spare's worker does (see the module docstring): once the main
     module has ended, the non-daemon threads are waited for, the atexit handlers run and the standard streams are
-    flushed, then os._exit with the code Python would use: that of an uncaught exception, of a KeyboardInterrupt
-    and of sys.exit(code), else 0 (a bare `raise SystemExit(code)` after this call is not seen)."""
+    flushed, then os._exit with the code Python would use. `code`: the code already decided (a SystemExit on its
+    way out of the main module), else 0; then that of an uncaught exception, a KeyboardInterrupt, or sys.exit /
+    exit / quit on the main thread. Call it where the script is done (trainer.run_elastic returning): a bare
+    `raise SystemExit(code)` after it is not seen, nor is a sys.exit whose SystemExit was caught and ignored."""
+    global _exit_code
+    if code is not None:
+        _exit_code = code
     if _threads_shutdown is None or threading._shutdown is _shutdown_then_end:  # type: ignore[attr-defined]
         return
     threading._shutdown = _shutdown_then_end  # type: ignore[attr-defined]
     sys.exit = _recording_exit
+    builtins.exit = builtins.quit = _recording_exit  # type: ignore[assignment]
 
 
 def _recording_exit(code: Any = None) -> NoReturn:
-    # The code Python's exit would use (a SystemExit caught and ignored after this leaves its code behind).
     global _exit_code
-    _exit_code = code_of(code)
+    if threading.current_thread() is threading.main_thread():  # on another thread it ends only that thread
+        _exit_code = code_of(code)
     raise SystemExit(code)
 
 
@@ -102,9 +110,10 @@ def exit_as_python_does(code: int) -> NoReturn:
 
 
 def end(code: int) -> NoReturn:
-    """os._exit(code), or for KILLED_BY_SIGINT death by SIGINT, as Python's own exit after a KeyboardInterrupt."""
+    """os._exit(code) (its low 8 bits, as the status Python's exit leaves), or for KILLED_BY_SIGINT death by
+    SIGINT, as Python's own exit after a KeyboardInterrupt."""
     if code == KILLED_BY_SIGINT:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         code = 128 + int(signal.SIGINT)  # not reached
-    os._exit(code)
+    os._exit(code & 0xFF)

@@ -37,7 +37,7 @@ from typing import TypeVar
 import torch
 
 from ckpt import Checkpointer
-from elastic import reform
+from elastic import fast_exit, reform
 from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
 from trainer import regroup
@@ -106,8 +106,8 @@ def run_elastic(main: Callable[[], T]) -> T:
                 reentry.__traceback__ = None
                 pending = reentry
             except SystemExit as exc:
-                if not exc.code:
-                    regroup.end_without_finalization_if_kept()
+                if not exc.code:  # a success on its way out ("" is a message: code 1)
+                    regroup.end_without_finalization_if_kept(fast_exit.code_of(exc.code))
                 raise
             _rejoin(pending)
             _state.pending, _state.reentries = pending, _state.reentries + 1

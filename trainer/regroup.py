@@ -299,13 +299,13 @@ _kept = 0
 """How many old gloo groups this process keeps (`_destroy_default_group`)."""
 
 
-def end_without_finalization_if_kept() -> None:
+def end_without_finalization_if_kept(code: int | None = None) -> None:
     """A run that re-formed in place (under elastic-run) and then succeeded: the process keeps old gloo groups,
     whose threads Python's finalization can abort on, turning the success into a crash its agent restarts the node
-    for. It ends after its atexit handlers instead (elastic/fast_exit.py), with the code Python would use: 0, or
-    that of an uncaught exception or sys.exit(code) after this (not that of a bare `raise SystemExit(code)`)."""
+    for. It ends after its atexit handlers instead, with the code Python would use (elastic/fast_exit.py: `code`,
+    else 0, or that of an uncaught exception or sys.exit after this; not that of a bare `raise SystemExit`)."""
     if _kept and reform.enabled():
-        fast_exit.end_without_finalization()
+        fast_exit.end_without_finalization(code)
 
 
 def rewrap_ddp(ddp: DistributedDataParallel) -> None:

@@ -769,8 +769,7 @@ class Resumable:
         """End a finished run in the one order that cannot hang, and return the final digest: stop the
         DataLoader workers of `batches` (the loader's iterator), save the last step (`save_final`),
         close, digest, drop DDP's hold on the process group (trainer/ddp.py, "Teardown": the wrapper is
-        unusable afterwards), then destroy the process group (unless told not to). A process that re-formed in
-        place then ends without the interpreter's finalization (elastic/fast_exit.py, trainer/regroup.py)."""
+        unusable afterwards), then destroy the process group (unless told not to)."""
         shutdown = getattr(batches, "_shutdown_workers", None)  # what the iterator's __del__ would do
         if callable(shutdown):
             shutdown()
@@ -781,7 +780,6 @@ class Resumable:
             release_process_group(self.ddp)
         if destroy_process_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        regroup.end_without_finalization_if_kept()  # re-formed in place (as run_elastic does for a sharded run)
         return digest
 
 

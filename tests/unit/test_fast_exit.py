@@ -48,6 +48,9 @@ ENDINGS = {
     "sys.exit(message)": ("sys.exit('bye now')", 1, "bye now"),
     "exception": ("raise ValueError('boom')", 1, "ValueError: boom"),
     "KeyboardInterrupt": ("raise KeyboardInterrupt", -int(signal.SIGINT), "KeyboardInterrupt"),
+    "exit(2)": ("exit(2)", 2, ""),  # the builtin, as a script may call it
+    "sys.exit(-2)": ("sys.exit(-2)", 254, ""),  # a status, not a death by SIGINT
+    "sys.exit on a thread": ("t = threading.Thread(target=sys.exit, args=(5,)); t.start(); t.join()", 0, ""),
 }
 
 
