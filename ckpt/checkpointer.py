@@ -398,7 +398,10 @@ class Checkpointer:
     def _apply_local_retention(self, shared_committed: Collection[int] | None = None) -> None:
         """Tier-1 retention (ckpt/retention.py), after a tier-1 commit or a tier-2 round."""
         with self._retention_lock:
-            self._keep_directory_locked()
+            try:
+                self._keep_directory_locked()
+            except CheckpointError as exc:  # another job took the directory meanwhile: say so at every commit
+                logger.error("%s: could not lock it again: %s", self._local.root, exc)
             apply_local_retention(
                 self._local,
                 keep_last=self.config.keep_last,
@@ -413,7 +416,7 @@ class Checkpointer:
         """The directory deleted (or its LOCK removed) while this job ran: its saves recreate it, but without a
         LOCK nothing keeps another job out. Take the lock again (RUN.json too), loudly: what was saved there
         before is gone."""
-        if self._lock.held():
+        if self._closed or self._lock.held():  # closed: released on purpose (a thread outliving close() ends here)
             return
         root = self._local.root
         logger.error("%s lost its %s while this job ran (was the directory deleted?): the checkpoints saved there "
@@ -572,7 +575,8 @@ class Checkpointer:
                 self._writer.tier0.close()  # unmapped; the snapshots stay in the node's memory
             for helper in self._writer.helpers:
                 helper.close()
-        self._lock.release()
+        with self._retention_lock:  # not while a late commit's retention takes the lock again
+            self._lock.release()
         return finished
 
     def __enter__(self) -> Checkpointer:
