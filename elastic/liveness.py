@@ -177,7 +177,9 @@ class Monitor:
                 except OSError:
                     data = b""
                 if data == LEAVING:
-                    self._leaving.add(node)
+                    with self._lock:
+                        if self._conns.get(node) is key.fileobj:  # not a connection track() replaced meanwhile
+                            self._leaving.add(node)
                     continue
                 if data == b"":
                     with self._lock:
