@@ -321,16 +321,24 @@ def newest_committed(local_dir: Path) -> tuple[int | None, Path | None]:
     return (best[0], best[1]) if best else (None, None)
 
 
-def newest_held(node: Any, nproc: int) -> int | None:
-    """The newest step `node` holds whole: committed in its tier 1, or published in tier 0 by each of its `nproc`
-    ranks (own slots or peers' replicas, as a restore counts them). None: neither holds one."""
-    newest = newest_committed(node.local_dir)[0]
+def steps_held(node: Any, nproc: int) -> set[int]:
+    """The steps `node` holds whole: committed in its tier 1, or published in its tier 0 by each of its `nproc`
+    ranks (their own snapshots: the replicas it keeps for other nodes do not stand in for a rank of its own)."""
+    held = committed_steps(node.local_dir)
     root = _tier0_dir(node.pid, node.workers())
     if root is not None:
-        in_memory = HostTier(Path(root), read_timeout=2.0, local_world_size=nproc).committed_steps()
-        if in_memory and (newest is None or in_memory[0] > newest):
-            newest = in_memory[0]
-    return newest
+        tier0 = HostTier(Path(root), read_timeout=2.0, local_world_size=nproc)
+        tier0.with_replicas = False
+        held.update(tier0.committed_steps())
+    return held
+
+
+def committed_steps(local_dir: Path) -> set[int]:
+    """The steps committed in tier-1 directory `local_dir`."""
+    if not local_dir.is_dir():
+        return set()
+    return {step for d in local_dir.iterdir()
+            if (step := parse_step_dir_name(d.name)) is not None and (d / COMMIT_FILE).is_file()}
 
 
 def flip_bytes(path: Path, count: int = 16) -> list[int]:

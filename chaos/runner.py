@@ -24,7 +24,7 @@ from chaos.cluster import Cluster
 from chaos.config import ChaosConfig
 from chaos.etcd_members import EtcdMembers
 from chaos.faults import CATALOG
-from chaos.inject import Capabilities, Target, inject, newest_committed, newest_held, probe, skip_reason
+from chaos.inject import Capabilities, Target, inject, newest_committed, probe, skip_reason, steps_held
 from chaos.judge import (
     ChaosError,
     JobResult,
@@ -256,9 +256,11 @@ def _progressed(cluster: Cluster, since: float) -> bool:
 
 
 def _held_everywhere(cluster: Cluster, nproc: int) -> int | None:
-    """The newest step every live node holds whole, in tier 0 or tier 1 (None: some node holds none)."""
-    steps = [newest_held(n, nproc) for n in cluster.live_nodes]
-    return None if not steps or any(s is None for s in steps) else min(s for s in steps if s is not None)
+    """The newest step every live node holds whole, in tier 0 or tier 1, as a restore agrees on one (None: there
+    is none). Not the oldest of each node's newest: a node that skipped snapshots may hold that step, another not."""
+    held = [steps_held(n, nproc) for n in cluster.live_nodes]
+    common = set.intersection(*held) if held else set()
+    return max(common) if common else None
 
 
 def _committed_everywhere(cluster: Cluster) -> int | None:

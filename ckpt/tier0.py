@@ -423,10 +423,13 @@ class HostTier:
         self._where: dict[tuple[int, int], Path] = {}
         self.replicated: set[tuple[int, int]] = set()
         """(step, rank) whose chosen piece is a peer node's replica (set by `committed`)."""
+        self.with_replicas = True
+        """Whether the replicas this node holds for its peers count (False: its own ranks' snapshots only)."""
 
     def _scan(self) -> dict[int, list[_Found]]:
         found: dict[int, list[_Found]] = {}
-        for node_path in [self.root, *list_dir(self.root / PEERS_DIR)]:  # own slots, then other nodes' replicas
+        peers = list_dir(self.root / PEERS_DIR) if self.with_replicas else []
+        for node_path in [self.root, *peers]:  # own slots, then other nodes' replicas
             replica = node_path != self.root
             for rank_path in list_dir(node_path):
                 rank = parse_rank_dir_name(rank_path.name)
