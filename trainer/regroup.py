@@ -286,8 +286,9 @@ def _destroy_default_group() -> None:
     comes back for the GIL once the interpreter is finalizing is ended inside C++, which aborts the process
     ("terminate called without an active exception", exit -6: the survivor of a re-formation that then finished
     its job). So the group is never freed: its sockets are shut down already (gloo_sockets), its threads idle or
-    stuck, a few per re-formation, and they go with the process: a run that succeeds after a re-formation ends
-    without the interpreter's finalization (trainer/in_place.py, elastic/fast_exit.py), which aborted on them too."""
+    stuck, a few per re-formation, and they go with the process: a run under trainer.run_elastic that succeeds after
+    a re-formation ends without the interpreter's finalization, which aborted on them too (an FSDP survivor; a
+    replicated run's survivor exits as Python does: never seen to abort)."""
     global _kept
     group = dist.distributed_c10d._get_default_group()
     dist.destroy_process_group()
