@@ -5,6 +5,7 @@ waited for; only the finalization is left out. Each case also runs without it, a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -71,3 +72,40 @@ def test_an_end_without_finalization_keeps_the_exit_code_output_handlers_and_thr
         assert lines[:3] == ["thread done", "handler registered last", "handler registered first"], out.stdout
     assert "finalized" in python.stdout  # the reference: Python's finalization freed the global
     assert "finalized" not in ours.stdout, ours.stdout
+
+
+GATE = textwrap.dedent(
+    """
+    import json, os, sys, threading
+    from elastic import fast_exit
+    from trainer import regroup
+    seen = []
+
+    def check(what):
+        seen.append([what, threading._shutdown is fast_exit._shutdown_then_end])
+
+    regroup.end_without_finalization_if_kept()
+    check("in-process, no old group kept")
+    regroup._kept = 1  # as _destroy_default_group after a re-formation
+    mode = os.environ.pop("ELASTIC_REFORM")
+    regroup.end_without_finalization_if_kept()
+    check("an old group kept, not in-process")
+    os.environ["ELASTIC_REFORM"] = mode
+    regroup.end_without_finalization_if_kept()
+    check("in-process, an old group kept")
+    print(json.dumps(seen), flush=True)
+    """
+)
+
+
+def test_only_a_process_that_kept_an_old_group_under_in_process_re_formation_ends_without_finalization(
+    tmp_path: Path,
+) -> None:
+    # Anywhere else (the pytest process, a plain script, a worker that never re-formed) Python's exit stays.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "ELASTIC_REFORM": "in-process", "ELASTIC_PROGRESS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", GATE], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout.splitlines()[-1]) == [
+        ["in-process, no old group kept", False], ["an old group kept, not in-process", False],
+        ["in-process, an old group kept", True]], out.stdout
