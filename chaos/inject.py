@@ -28,7 +28,7 @@ from chaos.faults import CATALOG
 from chaos.ledger import ProcessLedger
 from chaos.network import NetnsNetwork
 from chaos.schedule import PlannedFault
-from ckpt.layout import COMMIT_FILE, parse_step_dir_name
+from ckpt.layout import COMMIT_FILE, parse_step_dir_name, step_dir_name
 from ckpt.tier0 import HostTier
 from core import tier0_dir
 from core.deadline import Deadline
@@ -312,13 +312,9 @@ def _wait_gone(pid: int, timeout_s: float = 5.0) -> None:
 
 
 def newest_committed(local_dir: Path) -> tuple[int | None, Path | None]:
-    best: tuple[int, Path] | None = None
-    if local_dir.is_dir():
-        for d in local_dir.iterdir():
-            step = parse_step_dir_name(d.name)
-            if step is not None and (d / COMMIT_FILE).is_file() and (best is None or step > best[0]):
-                best = (step, d)
-    return (best[0], best[1]) if best else (None, None)
+    """The newest step committed in tier-1 directory `local_dir` and its directory ((None, None): none)."""
+    newest = max(committed_steps(local_dir), default=None)
+    return (None, None) if newest is None else (newest, local_dir / step_dir_name(newest))
 
 
 def steps_held(node: Any, nproc: int) -> set[int]:

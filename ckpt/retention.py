@@ -75,12 +75,16 @@ def abandoned_steps(
 
 
 def awaiting_replication(
-    local: Iterable[int], *, shared_committed: Collection[int], shared_keep_every: int | None
+    local: Iterable[int], *, shared_committed: Collection[int], shared_keep_every: int | None,
+    uploading: int | None,
 ) -> set[int]:
-    """Local steps whose shared copy is not committed and not superseded by a newer shared commit.
+    """Local steps whose shared copy is not committed yet and will be: the one `uploading` now (unless a newer
+    shared commit superseded it) and those the shared tier keeps forever (multiples of `shared_keep_every`),
+    released only once they are committed there themselves.
 
-    A step the shared tier keeps forever (a multiple of `shared_keep_every`) is only released
-    once it is itself committed there.
+    Not the others: the replicator supersedes older queued steps by the newest (which keep_last >= 1 keeps),
+    and holding every not-uploaded step filled tier 1 in a long outage of tier 2, until the job stopped on a
+    full disk.
     """
     newest = max(shared_committed, default=None)
     waiting = set()
@@ -88,7 +92,7 @@ def awaiting_replication(
         if step in shared_committed:
             continue
         forever = shared_keep_every is not None and step % shared_keep_every == 0
-        if forever or newest is None or step > newest:
+        if forever or (step == uploading and (newest is None or step > newest)):
             waiting.add(step)
     return waiting
 
@@ -124,16 +128,12 @@ def apply_local_retention(
                 except (SharedStorageError, CheckpointError) as exc:
                     logger.info("local retention waits for the shared tier: %s", exc)
                     return
-            waiting = awaiting_replication(
+            protected |= awaiting_replication(
                 set(releasable) - abandoned,
                 shared_committed=set(shared_committed),
                 shared_keep_every=shared.config.keep_every,
+                uploading=uploading,
             )
-            # Of the steps not yet in tier 2 only the one uploading now, the newest (queued: the replicator
-            # supersedes older queued ones; keep_last >= 1 keeps it) and those tier 2 keeps forever are ever
-            # uploaded: holding every one filled tier 1 in a long outage of tier 2, and the job stopped on a full disk.
-            every = shared.config.keep_every
-            protected |= {s for s in waiting if s == uploading or (every is not None and s % every == 0)}
     doomed = set(
         select_deletions(
             committed=committed,

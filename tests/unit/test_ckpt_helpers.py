@@ -73,11 +73,15 @@ def test_retention_keeps_last_k_forever_steps_and_newer_uncommitted() -> None:
 
 
 def test_local_copy_awaits_replication_until_committed_or_superseded() -> None:
-    waiting = awaiting_replication([10, 20, 30, 40], shared_committed={20}, shared_keep_every=None)
-    assert waiting == {30, 40}  # 10 superseded by the shared commit of 20
-    waiting = awaiting_replication([10, 20, 30], shared_committed={30}, shared_keep_every=10)
+    # The step uploading waits, unless a newer shared commit superseded it; queued ones are superseded by the
+    # newest (kept by keep_last), so they do not.
+    waiting = awaiting_replication([10, 20, 30, 40], shared_committed={20}, shared_keep_every=None, uploading=30)
+    assert waiting == {30}
+    assert awaiting_replication([10, 20, 30], shared_committed={20}, shared_keep_every=None, uploading=10) == set()
+    assert awaiting_replication([1, 2], shared_committed=set(), shared_keep_every=None, uploading=None) == set()
+    waiting = awaiting_replication([10, 20, 30], shared_committed={30}, shared_keep_every=10, uploading=None)
     assert waiting == {10, 20}  # forever steps wait for their own commit
-    assert awaiting_replication([1, 2], shared_committed=set(), shared_keep_every=None) == {1, 2}
+    assert awaiting_replication([1, 2], shared_committed=set(), shared_keep_every=None, uploading=2) == {2}
 
 
 def test_restore_rank_policy() -> None:
