@@ -144,6 +144,7 @@ VARIANTS = {
     "ours_tier0_1_no_tier1": Variant("ours", 1, 1000),
     "ours_tier0_1_tier1_10_persist2": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_THREADS", "2"),)),
     "ours_tier0_1_tier1_10_sum4": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_THREADS", "4"),)),
+    "ours_tier0_1_tier1_10_sum2": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_THREADS", "2"),)),
     "ours_tier0_1_tier1_10_nice19": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_NICE", "19"),)),
     "ours_tier0_1_tier1_10_pnice0": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_PERSIST_NICE", "0"),)),
     "ours_tier0_1_tier1_10_keep2": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_KEEP_CORES", "2"),)),
