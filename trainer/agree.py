@@ -6,6 +6,11 @@ loads that step and checks its whole state tree (trainer/validate.py), and the g
 usable, done; any rank that cannot read it or finds it malformed, everyone tries older steps; a
 checkpoint of a newer format, or one that does not fit this run, stops the whole group.
 
+When steps were judged malformed and no older one is usable, the group stops too (StateMismatchError naming
+them) rather than starting over: its first save would remove them. Every step judged malformed is more likely
+this run's code changed than damage (damaged bytes fail their checksums before this judgment), and a start
+over from step 0 had thrown a whole run away for an optimizer's `fused=True`.
+
 A sharded run passes `into` (its own state tree: the layout its DTensors are restored into). A
 sharded tensor whose saved global shape differs from this run's (ckpt's ShardMismatchError) does not
 fit this run: StateMismatchError on every rank.
@@ -26,7 +31,8 @@ log = logging.getLogger(__name__)
 
 # all_min votes on a checkpoint; the smallest wins.
 USABLE = 1
-UNREADABLE = 0  # this rank cannot read it, or its state is malformed: try an older step
+UNREADABLE = 0  # this rank cannot read it: try an older step
+MALFORMED = -1  # its state is malformed (trainer/validate.py): try an older step, never start over for it
 NEWER_FORMAT = -2  # written by a newer elastic-train: stop
 MISMATCH = -3  # does not fit this run's model, optimizer or data settings: stop
 
@@ -41,6 +47,7 @@ def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: C
     `where` names the checkpoint directory in errors; `into` goes to `Checkpointer.restore`. Raises
     StateMismatchError or CheckpointVersionError (on every rank) as the module docstring says."""
     cap: int | None = None
+    rejected: dict[int, Exception | None] = {}  # the steps the group judged malformed, with this rank's reason
     while True:
         found, problem = _load(checkpointer, max_step=cap, into=into)
         mine = found.step if found is not None else -1
@@ -50,6 +57,8 @@ def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: C
         if agreed == NEWER_FORMAT:
             raise _newer(problem, where)
         if agreed < 0:
+            if rejected:
+                raise _all_rejected(rejected, where)
             return None
         if agreed != mine:
             found, problem = _load(checkpointer, step=agreed, into=into)
@@ -65,6 +74,8 @@ def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: C
         if verdict == USABLE:
             assert found is not None
             return found
+        if verdict == MALFORMED:
+            rejected[agreed] = error
         cap = agreed - 1
 
 
@@ -116,10 +127,22 @@ def _judge(found: Restored | None, problem: Exception | None, check: Check) -> t
         log.warning("skipping checkpoint step %d: the %s copy %s holds a malformed state (damaged or not "
                     "written by elastic-train): %s; trying an older step", found.step, found.tier, found.path, exc)
         emit("ckpt_skipped", step=found.step, reason=f"malformed state in the {found.tier} copy {found.path}: {exc}")
-        return UNREADABLE, exc
+        return MALFORMED, exc
     except StateMismatchError as exc:
         return MISMATCH, exc
     return USABLE, None
+
+
+def _all_rejected(rejected: dict[int, Exception | None], where: str) -> StateMismatchError:
+    steps = sorted(rejected, reverse=True)
+    why = "; ".join(f"step {s}: {rejected[s]}" for s in steps[:3] if rejected[s] is not None) or \
+        "another rank's log says why"
+    return StateMismatchError(
+        f"no checkpoint in {where} can be resumed: step{'s' if len(steps) > 1 else ''} "
+        f"{', '.join(map(str, steps))} {'were' if len(steps) > 1 else 'was'} judged malformed ({why}). Nothing was "
+        "loaded and nothing is removed. If this run's code changed since they were written (the optimizer, its "
+        "options, the scheduler), run it as it was to resume; to start over instead, move that directory away or "
+        "use a fresh --ckpt-dir")
 
 
 def _newer(exc: Exception | None, where: str) -> CheckpointVersionError:

@@ -82,7 +82,7 @@ from trainer.sharding import Layout
 from trainer.state_view import Boundary, ParamKey, StateView, copy_plain, param_key
 from trainer.telemetry import Telemetry
 from trainer.topology import Topology
-from trainer.validate import check_state, param_names
+from trainer.validate import check_state, optimizer_class, param_names
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +290,15 @@ class Resumable:
                     "and settings); to fine-tune on other data, load only the weights into the model before "
                     "Resumable(...) and leave init_from unset.") from exc
 
-        agree = partial(agree_on_checkpoint, self.checkpointer, self.topology, where=self.config.ckpt_dir,
-                        into=template, check=check)
+        def agree() -> Restored | None:
+            try:
+                return agree_on_checkpoint(self.checkpointer, self.topology, where=self.config.ckpt_dir,
+                                           into=template, check=check)
+            except Exception:
+                if self.sharded or by_name:  # nothing loaded: not the state get_state_dict gave a fresh optimizer
+                    sharding.forget_optimizer_state(self.optimizer)
+                raise
+
         restored = agree()
         if restored is None and not self.sharded:
             # Not every rank can read a checkpoint (a replacement node's empty --ckpt-dir): a peer's, sent
@@ -583,6 +590,7 @@ class Resumable:
             **layout,
             "model": model_sd,
             "optimizer": optim_sd,
+            "optimizer_class": optimizer_class(self.optimizer) if self.optimizer is not None else None,
             "param_names": names,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,

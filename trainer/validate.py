@@ -7,7 +7,7 @@ Two kinds of problem, two errors:
   or scaler state that is not a mapping, extras that are not a JSON-able dict. The caller treats
   it like a damaged file: an older checkpoint is used.
 - StateMismatchError: the tree is well formed but does not fit this run (another model, optimizer
-  class or parameter order, other data settings): a user error, reported as such.
+  class or parameter order, scheduler class, other data settings): a user error, reported as such.
 
 Order matters: the tree's own structure is checked first, then its fit with this run, then the
 optimizer's tensors against the parameters they belong to (that needs the fit: the same parameters).
@@ -102,7 +102,23 @@ def check_state(
             _check_param_order(param_names(model, optimizer), saved_names)
         _check_optimizer_tensors(optimizer, saved)
     if optimizer is not None:
+        _check_optimizer_class(optimizer, state.get("optimizer_class"))  # after the fit, which names keys that differ
         _check_optimizer_values(optimizer, state["optimizer"])
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The name a checkpoint records its optimizer's class by (no module: torch moves its classes between files)."""
+    return type(optimizer).__qualname__
+
+
+def _check_optimizer_class(optimizer: torch.optim.Optimizer, saved: str | None) -> None:
+    """The optimizer is of the class the checkpoint was written with (recorded since session 50: older checkpoints
+    pass). Adam and AdamW keep the same group keys in this torch, so the swap loaded without a word, and the saved
+    groups' hyperparameters replaced the new optimizer's (an AdamW's weight_decay 0.01 into an Adam)."""
+    live = optimizer_class(optimizer)
+    if saved is not None and saved != live:
+        raise StateMismatchError(f"the checkpoint's optimizer is {saved} and this run's is {live}: resume with "
+                                 f"{saved}, or start from a fresh --ckpt-dir")
 
 
 def _check_stateful(name: str, obj: Any, saved: Mapping[str, Any]) -> None:
@@ -128,6 +144,11 @@ def _check_stateful(name: str, obj: Any, saved: Mapping[str, Any]) -> None:
     try:
         trial.load_state_dict(copy.deepcopy(dict(saved)))
     except Exception as exc:  # noqa: BLE001 - whatever it raises, the saved state does not load
+        if set(saved) != set(live):  # another class's entries (StepLR's into a LambdaLR): the run's code changed
+            raise StateMismatchError(
+                f"the checkpoint's {name!r} state does not load into this {type(obj).__name__} ({exc!r}); its "
+                f"entries {sorted(saved)[:8]} are another {name}'s: resume with the {name} it was written with, "
+                "or start from a fresh --ckpt-dir") from exc
         raise InvalidStateError(f"{name!r} state does not load into this {type(obj).__name__}: {exc!r}") from exc
     _check_next_lr(name, trial)
 
@@ -187,12 +208,15 @@ def _check_like(live: Any, saved: Any, where: str, *, counts: bool = True) -> No
         problem = None if type(live) is type(saved) else "a bool"
     elif isinstance(live, (int, float)):
         count = counts and where.rsplit(".", 1)[-1] in _COUNTS
-        ok = type(saved) is int if count else isinstance(saved, (int, float))
+        ok = type(saved) is int if count else isinstance(saved, (int, float)) or _scalar_tensor(saved)
         problem = None if ok else ("an int" if count else "a number")
     elif isinstance(live, str):
         problem = None if isinstance(saved, str) else "a string"
     elif isinstance(live, torch.Tensor):
-        problem = None if isinstance(saved, torch.Tensor) else "a tensor"
+        # A one-number tensor and a number are one kind: an lr given as a tensor (for capturable or fused steps)
+        # in one run and as a float in the other, both of which torch steps with.
+        ok = isinstance(saved, torch.Tensor) or (live.numel() == 1 and isinstance(saved, (int, float)))
+        problem = None if ok else "a tensor"
     elif _is_list(live):
         per_group = where.rsplit(".", 1)[-1] in _PER_GROUP
         if not _is_list(saved) or (per_group and len(saved) != len(live)):
@@ -210,6 +234,14 @@ def _check_like(live: Any, saved: Any, where: str, *, counts: bool = True) -> No
         raise InvalidStateError(f"{where!r} is {short_repr(saved)}, not {problem} as this run's")
 
 
+def _scalar_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and (value.is_floating_point() or value.is_complex())
+
+
+_IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused"})
+"""Optimizer options that choose how torch steps, not what (None: torch's choice): None, True and False are all
+values of theirs. Turning one on between two runs is no damage (it had made every checkpoint 'malformed')."""
+
 _VERSION_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused", "amsgrad",
                             "decoupled_weight_decay"})
 """Optimizer options torch versions added (an older checkpoint lacks them; the optimizer's __setstate__ fills
@@ -226,6 +258,9 @@ def _check_optimizer_values(optimizer: torch.optim.Optimizer, saved: Mapping[str
         if missing:
             raise InvalidStateError(f"'{where}' lacks {missing}, which this {type(optimizer).__name__} steps with")
         for key in set(group) & set(saved_group) - {"params", "param_names"}:
+            if key in _IMPLEMENTATION_FLAGS and all(v is None or isinstance(v, bool)
+                                                    for v in (group[key], saved_group[key])):
+                continue
             _check_like(group[key], saved_group[key], f"{where}.{key}")
         lr = saved_group.get("lr")
         if isinstance(lr, (int, float)) and not isinstance(lr, bool) and not 0 <= lr < math.inf:
@@ -280,6 +315,9 @@ def _check_structure(state: Mapping[str, Any], *, by_name: bool = False) -> None
     optimizer = state.get("optimizer")
     if optimizer is not None:
         _check_optimizer_structure(optimizer, by_name=by_name)
+    kind = state.get("optimizer_class")
+    if kind is not None and not isinstance(kind, str):
+        raise InvalidStateError(f"'optimizer_class' is {short_repr(kind)}, not a class name")
     names = state.get("param_names")
     if names is not None and not (_is_list(names) and all(
             _is_list(g) and all(n is None or isinstance(n, str) for n in g) for g in names)):

@@ -24,6 +24,7 @@ from torch import nn
 from tests.conftest import REPO, Procs
 from tests.unit.test_resumable import make, train
 from trainer import Resumable, ResumeConfig, StateMismatchError, state_digest
+from trainer.data import DataConfig, ElasticSampler
 
 State = dict[str, Any]
 
@@ -114,16 +115,23 @@ def test_malformed_newest_checkpoint_is_skipped_for_the_older_one(
 
 
 @pytest.mark.parametrize("damage", MALFORMED.values(), ids=MALFORMED.keys())
-def test_malformed_only_checkpoint_changes_nothing(tmp_path: Path, damage: Callable[[State], None]) -> None:
+def test_malformed_only_checkpoints_stop_the_run_and_stay(tmp_path: Path, damage: Callable[[State], None]) -> None:
+    """With no usable step left, the run stops naming them rather than starting over: its first save removed them
+    (session 50: an optimizer's fused=True, then judged damage, had cost a whole run)."""
     run, model, opt, _ = make(tmp_path)
-    train(run, model, opt, 0, 2)
+    train(run, model, opt, 0, 4)
     craft(run, 2, damage)
+    craft(run, 4, damage)
     run.close()
+    steps = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
     run2, *_ = make(tmp_path)
     before = state_digest(run2.state())
-    assert run2.restore() == 0
+    with pytest.raises(StateMismatchError, match="steps 4, 2 were judged malformed .*move that directory away"):
+        run2.restore()
     assert state_digest(run2.state()) == before  # model, optimizer, RNG, data position untouched
     run2.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == steps == [
+        "step_000000000002", "step_000000000004"]
 
 
 def test_reordered_optimizer_is_a_mismatch_not_damage(tmp_path: Path) -> None:
@@ -139,6 +147,63 @@ def test_reordered_optimizer_is_a_mismatch_not_damage(tmp_path: Path) -> None:
         other.restore()
     assert state_digest({"model": model2.state_dict(), "optimizer": opt2.state_dict()}) == before
     other.close()
+
+
+def _resume_with(tmp_path: Path, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 scheduler: Callable[[torch.optim.Optimizer], Any] = lambda o: torch.optim.lr_scheduler.StepLR(
+                     o, step_size=1, gamma=0.5)) -> tuple[Resumable, nn.Module, torch.optim.Optimizer]:
+    """make()'s run with another optimizer or scheduler, on the checkpoints make()'s run wrote."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    opt = optimizer(list(model.parameters()))
+    sampler = ElasticSampler(DataConfig(dataset_size=64, global_batch=8, seed=0))
+    run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=2), model=model, optimizer=opt,
+                    scheduler=scheduler(opt), sampler=sampler, extras={"note": "x"})
+    return run, model, opt
+
+
+# Choices of how torch steps, made between two runs (session 50's audit: each made every checkpoint 'malformed', the
+# run started over at step 0 and its first save removed them all).
+HOW_TORCH_STEPS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "fused": lambda p: torch.optim.Adam(p, lr=0.1, fused=True),
+    "foreach": lambda p: torch.optim.Adam(p, lr=0.1, foreach=True),
+    "no-foreach": lambda p: torch.optim.Adam(p, lr=0.1, foreach=False),
+    "tensor-lr": lambda p: torch.optim.Adam(p, lr=torch.tensor(0.1)),
+}
+
+
+@pytest.mark.parametrize("optimizer", HOW_TORCH_STEPS.values(), ids=HOW_TORCH_STEPS.keys())
+def test_how_the_optimizer_steps_may_change_between_runs(
+        tmp_path: Path, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 4)
+    run.close()
+    run2, model2, opt2 = _resume_with(tmp_path, optimizer)
+    chosen = [(g["foreach"], g["fused"]) for g in opt2.param_groups]
+    assert run2.restore() == 4
+    assert [(g["foreach"], g["fused"]) for g in opt2.param_groups] == chosen  # this run's choice, not the saved one
+    train(run2, model2, opt2, 4, 6)  # it steps on the loaded state
+    run2.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))[-1] == "step_000000000006"
+
+
+@pytest.mark.parametrize("other", ["AdamW", "LambdaLR"])
+def test_another_optimizer_or_scheduler_class_stops_the_run_and_removes_nothing(tmp_path: Path, other: str) -> None:
+    run, model, opt, _ = make(tmp_path)
+    train(run, model, opt, 0, 4)
+    run.close()
+    steps = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
+    if other == "AdamW":  # the same group keys as Adam's in this torch: it loaded, weight_decay 0 and all
+        run2, *_ = _resume_with(tmp_path, lambda p: torch.optim.AdamW(p, lr=0.1))
+        expected = "the checkpoint's optimizer is Adam and this run's is AdamW: resume with Adam"
+    else:
+        run2, *_ = _resume_with(tmp_path, lambda p: torch.optim.Adam(p, lr=0.1),
+                                lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step))
+        expected = "'scheduler' state does not load into this LambdaLR .* resume with the scheduler it was written with"
+    with pytest.raises(StateMismatchError, match=expected):
+        run2.restore()
+    run2.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == steps
 
 
 def test_extras_is_the_callers_dict_saved_as_it_is_at_each_save(tmp_path: Path) -> None:
