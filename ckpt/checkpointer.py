@@ -52,6 +52,7 @@ from ckpt.errors import (
     CheckpointWriteError,
     SharedStorageError,
 )
+from ckpt.format import INT64_MAX
 from ckpt.helper import HelperClient
 from ckpt.identity import LOCK_FILE, DirectoryLock, claim_directory, job_id
 from ckpt.local import LocalTier
@@ -532,6 +533,9 @@ class Checkpointer:
         `restore_blocked` (`trainer` first asks its peers for their state, and raises if none has any).
         """
         self._check_open()
+        for what, value in (("step", step), ("max_step", max_step)):  # a "5" or a -1 restored nothing: a fresh start
+            if value is not None:
+                _check_index(what, value, minimum=0)
         restored = self._restorer.restore(step=step, max_step=max_step, replicated=replicated, into=into,
                                           detach=detach)
         if restored is None and self._restorer.blocked is not None and if_unsure == "raise":
@@ -587,12 +591,15 @@ class Checkpointer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError(f"this Checkpointer (rank {self.rank}) is closed")
+            raise RuntimeError(f"this Checkpointer (rank {self.rank}, {self.config.local_dir}) is closed: make a new "
+                               "one (or a new Resumable) to save or restore again")
 
 
 def _check_index(what: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
+    # At most int64's largest: the manifests and COMMITs hold their step as one (a larger step was "saved", then
+    # never committed nor restored).
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= INT64_MAX:
+        raise ValueError(f"{what} must be an int from {minimum} to {INT64_MAX}, got {value!r}")
 
 
 def _check_generation(generation: object) -> None:

@@ -243,6 +243,9 @@ class CheckpointConfig:
         local_dir = os.fspath(local_dir)
         if not isinstance(local_dir, str) or not local_dir:
             raise ValueError(f"local_dir must be a non-empty path, got {self.local_dir!r}")
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", local_dir):  # it was written to ./s3:/bucket/... on the local disk
+            raise ValueError(f"local_dir must be a node-local directory, got the URL {local_dir!r}: give a local path "
+                             f"(fast storage, NVMe), and the store as shared=SharedConfig(url={local_dir!r})")
         object.__setattr__(self, "local_dir", local_dir)
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int):
             raise ValueError(f"keep_last must be an int >= 1, got {self.keep_last!r}")

@@ -76,11 +76,12 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_storable(name: str, tensor: torch.Tensor) -> None:
     """Raise TypeError, naming the tensor, if it cannot be written to safetensors."""
-    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
-        raise TypeError(
-            f"tensor {name!r} ({tensor.layout}, device {tensor.device}) cannot be stored; "
-            f"only dense tensors with data can: convert it first"
-        )
+    why = ("a nested tensor" if tensor.is_nested else "a quantized tensor (its scale and zero point would be lost)"
+           if tensor.is_quantized else f"a {tensor.layout} tensor" if tensor.layout != torch.strided
+           else "a meta tensor (no data)" if tensor.device.type == "meta" else None)
+    if why is not None:
+        raise TypeError(f"tensor {name!r} is {why} and cannot be stored: only dense tensors with data can, "
+                        "convert it first (.dequantize(), .to_dense(), .unbind() / .to_padded_tensor() ...)")
     if tensor.dtype not in _DTYPE_NAMES:
         raise TypeError(
             f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store; "

@@ -57,8 +57,33 @@ def flatten(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
     tensors map to the same name; both name the key path.
     """
     tensors: dict[str, torch.Tensor] = {}
-    skeleton = _encode(state, (), tensors)
+    try:
+        skeleton = _encode(state, (), tensors)
+    except RecursionError:  # found after the fact: a check on every save's path would cost every save
+        try:
+            cycle = _cycle(state, (), set())
+        except RecursionError:
+            cycle = None
+        raise TypeError(
+            f"cannot checkpoint a state that contains itself: the container at key path {_describe(cycle)} holds a "
+            "container it is inside of; save a copy without the loop" if cycle is not None else
+            "cannot checkpoint a state nested this deeply (Python's recursion limit); flatten it first") from None
     return tensors, skeleton
+
+
+def _cycle(obj: Any, path: tuple[str, ...], inside: set[int]) -> tuple[str, ...] | None:
+    """The key path of the first container that holds one of the containers it is inside of, if any."""
+    if not isinstance(obj, (Mapping, list, tuple)):
+        return None
+    if id(obj) in inside:
+        return path
+    inside.add(id(obj))
+    for key, value in (obj.items() if isinstance(obj, Mapping) else enumerate(obj)):
+        found = _cycle(value, (*path, str(key)), inside)
+        if found is not None:
+            return found
+    inside.discard(id(obj))
+    return None
 
 
 def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:

@@ -95,6 +95,8 @@ class ResumeConfig:
 
         `options` are CheckpointConfig fields: run_name, keep_last, keep_every, mode (here "overlapped"
         unless given), if_busy, checksum, init_from, max_failed_saves, tier0_dir, ..."""
+        if not isinstance(ckpt_dir, (str, os.PathLike)):
+            raise TypeError(f"ResumeConfig.at: ckpt_dir must be a path (a node-local directory), got {ckpt_dir!r}")
         known = {f.name for f in fields(CheckpointConfig)} - {"local_dir"}
         unknown = sorted(set(options) - known)
         if unknown:

@@ -123,6 +123,7 @@ class Resumable:
         topology: Topology | None = None,
         mesh: DeviceMesh | None = None,
     ) -> None:
+        setup.check_arguments(config, model, optimizer, sampler, {"scheduler": scheduler, "scaler": scaler})
         self.config = config
         self.topology = topology or Topology.from_env()
         worker.bootstrap()  # parent watch and peer-loss hook, under an elastic agent

@@ -12,6 +12,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer import sharding
+from trainer.config import ResumeConfig
 from trainer.data import ElasticSampler
 from trainer.ddp import layout_is_stable
 from trainer.errors import ExtrasError
@@ -19,6 +20,29 @@ from trainer.sharding import Layout
 from trainer.topology import Topology
 
 log = logging.getLogger(__name__)
+
+
+def check_arguments(config: object, model: object, optimizer: object, sampler: object,
+                    stateful: dict[str, object]) -> None:
+    """TypeError naming the argument and what to pass, before anything is made (a checkpointer, its directory's
+    lock): a CheckpointConfig for the config, a state_dict for the model and a scheduler without state_dict had
+    each failed later as a bare AttributeError, the scheduler's after the model and optimizer were loaded."""
+    def refuse(what: str, value: object, expected: str) -> TypeError:
+        return TypeError(f"Resumable({what}=...) must be {expected}, got a {type(value).__name__}")
+
+    if not isinstance(config, ResumeConfig):
+        raise refuse("config", config, "a ResumeConfig: ResumeConfig.at(ckpt_dir, ...), or ResumeConfig(ckpt="
+                     "CheckpointConfig(...)) for a CheckpointConfig")
+    if not isinstance(model, torch.nn.Module):
+        raise refuse("model", model, "a torch.nn.Module (the model itself, not its state_dict())")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise refuse("optimizer", optimizer, "a torch.optim.Optimizer or None")
+    if sampler is not None and not isinstance(sampler, ElasticSampler):
+        raise refuse("sampler", sampler, "an ElasticSampler (ElasticSampler(DataConfig(...))) or None")
+    for name, obj in stateful.items():
+        if obj is not None and not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
+            raise refuse(name, obj, "an object with state_dict() and load_state_dict() (an LR scheduler, a "
+                         "GradScaler) or None")
 
 
 def layout(model: torch.nn.Module, mesh: DeviceMesh | None, topology: Topology, *, sharded: bool) -> Layout:

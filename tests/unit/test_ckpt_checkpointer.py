@@ -401,7 +401,19 @@ def test_unsupported_state_fails_before_touching_disk(tmp_path: Path) -> None:
         c.save(1, {"model": {"act": torch.nn.ReLU()}})
     with pytest.raises(TypeError, match="'w'.*complex128"):
         c.save(1, {"w": torch.zeros(1, dtype=torch.complex128)})
+    # Session 50's audit: a RecursionError with no key path, torch's "Internal error ... file an issue", and a
+    # quantized tensor said to be not dense.
+    loop: dict[str, Any] = {"w": torch.ones(1)}
+    loop["again"] = {"up": loop}
+    with pytest.raises(TypeError, match="contains itself: the container at key path 'again/up'"):
+        c.save(1, loop)
+    with pytest.raises(TypeError, match="'n' is a nested tensor"):
+        c.save(1, {"n": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])})
+    with pytest.raises(TypeError, match="'q' is a quantized tensor .*scale and zero point"):
+        c.save(1, {"q": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)})
     assert not tmp_path.joinpath("step_000000000001").exists()
+    c.save(1, {"w": torch.ones(1)})  # still usable
+    c.close()
 
 
 def test_config_and_constructor_validation(tmp_path: Path) -> None:
@@ -416,6 +428,20 @@ def test_config_and_constructor_validation(tmp_path: Path) -> None:
         Checkpointer(config, rank=2, world_size=2)
     with pytest.raises(ValueError, match="step"):
         make(tmp_path).save(-1, {})
+    # Session 50's audit: a URL was written to ./s3:/... on the local disk; a step past int64 "saved" and was never
+    # committed; restore(step="5") or a negative step returned None, a caller's "no checkpoint: start over".
+    with pytest.raises(ValueError, match="local_dir must be a node-local directory.*shared=SharedConfig"):
+        CheckpointConfig(local_dir="s3://bucket/run")
+    c = make(tmp_path / "v")
+    with pytest.raises(ValueError, match="step must be an int from 0 to 9223372036854775807, got 9223372036854775808"):
+        c.save(2**63, {"w": torch.ones(1)})
+    c.save(5, {"w": torch.ones(1)})
+    for bad in ({"step": "5"}, {"step": -1}, {"max_step": -3}, {"max_step": 5.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an int"):
+            c.restore(**bad)  # type: ignore[arg-type]
+    restored = c.restore(step=5)
+    assert restored is not None and restored.step == 5
+    c.close()
 
 
 def resident_pages(path: Path) -> int:

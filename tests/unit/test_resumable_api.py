@@ -240,6 +240,29 @@ def _steps_on_disk(root: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in root.glob("step_*"))
 
 
+def test_arguments_of_the_wrong_kind_are_named_before_anything_is_made(tmp_path: Path) -> None:
+    """Session 50's audit: each failed as a bare AttributeError, some after the checkpointer and its directory lock
+    were made, and a scheduler without state_dict after the model and optimizer were loaded."""
+    model = nn.Linear(2, 1)
+    config = ResumeConfig.at(str(tmp_path / "ckpt"))
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"config": CheckpointConfig(local_dir=str(tmp_path / "ckpt"))}, "config=...\\) must be a ResumeConfig"),
+        ({"config": str(tmp_path)}, "config=...\\) must be a ResumeConfig"),
+        ({"model": model.state_dict()}, "model=...\\) must be a torch.nn.Module .*not its state_dict"),
+        ({"optimizer": list(model.parameters())}, "optimizer=...\\) must be a torch.optim.Optimizer"),
+        ({"scheduler": object()}, "scheduler=...\\) must be an object with state_dict\\(\\) and load_state_dict"),
+        ({"scaler": 1.0}, "scaler=...\\) must be an object with state_dict"),
+        ({"sampler": DataConfig(dataset_size=8, global_batch=2)}, "sampler=...\\) must be an ElasticSampler"),
+    ]
+    for change, message in cases:
+        arguments: dict[str, Any] = {"config": config, "model": model, **change}
+        with pytest.raises(TypeError, match=message):
+            Resumable(arguments.pop("config"), **arguments)
+    assert not (tmp_path / "ckpt").exists()  # no checkpointer was made, no lock taken
+    with pytest.raises(TypeError, match="ckpt_dir must be a path"):
+        ResumeConfig.at(None)  # type: ignore[arg-type]
+
+
 def test_a_loop_out_of_order_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """A step count that is not the next one, a save before restore(), a call after close(): each wrote a
     checkpoint whose step is not the state's; the next restart refused it as damaged, started over at step 0 and
