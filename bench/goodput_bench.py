@@ -569,6 +569,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     launcher_kind, fallback = pick_launcher(args.launcher)
     no_tier0 = tier0_available()
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)  # a --dir that did not exist yet was a FileNotFoundError
     work = Path(tempfile.mkdtemp(prefix="goodput-bench-", dir=args.dir))
     launcher = Launcher(launcher_kind, args.device, work)
     rng = random.Random(args.seed)

@@ -195,7 +195,8 @@ def plot_timeline(plot: Plot, path: Path, *, title: str) -> None:
             ax2.set_ylim(0, max(ys) + 1)
             ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title, fontsize=10)
-        ax.legend(loc="lower right", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run with no step plotted has nothing to name
+            ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
         fig.savefig(path)
     finally:

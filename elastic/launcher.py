@@ -35,6 +35,7 @@ if __name__ == "__main__":  # `python -m elastic.launcher`: run as the console s
 import argparse
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -190,7 +191,13 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
     derived = given_id or scheduler_run_id(env)
     if args.node_id is not None and not args.node_id.strip():
         raise ValueError("--node-id: must not be empty (leave it out for the host name and pid)")
+    if args.node_id is not None and "/" in args.node_id:  # a part of etcd keys (named --rdzv-conf before)
+        raise ValueError(f"--node-id {args.node_id!r}: must contain no '/'")
     backend = args.rdzv_backend
+    known = _registered_backends()
+    if backend is not None and known and backend not in known:  # torch's "not registered. Did you forget..."
+        raise ValueError(f"--rdzv-backend {backend!r}: no such rendezvous backend; known: {', '.join(known)} "
+                         f"(leave it out for {rendezvous.BACKEND_NAME}, or {STATIC} with --master-addr)")
     if backend is None:
         fixed_multi_node = min_nodes == max_nodes > 1
         if not args.rdzv_endpoint and not args.standalone and (fixed_multi_node or args.master_port is not None):
@@ -264,6 +271,15 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
     return Plan(backend=backend, embedded_etcd=False, run_id=derived, notes=notes)
 
 
+def _registered_backends() -> list[str]:
+    """The rendezvous backends torch knows here (ours included), or [] where its registry is not readable."""
+    try:
+        from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    except ImportError:
+        return []
+    return sorted(getattr(rendezvous_handler_registry, "_registry", {}))
+
+
 def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
     """Reject bad or contradictory flags before anything starts; ValueError names the flag."""
     if args.standalone and args.rdzv_endpoint:
@@ -279,13 +295,18 @@ def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
     if not 0 < args.monitor_interval <= _MAX_MONITOR_INTERVAL:  # nan fails too
         raise ValueError(f"--monitor-interval {args.monitor_interval}: must be a number of seconds in "
                          f"(0, {_MAX_MONITOR_INTERVAL:g}] (the agent sleeps this long between checks of its workers)")
+    nproc_hint = f"must be a count from 1 to {_MAX_WORKERS} or auto/cpu/gpu/xpu"
     try:
         nproc = torchrun.determine_local_world_size(args.nproc_per_node)
     except ValueError as exc:
-        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: {exc}") from exc
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: {exc}; {nproc_hint}") from exc
     if not 0 < nproc <= _MAX_WORKERS:
-        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: must be a count from 1 to {_MAX_WORKERS} or "
-                         "auto/cpu/gpu/xpu")
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node!r}: {nproc_hint}")
+    for flag in ("redirects", "tee"):
+        value = getattr(args, flag, None)
+        if value is not None and not re.fullmatch(r"[0-3]|(\d+:[0-3],)*\d+:[0-3]", str(value)):
+            raise ValueError(f"--{flag} {value!r}: must be 0-3 (0 none, 1 stdout, 2 stderr, 3 both) for every local "
+                             "rank, or per local rank as 0:3,1:1")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise ValueError(f"--master-port {args.master_port}: must be 1..65535")
     try:
@@ -315,6 +336,8 @@ def _validate(args: Namespace, env: Mapping[str, str]) -> Plan:
                          f"{_MIN_HANG_TIMEOUT:g} to {MAX_SECONDS:g}")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise ValueError(f"--metrics-port {args.metrics_port}: must be 0..65535")
+    if args.module and args.no_python:  # before the script's checks, which would name the wrong cause
+        raise ValueError("--no-python and -m/--module contradict each other: -m runs `python -m`; pass one of them")
     needs_file = not args.module and not args.no_python
     # What `python X` runs: a file, or a directory (or zip) with a __main__.py
     runnable = os.path.isfile(args.training_script) or os.path.isfile(os.path.join(args.training_script, "__main__.py"))

@@ -41,6 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
+from core.numbers import at_least
 from trainer import (
     DataConfig,
     ElasticSampler,
@@ -63,32 +64,33 @@ def show(line: str) -> None:
 def build_parser(description: str | None) -> argparse.ArgumentParser:
     """The flags of this example (examples/train_fsdp.py adds its own to them)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
+    p.add_argument("--steps", type=at_least(0), required=True, help="total optimizer steps")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (node-local tier)")
-    p.add_argument("--ckpt-every", type=int, default=50, help="save to disk (tier 1) every K steps")
-    p.add_argument("--snapshot-every", type=int, default=0,
+    p.add_argument("--ckpt-every", type=at_least(1), default=50, help="save to disk (tier 1) every K steps")
+    p.add_argument("--snapshot-every", type=at_least(0), default=0,
                    help="snapshot into host memory (tier 0, under elastic-run) every K steps; 0: only at --ckpt-every")
-    p.add_argument("--replica-every", type=int, default=10,
+    p.add_argument("--replica-every", type=at_least(0), default=10,
                    help="copy a tier-0 snapshot to the next node (peer replica, ckpt/replica.py) every K steps")
     p.add_argument("--ckpt-mode", choices=["staged", "overlapped"], default="overlapped",
                    help="overlapped (default): the copy of the state to host overlaps the next forward/backward")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="autocast dtype: bf16 (default on CUDA), fp16 (with a GradScaler), fp32 (default on CPU)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--layers", type=at_least(1), default=2)
+    p.add_argument("--heads", type=at_least(1), default=4)
+    p.add_argument("--d-model", type=at_least(1), default=64)
+    p.add_argument("--seq-len", type=at_least(1), default=32)
+    p.add_argument("--vocab", type=at_least(2), default=128)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--dataset-size", type=int, default=100_000, help="number of synthetic sequences")
-    p.add_argument("--global-batch", type=int, default=16, help="sequences per step over all ranks")
-    p.add_argument("--max-micro-batch", type=int, default=None, help="most sequences per forward/backward on a rank")
+    p.add_argument("--dataset-size", type=at_least(1), default=100_000, help="number of synthetic sequences")
+    p.add_argument("--global-batch", type=at_least(1), default=16, help="sequences per step over all ranks")
+    p.add_argument("--max-micro-batch", type=at_least(1), default=None,
+                   help="most sequences per forward/backward on a rank")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to --steps")
+    p.add_argument("--warmup", type=at_least(0), default=10, help="linear warm-up steps, then cosine decay to --steps")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
-    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--num-workers", type=at_least(0), default=0, help="DataLoader worker processes")
+    p.add_argument("--log-every", type=at_least(1), default=1)
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels where torch has them (always on for CPU); "
                         "needed for bitwise resume on CUDA")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.numbers import at_least
 from trainer import DataConfig, ElasticSampler, Resumable, ResumeConfig, wrap_ddp
 
 
@@ -40,22 +41,22 @@ def show(line: str) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
+    p.add_argument("--steps", type=at_least(0), required=True, help="total optimizer steps")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (node-local tier)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="save to disk (tier 1) every K steps")
-    p.add_argument("--snapshot-every", type=int, default=0,
+    p.add_argument("--ckpt-every", type=at_least(1), default=10, help="save to disk (tier 1) every K steps")
+    p.add_argument("--snapshot-every", type=at_least(0), default=0,
                    help="snapshot into host memory (tier 0, under elastic-run) every K steps; 0: only at --ckpt-every")
     p.add_argument("--shared-url", default=None, help="tier 2: any fsspec URL (a shared path, s3://bucket/prefix, ...)")
     p.add_argument("--run-name", default="tiny", help="run-scoped prefix under --shared-url")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dataset-size", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=32, help="samples per step over all ranks")
-    p.add_argument("--max-micro-batch", type=int, default=None,
+    p.add_argument("--dataset-size", type=at_least(1), default=4096)
+    p.add_argument("--global-batch", type=at_least(1), default=32, help="samples per step over all ranks")
+    p.add_argument("--max-micro-batch", type=at_least(1), default=None,
                    help="most samples per forward/backward on a rank; more are accumulated over micro-batches")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability (draws from the torch RNG)")
     p.add_argument("--augment", type=float, default=0.0,
                    help="std of Gaussian noise added to the inputs, drawn from the torch RNG (0: none)")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--num-workers", type=at_least(0), default=0, help="DataLoader worker processes")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (slows the demo down)")
     return p.parse_args()
 

@@ -181,12 +181,19 @@ def short_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, S
         (["--no-python", "/no/such/bin"], ["--no-python", "/no/such/bin"]),
         (["--rdzv-id", "a/b"], ["--rdzv-id", "a/b"]),
         (["--node-id", ""], ["--node-id"]),
+        # Session 50's audit: torch's words with no flag named or no advice, or the wrong flag named.
+        (["--rdzv-backend", "bogus"], ["--rdzv-backend", "bogus", "known: ", "etcd-v3"]),
+        (["--redirects", "9"], ["--redirects", "'9'", "0:3,1:1"]),
+        (["--nproc-per-node", "two"], ["--nproc-per-node", "two", "auto/cpu/gpu/xpu"]),
+        (["--node-id", "x/y"], ["--node-id", "x/y"]),
+        (["-m", "--no-python"], ["--no-python", "-m/--module"]),
     ],
     ids=["standalone-and-endpoint", "nnodes-min-above-max", "nnodes-not-a-number", "negative-max-restarts",
          "node-id-disagrees", "endpoint-without-port", "zero-nproc-per-node", "huge-nproc-per-node",
          "nan-monitor-interval", "day-long-monitor-interval", "infinite-hang-timeout", "tiny-hang-timeout",
          "ipv6-without-brackets", "missing-cacert", "unknown-local-addr", "log-dir-in-proc", "no-python-missing",
-         "slash-in-rdzv-id", "empty-node-id"],
+         "slash-in-rdzv-id", "empty-node-id", "unknown-backend", "bad-redirects", "nproc-per-node-a-word",
+         "slash-in-node-id", "module-and-no-python"],
 )
 def test_bad_flags_exit_2_naming_the_flag(
     argv: list[str], named: list[str], noop_script: Path, capsys: pytest.CaptureFixture[str]

@@ -3,6 +3,7 @@ the command line's bad-input errors (exit 2, before anything starts)."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from chaos import CATALOG, ChaosConfig, parse_faults, plan
 from chaos.cli import main
 from chaos.faults import FaultSpec, check_feasible
 from chaos.scenarios import SCENARIOS
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -154,6 +156,28 @@ def test_cli_bad_input_exits_2_before_starting(argv: list[str], message: str, tm
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_custom_script_without_ckpt_every_is_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Session 50's audit: README's custom-script line gave a false BROKEN (8 steps lost > 5): the script saved
+    every 10 steps, its own default, and the harness judged against --ckpt-every 5."""
+    from chaos.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["run", "--report", str(tmp_path / "r")])
+    tiny = str(REPO / "examples" / "train_tiny.py")
+    config_from_args(args.run_parser, args, [tiny, "--ckpt-dir", "{local_dir}", "--steps", "{steps}"])
+    assert "no {ckpt_every}: steps lost are judged against --ckpt-every 5" in capsys.readouterr().err
+    config_from_args(args.run_parser, args, [tiny, "--steps", "{steps}", "--ckpt-every", "{ckpt_every}"])
+    assert "ckpt_every" not in capsys.readouterr().err
+
+
+def test_a_signal_ends_the_harness_with_128_plus_its_number() -> None:
+    from chaos.cli import _Signalled, interrupted_status
+
+    assert interrupted_status(_Signalled(signal.SIGTERM)) == 143  # was 130, as for Ctrl-C
+    assert interrupted_status(_Signalled(signal.SIGHUP)) == 129
+    assert interrupted_status(KeyboardInterrupt()) == 130
 
 
 def test_cli_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:

@@ -149,3 +149,23 @@ def test_decimal_takes_ascii_digits_that_fit_an_int64_only():
     assert [decimal(t) for t in ("0", "7", "007", "9" * 18)] == [0, 7, 7, 10**18 - 1]
     # str.isdigit() is true of the Unicode digits and of any length; int() then raises or overflows a pid
     assert [decimal(t) for t in ("\u00b2", "\u0663", "1" * 19, "1" * 5000, "", "-1", "+1", " 1", "1_0")] == [None] * 9
+
+
+def test_the_examples_refuse_a_bad_count_naming_the_flag() -> None:
+    """Session 50's audit: train_tiny.py --steps -1 trained 0 steps and exited 0; --ckpt-every 0 and
+    --global-batch 0 failed in every worker, after the group formed, as tracebacks."""
+    import argparse
+    import subprocess
+    import sys
+
+    from core.numbers import at_least
+    from tests.conftest import REPO
+
+    assert at_least(0)("0") == 0 and at_least(1)("12") == 12
+    for text in ("-1", "x", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"must be a whole number >= 0, got {text!r}"):
+            at_least(0)(text)
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "train_tiny.py"), "--steps", "4", "--ckpt-dir",
+                           "unused", "--ckpt-every", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "argument --ckpt-every: must be a whole number >= 1, got '0'" in done.stderr
