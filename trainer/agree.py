@@ -6,10 +6,11 @@ loads that step and checks its whole state tree (trainer/validate.py), and the g
 usable, done; any rank that cannot read it or finds it malformed, everyone tries older steps; a
 checkpoint of a newer format, or one that does not fit this run, stops the whole group.
 
-When steps were judged malformed and no older one is usable, the group stops too (StateMismatchError naming
-them) rather than starting over: its first save would remove them. Every step judged malformed is more likely
-this run's code changed than damage (damaged bytes fail their checksums before this judgment), and a start
-over from step 0 had thrown a whole run away for an optimizer's `fused=True`.
+The steps the group judged malformed are collected (`rejected`): when none is usable and no peer has a state
+to send either, the caller stops (`all_rejected`, StateMismatchError naming them) rather than starting over, whose
+first save would remove them. Every step judged malformed is more likely this run's code changed than damage
+(damaged bytes fail their checksums before this judgment), and a start over from step 0 had thrown a whole run away
+for an optimizer's `fused=True`.
 
 A sharded run passes `into` (its own state tree: the layout its DTensors are restored into). A
 sharded tensor whose saved global shape differs from this run's (ckpt's ShardMismatchError) does not
@@ -41,13 +42,15 @@ Check = Callable[[Restored], None]
 
 
 def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: Check, *,
-                        where: str, into: Mapping[str, Any] | None = None) -> Restored | None:
+                        where: str, into: Mapping[str, Any] | None = None,
+                        rejected: dict[int, Exception | None] | None = None) -> Restored | None:
     """The checkpoint every rank loaded and found usable, or None when the group has none.
 
-    `where` names the checkpoint directory in errors; `into` goes to `Checkpointer.restore`. Raises
+    `where` names the checkpoint directory in errors; `into` goes to `Checkpointer.restore`; `rejected` gets the
+    steps the group judged malformed (the same steps on every rank), with this rank's reason. Raises
     StateMismatchError or CheckpointVersionError (on every rank) as the module docstring says."""
     cap: int | None = None
-    rejected: dict[int, Exception | None] = {}  # the steps the group judged malformed, with this rank's reason
+    rejected = {} if rejected is None else rejected
     while True:
         found, problem = _load(checkpointer, max_step=cap, into=into)
         mine = found.step if found is not None else -1
@@ -57,8 +60,6 @@ def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: C
         if agreed == NEWER_FORMAT:
             raise _newer(problem, where)
         if agreed < 0:
-            if rejected:
-                raise _all_rejected(rejected, where)
             return None
         if agreed != mine:
             found, problem = _load(checkpointer, step=agreed, into=into)
@@ -133,7 +134,8 @@ def _judge(found: Restored | None, problem: Exception | None, check: Check) -> t
     return USABLE, None
 
 
-def _all_rejected(rejected: dict[int, Exception | None], where: str) -> StateMismatchError:
+def all_rejected(rejected: dict[int, Exception | None], where: str) -> StateMismatchError:
+    """The error of a group that judged `rejected` malformed and found no state to go on from."""
     steps = sorted(rejected, reverse=True)
     why = "; ".join(f"step {s}: {rejected[s]}" for s in steps[:3] if rejected[s] is not None) or \
         "another rank's log says why"

@@ -69,7 +69,7 @@ from elastic.errors import EXIT_BELOW_MIN
 from elastic.reform import Round
 from trainer import apply_state, in_place, part_transfer, regroup, rng, setup, sharding
 from trainer.accumulate import accumulate
-from trainer.agree import agree_on_checkpoint
+from trainer.agree import agree_on_checkpoint, all_rejected
 from trainer.apply_state import Stateful
 from trainer.cadence import Cadence
 from trainer.config import ResumeConfig
@@ -291,10 +291,12 @@ class Resumable:
                     "and settings); to fine-tune on other data, load only the weights into the model before "
                     "Resumable(...) and leave init_from unset.") from exc
 
+        rejected: dict[int, Exception | None] = {}  # steps judged malformed (trainer/agree.py)
+
         def agree() -> Restored | None:
             try:
                 return agree_on_checkpoint(self.checkpointer, self.topology, where=self.config.ckpt_dir,
-                                           into=template, check=check)
+                                           into=template, check=check, rejected=rejected)
             except Exception:
                 if self.sharded or by_name:  # nothing loaded: not the state get_state_dict gave a fresh optimizer
                     sharding.forget_optimizer_state(self.optimizer)
@@ -322,6 +324,12 @@ class Resumable:
             raise self.checkpointer.restore_blocked or SharedStorageError(
                 f"another rank could not read the shared tier of {self.config.ckpt_dir}: not starting over from "
                 "step 0. Start the job again once the store answers")
+        if restored is None and rejected:
+            # Every step the group holds was judged malformed and no peer had a state: starting over would remove
+            # them at the first save (the same steps on every rank: each raises).
+            if self.sharded or by_name:
+                sharding.forget_optimizer_state(self.optimizer)
+            raise all_rejected(rejected, self.config.ckpt_dir)
         if restored is None and self.step > 0:
             # A re-formation that found neither a live state (every rank had stepped past it) nor a checkpoint: the
             # model here is past step `self.step`, and going on from step 0 would train it twice. This worker

@@ -247,11 +247,12 @@ run.restore()
 for step in range(4):
     opt.zero_grad(); model(torch.ones(3, 4)).sum().backward(); opt.step(); run.step_done(step + 1)
 run.checkpointer.wait_persisted()
-if rank == 1:  # only rank 1's copy of step 4 is bad: its Adam state does not fit the parameter
-    state = run.checkpointer.load(4)
+for step in ((4,) if sys.argv[2] == "newest" else (2, 4)) if rank == 1 else ():
+    # only rank 1's copies are bad: their Adam state does not fit the parameter
+    state = run.checkpointer.load(step)
     state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
-    run.checkpointer.save(4, state)
-    run.checkpointer.commit(4)
+    run.checkpointer.save(step, state)
+    run.checkpointer.commit(step)
 run.close()
 dist.barrier()
 model, opt, run = make()
@@ -263,18 +264,21 @@ dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
-def test_one_rank_with_a_malformed_copy_takes_the_whole_group_back(tmp_path: Path, procs: Procs) -> None:
+@pytest.mark.parametrize("bad", ["newest", "all"])
+def test_one_rank_with_a_malformed_copy_takes_the_whole_group_back(tmp_path: Path, procs: Procs, bad: str) -> None:
+    """Rank 1's newest copy malformed: every rank resumes from the older step. All of rank 1's copies malformed: rank
+    0 sends its newest state (a peer's state, not a stop: session 50's stop for malformed steps comes after it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
            "LOCAL_RANK": "0", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    workers = [procs.start([sys.executable, "-c", _TWO_RANKS, str(tmp_path / f"node{r}")],
+    workers = [procs.start([sys.executable, "-c", _TWO_RANKS, str(tmp_path / f"node{r}"), bad],
                            env={**env, "RANK": str(r)}, cwd=str(REPO)) for r in range(2)]
     outputs = [w.communicate(timeout=150)[0] for w in workers]
     for r, (w, out) in enumerate(zip(workers, outputs, strict=True)):
         assert w.returncode == 0, out
-        assert f"rank={r} restored=2" in out, out
+        assert f"rank={r} restored={2 if bad == 'newest' else 4}" in out, out
     assert f"{tmp_path / 'node1' / 'step_000000000004' / 'rank_00001'}" in outputs[1]
     assert "malformed state" in outputs[1] and "malformed state" not in outputs[0]
 
