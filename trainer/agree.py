@@ -77,6 +77,8 @@ def agree_on_checkpoint(checkpointer: Checkpointer, topology: Topology, check: C
             return found
         if verdict == MALFORMED:
             rejected[agreed] = error
+        if agreed == 0:  # nothing older than a step-0 checkpoint (restore(max_step=-1) is no question to ask)
+            return None
         cap = agreed - 1
 
 

@@ -45,9 +45,7 @@ def whole(run: Parts, state: Mapping[str, Any], *, own_rank: bool) -> None:
     # `state` passed check_state (in the agreement): nothing below is expected to fail half-way.
     run.model.load_state_dict(state["model"])
     if run.optimizer is not None:
-        how = _how_it_steps(run.optimizer)
         run.optimizer.load_state_dict(state["optimizer"])
-        _keep_how_it_steps(run.optimizer, how)
         _own_cpu_tensors(run.optimizer)
     _rest(run, state)
     if own_rank:
@@ -62,10 +60,8 @@ def whole(run: Parts, state: Mapping[str, Any], *, own_rank: bool) -> None:
 def sharded(run: Parts, restored: Restored) -> None:
     """A sharded state restored into the run's layout (resharded where the layout changed)."""
     state = restored.state
-    how = _how_it_steps(run.optimizer) if run.optimizer is not None else []
     sharding.load(run.model, run.optimizer, state)
     if run.optimizer is not None:
-        _keep_how_it_steps(run.optimizer, how)
         _own_cpu_tensors(run.optimizer)
     _rest(run, state)
     saved = state.get("layout")
@@ -79,22 +75,6 @@ def sharded(run: Parts, restored: Restored) -> None:
     if t.rank == 0:
         log.info("layout %s -> %s: RNG streams derived per data-parallel rank from rank 0's saved state",
                  saved, run.layout.record())
-
-
-HOW_IT_STEPS = ("foreach", "fused")
-"""Optimizer options that choose how torch steps, not what: this run's own stay (torch's load takes the saved
-groups whole). A run that turned on `fused` keeps it; one resumed on a device without a fused kernel is not handed
-the saved run's `fused=True`."""
-
-
-def _how_it_steps(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: g[k] for k in HOW_IT_STEPS if k in g} for g in optimizer.param_groups]
-
-
-def _keep_how_it_steps(optimizer: torch.optim.Optimizer, how: list[dict[str, Any]]) -> None:
-    if len(how) == len(optimizer.param_groups):  # (check_state refused other group counts)
-        for group, own in zip(optimizer.param_groups, how, strict=True):
-            group.update(own)
 
 
 def _rest(run: Parts, state: Mapping[str, Any]) -> None:
