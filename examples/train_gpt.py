@@ -69,7 +69,7 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--ckpt-every", type=at_least(1), default=50, help="save to disk (tier 1) every K steps")
     p.add_argument("--snapshot-every", type=at_least(0), default=0,
                    help="snapshot into host memory (tier 0, under elastic-run) every K steps; 0: only at --ckpt-every")
-    p.add_argument("--replica-every", type=at_least(0), default=10,
+    p.add_argument("--replica-every", type=at_least(1), default=10,
                    help="copy a tier-0 snapshot to the next node (peer replica, ckpt/replica.py) every K steps")
     p.add_argument("--ckpt-mode", choices=["staged", "overlapped"], default="overlapped",
                    help="overlapped (default): the copy of the state to host overlaps the next forward/backward")

@@ -15,8 +15,8 @@ class InvalidStateError(TrainerError, ValueError):
     """A checkpoint's state tree is malformed (damaged or crafted): not what `Resumable` writes.
 
     `Resumable.restore` treats it like a damaged file: it warns, naming the checkpoint, and falls
-    back to an older step; when none is usable it raises StateMismatchError naming the steps rather than
-    starting over (trainer/agree.py). The message names the entry at fault.
+    back to an older step; when none is usable and no rank has a state to send, it raises StateMismatchError
+    naming the steps rather than starting over (trainer/agree.py). The message names the entry at fault.
     """
 
 
