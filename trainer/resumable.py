@@ -339,7 +339,8 @@ class Resumable:
         if restored is None:
             log.info("no checkpoint in %s; starting from step 0", self.config.ckpt_dir)
             self._prepare()  # staging buffer allocated before the loop
-            if self.sharded or by_name:
+            if self.sharded or by_name:  # after _prepare, which sizes the staging with these state tensors (before
+                # it, a sharded run's first checkpoints held other optimizer state: test_sharded_start_over.py)
                 sharding.forget_optimizer_state(self.optimizer)  # the template's, made by get_state_dict
             self._mark_live(0)
             return self._started(0)

@@ -6,7 +6,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -40,12 +40,17 @@ def _close_what_was_made() -> Iterator[None]:
 
 
 def make(
-    tmp_path: Path, *, hidden: int = 8, every: int = 2, device: str = "cpu", **options: Any
+    tmp_path: Path, *, hidden: int = 8, every: int = 2, device: str = "cpu",
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = lambda p: torch.optim.Adam(p, lr=0.1),
+    scheduler: Callable[[torch.optim.Optimizer], Any] = lambda o: torch.optim.lr_scheduler.StepLR(
+        o, step_size=1, gamma=0.5),
+    **options: Any,
 ) -> tuple[Resumable, nn.Module, torch.optim.Optimizer, ElasticSampler]:
+    """The test run; `optimizer` and `scheduler` make another optimizer or scheduler for the same model."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, hidden), nn.Dropout(0.2), nn.Linear(hidden, 1)).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt = optimizer(list(model.parameters()))
+    sched = scheduler(opt)
     sampler = ElasticSampler(DataConfig(dataset_size=64, global_batch=8, seed=0))
     run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=every, **options), model=model, optimizer=opt,
                     scheduler=sched, sampler=sampler, extras={"note": "x"})

@@ -24,7 +24,6 @@ from torch import nn
 from tests.conftest import REPO, Procs
 from tests.unit.test_resumable import make, train
 from trainer import Resumable, ResumeConfig, StateMismatchError, state_digest
-from trainer.data import DataConfig, ElasticSampler
 
 State = dict[str, Any]
 
@@ -162,19 +161,6 @@ def test_reordered_optimizer_is_a_mismatch_not_damage(tmp_path: Path) -> None:
     other.close()
 
 
-def _resume_with(tmp_path: Path, optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 scheduler: Callable[[torch.optim.Optimizer], Any] = lambda o: torch.optim.lr_scheduler.StepLR(
-                     o, step_size=1, gamma=0.5)) -> tuple[Resumable, nn.Module, torch.optim.Optimizer]:
-    """make()'s run with another optimizer or scheduler, on the checkpoints make()'s run wrote."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
-    opt = optimizer(list(model.parameters()))
-    sampler = ElasticSampler(DataConfig(dataset_size=64, global_batch=8, seed=0))
-    run = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=2), model=model, optimizer=opt,
-                    scheduler=scheduler(opt), sampler=sampler, extras={"note": "x"})
-    return run, model, opt
-
-
 # Choices of how torch steps, made between two runs (session 50's audit: each made every checkpoint 'malformed', the
 # run started over at step 0 and its first save removed them all).
 HOW_TORCH_STEPS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -191,7 +177,7 @@ def test_how_the_optimizer_steps_may_change_between_runs(
     run, model, opt, _ = make(tmp_path)
     train(run, model, opt, 0, 4)
     run.close()
-    run2, model2, opt2 = _resume_with(tmp_path, optimizer)
+    run2, model2, opt2, _ = make(tmp_path, optimizer=optimizer)
     assert run2.restore() == 4  # the saved groups' values then, as torch's load_state_dict takes them
     train(run2, model2, opt2, 4, 6)  # it steps on the loaded state
     run2.close()
@@ -205,11 +191,10 @@ def test_another_optimizer_or_scheduler_class_stops_the_run_and_removes_nothing(
     run.close()
     steps = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
     if other == "AdamW":  # the same group keys as Adam's in this torch: it loaded, weight_decay 0 and all
-        run2, *_ = _resume_with(tmp_path, lambda p: torch.optim.AdamW(p, lr=0.1))
+        run2, *_ = make(tmp_path, optimizer=lambda p: torch.optim.AdamW(p, lr=0.1))
         expected = "the checkpoint's optimizer is Adam and this run's is AdamW: resume with Adam"
     else:
-        run2, *_ = _resume_with(tmp_path, lambda p: torch.optim.Adam(p, lr=0.1),
-                                lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step))
+        run2, *_ = make(tmp_path, scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step))
         expected = "'scheduler' state does not load into this LambdaLR .* resume with the scheduler it was written with"
     with pytest.raises(StateMismatchError, match=expected):
         run2.restore()
