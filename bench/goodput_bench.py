@@ -124,6 +124,9 @@ class Variant:
     ckpt_in_memory: bool = False
     """tier 1 (and the rest of the checkpoint directory) in /dev/shm, not on the disk: a probe of what the
     tier-1 writes cost through the disk's writeback rather than through reading, hashing and copying the state"""
+    probe: str = ""
+    """a directory of bench/probes put first on every process's PYTHONPATH: its sitecustomize.py changes the
+    product for a probe of what a part costs (never a kill variant: a probe's checkpoints need not restore)"""
 
     @property
     def tier0(self) -> bool:
@@ -151,6 +154,7 @@ VARIANTS = {
     "ours_tier0_1_tier1_10_keep4": Variant("ours", 1, 10, env=(("ELASTIC_HELPER_KEEP_CORES", "4"),)),
     "ours_tier0_1_tier1_10_tmpfs": Variant("ours", 1, 10, ckpt_in_memory=True),
     "ours_tier0_1_tier1_10_device_image": Variant("ours", 1, 10, device_image=True),
+    "ours_tier0_1_tier1_10_skip_sum64": Variant("ours", 1, 10, probe="skip_sum64"),
     "none_repeat": Variant("none"),
     "ours_tier0_1_tier1_10_nospare": Variant("ours", 1, 10, env=(("ELASTIC_WARM_SPARE", "0"),)),
     "ours_tier0_1_tier1_10_buffered": Variant("ours", 1, 10, env=(("ELASTIC_DIRECT_IO", "0"),)),
@@ -597,7 +601,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in names:
         spec = VARIANTS[name]
         variants[name] = {"kind": spec.kind, "save_every": spec.save_every, "persist_every": spec.persist_every or None,
-                          **({"env": dict(spec.env)} if spec.env else {}), "rounds": []}
+                          **({"env": dict(spec.env)} if spec.env else {}),
+                          **({"probe": spec.probe} if spec.probe else {}), "rounds": []}
         if spec.tier0 and no_tier0:
             variants[name]["skipped"] = no_tier0
     started = time.perf_counter()
@@ -703,10 +708,19 @@ def checkpoints_removed(variant: Variant, run_dir: Path) -> Iterator[None]:
             shutil.rmtree(ckpt_dir(variant, run_dir), ignore_errors=True)
 
 
+def variant_env(variant: Variant) -> dict[str, str | None]:
+    """The environment a variant adds: its own, and its probe's directory first on PYTHONPATH."""
+    env: dict[str, str | None] = dict(variant.env)
+    if variant.probe:
+        path = [str(REPO / "bench" / "probes" / variant.probe), str(REPO), os.environ.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+    return env
+
+
 def one_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, variant: Variant,
             telemetry: GpuTelemetry | None = None) -> dict[str, Any]:
     run_dir.mkdir(parents=True)
-    env: dict[str, str | None] = {"ELASTIC_FAULTS": None, **dict(variant.env)}
+    env: dict[str, str | None] = {"ELASTIC_FAULTS": None, **variant_env(variant)}
     with checkpoints_removed(variant, run_dir), events_dir_in_memory() as events_dir:
         env["ELASTIC_EVENTS_DIR"] = str(events_dir)
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, args.steps), env, restarts=0,
@@ -736,7 +750,7 @@ def kill_run(args: argparse.Namespace, launcher: Launcher, run_dir: Path, varian
     steps = kill_step + args.steps_after_kill
     with checkpoints_removed(variant, run_dir), events_dir_in_memory() as events_dir:
         env: dict[str, str | None] = {"ELASTIC_EVENTS_DIR": str(events_dir), "ELASTIC_FAULTS": faults,
-                                      **dict(variant.env)}
+                                      **variant_env(variant)}
         run = launcher.run(run_dir, worker_argv(args, variant, run_dir, steps), env, restarts=1,
                            timeout=args.run_timeout)
         events = read_events(str(events_dir))
