@@ -416,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     # At once: nothing here needs cleaning up (a half-written rank directory is a temp one, swept later), and
     # sys.exit() from a handler while the interpreter joins the checksum threads only prints a traceback.
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # A terminal's Ctrl-C reaches the agent's whole process group, this process too. The agent decides what
+    # follows and stops the helper itself (SIGTERM); a KeyboardInterrupt here only printed a traceback and
+    # took the helper away from the workers' last snapshots.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tmp = args.socket.with_name(f".{args.socket.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

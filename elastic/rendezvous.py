@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_random_exponential
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousHandler,
     RendezvousInfo,
@@ -168,15 +169,26 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         started = self._clock()
         deadline = Deadline.after(self.config.join_timeout, clock=self._clock)
-        self._start_membership()
-        while True:
-            done = self._join_round(deadline)
-            try:
-                store, addr, port = self._round_store(done, deadline)
-                break
-            except _RoundAbandoned as exc:
-                log.warning("rendezvous: abandoning round %d: %s; joining the next one", done.generation, exc)
-                self._completed_generation = done.generation
+        try:
+            for attempt in self._through_etcd_outage(deadline):
+                with attempt:
+                    self._start_membership()
+            while True:
+                try:
+                    for attempt in self._through_etcd_outage(deadline):
+                        with attempt:
+                            done = self._join_round(deadline)
+                            store, addr, port = self._round_store(done, deadline)
+                    break
+                except _RoundAbandoned as exc:
+                    log.warning("rendezvous: abandoning round %d: %s; joining the next one", done.generation, exc)
+                    self._completed_generation = done.generation
+        except EtcdUnavailableError as exc:
+            if not self._ran_round:
+                raise
+            raise EtcdUnavailableError(
+                f"{exc} (the rendezvous after a failure or a membership change waited for etcd for "
+                f"--rdzv-conf join_timeout={self.config.join_timeout.total_seconds():.0f}s)") from exc
         self._completed_generation = done.generation
         self._ran_round = True
         self._round = done.participants
@@ -189,6 +201,28 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._clock() - started,
         )
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
+
+    def _through_etcd_outage(self, deadline: Deadline) -> Retrying:
+        """Attempts at a rendezvous step that retry while etcd is unreachable, once this node has run a round:
+        the group restarting after a failure (or re-forming after a membership change) while etcd is down waits
+        for it until the join deadline (README, "etcd faults"), as degraded mode lets healthy workers train on
+        meanwhile. At the job's start an unreachable etcd still fails after one call's etcd_timeout: a wrong
+        --rdzv-endpoint is reported in seconds, not after join_timeout."""
+        warned = False
+
+        def wait_out(exc: BaseException) -> bool:
+            return isinstance(exc, EtcdUnavailableError) and self._ran_round and not deadline.expired()
+
+        def before_sleep(state: RetryCallState) -> None:
+            nonlocal warned
+            failure = state.outcome.exception() if state.outcome is not None else None
+            (log.debug if warned else log.warning)(
+                "rendezvous: %s; waiting for etcd (%.0fs left of join_timeout)", failure, deadline.remaining() or 0.0)
+            warned = True
+
+        return Retrying(retry=retry_if_exception(wait_out), stop=lambda _: deadline.expired(),
+                        wait=wait_random_exponential(multiplier=0.25, max=3.0), before_sleep=before_sleep,
+                        reraise=True)
 
     def stop_below_minimum(self) -> None:
         """From now on, once this node has run a round, a later round raises BelowMinimumError as soon as fewer

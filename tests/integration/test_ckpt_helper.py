@@ -156,10 +156,13 @@ def test_the_helper_publishes_snapshots_and_a_restore_reads_them_bitwise(
     assert sum(h.mapped for h in ck._writer.helpers) == 2
     for step in range(1, 5):
         snapshot(ck, step)
+        if step == 2:  # a terminal's Ctrl-C reaches the agent's whole process group, the helper too: its agent
+            os.kill(helpers[0].proc.pid, signal.SIGINT)  # decides (it stops the helper), so the helper serves on
     assert published(ck) == 4
     ck.close()
     assert manifest_steps(shm) == [3, 4]
     assert restored(tmp_path, shm) == (4, "memory")
+    assert helpers[0].proc.poll() is None and "Traceback" not in helpers[0].log.read_text()
 
 
 def test_a_bad_request_is_answered_with_an_error_and_the_helper_serves_on(
