@@ -166,10 +166,14 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
     me = k.node_id
     nnodes = (k.min_nodes, k.max_nodes)
     if state is None:
-        first = RoundState(generation=1, status="joining", participants=(me,), nnodes=nnodes)
+        # Past the rounds this node ran: a run's state is only missing at its start, or after etcd lost its
+        # data (restarted empty). A round numbered from 1 again would be at or below the running nodes'
+        # completed_generation, stale to them, and the next restart would wait on it until join_timeout.
+        first = RoundState(generation=k.completed_generation + 1, status="joining", participants=(me,), nnodes=nnodes)
         if k.max_nodes == 1:
             return _close(first, first.participants, "first round, max 1 node", me)
-        return Write(first, "open the first round")
+        return Write(first, "open the first round" if first.generation == 1 else
+                     f"open round {first.generation}: the run's state is gone from etcd (restarted without its data?)")
     if state.shutdown:
         return Closed()
     if state.nnodes is not None and state.nnodes != nnodes:
@@ -188,8 +192,10 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
         running_full = len(state.participants) >= k.max_nodes and all(p in k.live for p in state.participants)
         if running_full and me not in state.participants:
             return Wait(f"round {state.generation} is full ({k.max_nodes} nodes) and healthy; waiting as a spare")
-        nxt = RoundState(generation=state.generation + 1, status="joining", participants=(me,),
-                         previous=state.participants, nnodes=nnodes)
+        # Past this node's own rounds too: a round a newcomer opened after etcd lost its data can be numbered
+        # at or below them.
+        nxt = RoundState(generation=max(state.generation, k.completed_generation) + 1, status="joining",
+                         participants=(me,), previous=state.participants, nnodes=nnodes)
         if k.max_nodes == 1:
             return _close(nxt, nxt.participants, f"round {nxt.generation} with max 1 node", me)
         return Write(nxt, f"open round {nxt.generation} after round {state.generation}")

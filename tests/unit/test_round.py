@@ -272,3 +272,17 @@ def test_only_a_member_of_the_newest_round_may_close_the_run() -> None:
 
 def test_lost_members_count_even_without_a_readable_state() -> None:
     assert nodes_waiting(None, know("a", "a", completed=2), ("a", "b")) == 1
+
+
+def test_after_etcd_lost_the_runs_state_rounds_are_numbered_past_the_ones_the_nodes_ran() -> None:
+    # etcd restarted without its data while the job ran round 3: a round numbered 1 again was stale to the
+    # running nodes (at or below their completed generation), and the next restart waited on it until join_timeout.
+    first = decide(None, know("a", "ab", min_nodes=2, max_nodes=2, completed=3))
+    assert isinstance(first, Write) and first.state.generation == 4 and first.state.participants == ("a",)
+    joined = decide(first.state, know("b", "ab", min_nodes=2, max_nodes=2, completed=3))
+    assert isinstance(joined, Write) and joined.state.status == "closed"
+    assert taken(joined.state, "b") is not None  # the other running node takes its rank in it
+    # A newcomer (no rounds run) opened round 1 and closed it alone; a node that ran round 3 opens round 4.
+    stale = decide(closed("c", generation=1), know("a", "ac", min_nodes=1, completed=3))
+    assert isinstance(stale, Write) and stale.state.generation == 4
+    assert decide(None, know("a", "a")).state.generation == 1  # type: ignore[union-attr] # a new run starts at 1
