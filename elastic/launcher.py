@@ -265,7 +265,9 @@ def _plan(args: Namespace, env: Mapping[str, str]) -> Plan:
                 f"--rdzv-id is required with --rdzv-endpoint and --nnodes {args.nnodes}: every node of one job must "
                 "pass the same id, and a finished job's id is closed for good (torchrun's default 'none' would "
                 "collide with the previous job). Pass e.g. --rdzv-id job-42, or run under Slurm (SLURM_JOB_ID), "
-                "or set TORCHELASTIC_RUN_ID or JOB_UID"
+                "or set TORCHELASTIC_RUN_ID or JOB_UID. Without --rdzv-backend, elastic-run takes --rdzv-endpoint for "
+                "etcd; for torchrun's static rendezvous at that address (torchrun's default backend), pass "
+                "--rdzv-backend static"
             )
         derived = str(uuid.uuid4())  # one node: nobody else needs to agree on it
     return Plan(backend=backend, embedded_etcd=False, run_id=derived, notes=notes)

@@ -310,6 +310,11 @@ def test_run_id_comes_from_the_scheduler_and_is_required_for_several_nodes_on_an
     external = ["--rdzv-endpoint", "127.0.0.1:2379", "--nnodes", "1:4"]
     with pytest.raises(ValueError, match="--rdzv-id is required"):
         plan(external)
+    # torchrun's static form (its default backend) names the way to it.
+    with pytest.raises(ValueError, match="pass --rdzv-backend static"):
+        plan(["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29500"])
+    assert plan(["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29500",
+                 "--rdzv-backend", "static"]).backend == "static"
     assert plan(external, {"SLURM_JOB_ID": "77"}).run_id == "slurm-77-0"
     assert plan(external, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"}).run_id == "slurm-77-2"
     assert plan(external, {"JOB_UID": "5c1f"}).run_id == "k8s-5c1f"
