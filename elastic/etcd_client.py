@@ -218,29 +218,43 @@ class EtcdClient:
         try:
             return retrying(fn)
         except Exception as exc:
-            if _is_transient(exc):
-                raise EtcdUnavailableError(
-                    redact(
-                        f"etcd at {self.config.endpoints} did not answer `{what}` within {limit:.0f}s "
-                        f"({type(exc).__name__}: {exc}). "
-                        "Is etcd running and reachable? Check --rdzv-endpoint and the network."
-                    )
-                ) from exc
-            if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in (
-                grpc.StatusCode.UNAUTHENTICATED,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                grpc.StatusCode.PERMISSION_DENIED,
-            ):
-                raise EtcdUnavailableError(redact(
-                    f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. "
-                    "Check the user/password and TLS settings in --rdzv-conf."
-                )) from exc
-            advice = _advice(exc)
-            if advice is not None:
-                raise EtcdUnavailableError(redact(
-                    f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. {advice}"  # type: ignore[attr-defined]
-                )) from exc
+            self._raise_typed(exc, what=what, within=f"within {limit:.0f}s")
             raise
+
+    def once(self, fn: Callable[[], T], *, what: str) -> T:
+        """Run `fn` once (a caller that tries again on its own schedule, as a lease's keep-alive); an etcd failure
+        raises the same typed errors, naming the endpoints, as `call`."""
+        try:
+            return fn()
+        except Exception as exc:
+            self._raise_typed(exc, what=what, within="(one try)")
+            raise
+
+    def _raise_typed(self, exc: Exception, *, what: str, within: str) -> None:
+        """Raise EtcdUnavailableError, naming the endpoints and what to do, for an etcd failure `exc` that has
+        one; return for any other exception (the caller re-raises it)."""
+        if _is_transient(exc):
+            raise EtcdUnavailableError(
+                redact(
+                    f"etcd at {self.config.endpoints} did not answer `{what}` {within} "
+                    f"({type(exc).__name__}: {exc}). "
+                    "Is etcd running and reachable? Check --rdzv-endpoint and the network."
+                )
+            ) from exc
+        if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in (
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.PERMISSION_DENIED,
+        ):
+            raise EtcdUnavailableError(redact(
+                f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. "
+                "Check the user/password and TLS settings in --rdzv-conf."
+            )) from exc
+        advice = _advice(exc)
+        if advice is not None:
+            raise EtcdUnavailableError(redact(
+                f"etcd at {self.config.endpoints} refused `{what}`: {exc.details()}. {advice}"  # type: ignore[attr-defined]
+            )) from exc
 
     def close(self) -> None:
         try:

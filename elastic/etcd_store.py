@@ -74,7 +74,8 @@ class EtcdRunStore:
 
     def refresh_lease(self, lease: int) -> bool:
         # One keep-alive round trip, not retried: the caller refreshes again within the TTL.
-        responses = list(self.client.raw.refresh_lease(lease))
+        raw = self.client.raw
+        responses = self.client.once(lambda: list(raw.refresh_lease(lease)), what=f"refresh lease {lease:x}")
         return bool(responses) and responses[0].TTL > 0
 
     def revoke_lease(self, lease: int, *, deadline: timedelta | None = None) -> None:

@@ -194,8 +194,10 @@ class Monitor:
                         log.warning("liveness: the agent of node %s closed its beacon: it is gone", node)
                     try:
                         self._on_lost(node)
-                    except Exception:  # noqa: BLE001 - thread boundary; the lease TTL is the fallback
-                        log.warning("liveness: reporting %s lost failed", node, exc_info=True)
+                    except Exception as exc:  # noqa: BLE001 - thread boundary; the lease TTL is the fallback
+                        log.warning("liveness: reporting %s lost failed (%s): its lease running out reports it",
+                                     node, exc)
+                        log.debug("liveness: reporting %s lost failed", node, exc_info=True)
 
     def close(self) -> None:
         self._stop.set()

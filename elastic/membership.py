@@ -102,6 +102,7 @@ class Membership:
     def _keep_alive(self) -> None:
         # Refresh at a third of the TTL so two lost refreshes in a row still keep the lease.
         interval = self.config.lease_ttl.total_seconds() / 3
+        failing = 0  # refreshes failed in a row: the first is a warning, the rest of the outage debug lines
         while not self._stop.wait(interval):
             lease = self._lease
             if lease is None:
@@ -111,12 +112,19 @@ class Membership:
                     log.warning("membership: lease of %s expired; registering again", self.key)
                     self._register(self._info)
                     self._doubt()  # the others' leases may have lapsed with this one (etcd paused or restored)
+                if failing:
+                    log.info("membership: the lease of %s is refreshed again, after %d failed tries", self.key,
+                             failing)
+                failing = 0
             except NodeIdConflictError:
                 log.error("membership: %s was taken by another agent; giving up the keep-alive", self.key)
                 return
             except Exception as exc:  # noqa: BLE001 - thread boundary: log and keep trying
                 self._doubt()
-                log.warning("membership: refreshing the lease of %s failed: %s", self.key, exc)
+                (log.debug if failing else log.warning)(
+                    "membership: refreshing the lease of %s failed: %s (tried again every %.1fs)", self.key, exc,
+                    interval)
+                failing += 1
 
     def _doubt(self) -> None:
         self._unsure_until = time.monotonic() + self.config.lease_ttl.total_seconds()

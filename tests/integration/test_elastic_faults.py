@@ -186,6 +186,9 @@ def test_etcd_down_keeps_healthy_workers_training_and_a_worker_failed_meanwhile_
         wait_until(lambda: steps_at(nodes, 2, after=back) >= 20, 90, "training after etcd came back", nodes)
         assert all(n.proc.poll() is None for n in nodes)
         assert any('"reason": "worker failure"' in line for line in restarts()), "the killed worker was not restarted"
+        # The outage's lease warnings name the endpoint, once per node and outage (not one a second).
+        refreshes = [line for n in nodes for line in n.lines if "refreshing the lease of" in line]
+        assert 1 <= len(refreshes) <= 4 and all(f"etcd at {first.endpoint}" in line for line in refreshes), refreshes
     finally:
         first.stop()
         if second is not None:
