@@ -227,6 +227,9 @@ class Replicator:
     def _round(self, job: UploadJob | None) -> bool:
         """Upload `job`, then (rank 0) try to commit, then local retention; True: retry `job` later."""
         if job is not None and not self._upload(job):
+            # Tier 2 is failing: tier-1 retention runs all the same, taking nothing there as committed (it keeps the
+            # step being uploaded and those tier 2 keeps forever). Skipped, a long outage filled the disk.
+            self._progress(frozenset())
             return True
         committed = self._poll_commits() if self.rank == 0 else None
         self._progress(committed)

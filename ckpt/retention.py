@@ -108,8 +108,8 @@ def apply_local_retention(
     uploading: int | None = None,
 ) -> None:
     """Delete tier-1 steps beyond retention, then sweep scratch. With a shared tier, a step whose
-    upload is not committed there yet is kept (`shared_committed`: the shared tier's committed
-    steps if known, else listed here; while it cannot be listed nothing is released)."""
+    upload is not committed there yet and may still be is kept (`awaiting_replication`; `shared_committed`:
+    the shared tier's committed steps if known, else listed here; while it cannot be listed, none)."""
     committed = local.committed_steps()
     if not committed:
         return
@@ -126,8 +126,12 @@ def apply_local_retention(
                 try:
                     shared_committed = set(shared.committed())
                 except (SharedStorageError, CheckpointError) as exc:
-                    logger.info("local retention waits for the shared tier: %s", exc)
-                    return
+                    # Not known: nothing there counts as committed. What may still be uploaded stays (the step
+                    # being uploaded, the steps tier 2 keeps forever); waiting instead, a long outage of tier 2
+                    # filled tier 1 until the job stopped on a full disk.
+                    logger.info("local retention, the shared tier's commits unknown (%s): keeping the steps it "
+                                "may still need", exc)
+                    shared_committed = set()
             protected |= awaiting_replication(
                 set(releasable) - abandoned,
                 shared_committed=set(shared_committed),

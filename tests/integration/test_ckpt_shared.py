@@ -298,34 +298,36 @@ def test_shared_store_down_then_back_uploads_catch_up(
 ) -> None:
     store = Store(f"s3://{own_moto_s3.make_bucket()}/ckpt", own_moto_s3.storage_options())
     shared = store.shared("run", keep_last=5)
-    c = checkpointers.make(local(tmp_path, "node", shared))
+    c = checkpointers.make(local(tmp_path, "node", shared, keep_last=2))
     c.save_async(1, state_of(1)).wait_persisted(WAIT)
     c.wait_uploaded(WAIT)
 
     own_moto_s3.stop()
     assert own_moto_s3.refuses_connections()
-    for step in (2, 3):  # training goes on: tier 1 works, saves do not wait for tier 2
+    for step in (2, 3, 4, 5):  # training goes on: tier 1 works, saves do not wait for tier 2
         pending = c.save_async(step, state_of(step))
         assert pending.wait_persisted(WAIT).stall_s < 1.0
-    # [2, 3], or [3] once step 2 has been superseded in the queue
-    with pytest.raises(CheckpointTimeoutError, match=r"steps \[(2, )?3\] not replicated .*last error"):
+    # the newest steps, the older ones superseded in the queue
+    with pytest.raises(CheckpointTimeoutError, match=r"steps \[(\d, )*5\] not replicated .*last error"):
         c.wait_uploaded(timedelta(seconds=1.5))
     wait_for(lambda: "failed" in (c.last_error or ""), "the upload error to be surfaced")
-    assert c.committed_steps() == [3, 2, 1]  # local copies stay while tier 2 is down
+    # Tier 1 keeps its keep_last while tier 2 is down: held for their upload, the steps of a long outage
+    # filled the disk until the job stopped. Step 5 waits for its upload, 1 is in tier 2, 2-3 are superseded.
+    wait_for(lambda: c.committed_steps() == [5, 4], "tier 1's retention to run while tier 2 is down")
     assert any("retrying in" in r.getMessage() for r in caplog.records)  # tenacity backoff ran
 
     own_moto_s3.start()  # same port, same bucket: the store is back
     c.wait_uploaded(WAIT)
-    # The backlog catches up with the newest step only: step 2 was superseded by step 3.
-    assert store.committed("run") == [1, 3]
+    # The backlog catches up with the newest step only: steps 2-4 were superseded by step 5.
+    assert store.committed("run") == [1, 5]
     by_step = {m.step: m for m in c.metrics}
     assert by_step[2].status == "superseded"
-    latest = by_step[3]
-    assert latest.status == "committed" and latest.error is None and latest.upload_lag_steps == 2
+    latest = by_step[5]
+    assert latest.status == "committed" and latest.error is None and latest.upload_lag_steps == 4
     fresh = checkpointers.make(local(tmp_path, "fresh", shared))
     restored = fresh.restore()
-    assert restored is not None and (restored.step, restored.tier) == (3, "shared")
-    assert_same(restored.state, state_of(3))
+    assert restored is not None and (restored.step, restored.tier) == (5, "shared")
+    assert_same(restored.state, state_of(5))
 
 
 def test_restore_works_from_the_local_tier_while_the_store_is_down(
