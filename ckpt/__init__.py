@@ -13,6 +13,7 @@ from ckpt.checkpointer import Checkpointer, PendingSave
 from ckpt.compat import check_compatible
 from ckpt.config import CheckpointConfig, RetryConfig, SharedConfig
 from ckpt.errors import (
+    CheckpointAccessError,
     CheckpointConflictError,
     CheckpointCorruptError,
     CheckpointError,
@@ -31,6 +32,7 @@ from ckpt.sharding import ShardMismatchError
 from ckpt.tiers import TierName
 
 __all__ = [
+    "CheckpointAccessError",
     "CheckpointConfig",
     "CheckpointConflictError",
     "CheckpointCorruptError",

@@ -528,8 +528,9 @@ class Checkpointer:
         and then gives the optimizer's CPU tensors memory of their own).
 
         SharedStorageError when none is restored because the shared tier could not be listed (and this node holds
-        no step) or a step could not be downloaded: starting over then would throw that progress away (the first
-        save removes the newer steps). `if_unsure="none"` returns None instead and leaves the error in
+        no step) or a step could not be downloaded, CheckpointAccessError when this process may not read a newer
+        step's files (permissions): starting over, or from an older step, would throw that progress away (the
+        first save removes the newer steps). `if_unsure="none"` returns None instead and leaves the error in
         `restore_blocked` (`trainer` first asks its peers for their state, and raises if none has any).
         """
         self._check_open()
@@ -543,7 +544,7 @@ class Checkpointer:
         return restored
 
     @property
-    def restore_blocked(self) -> SharedStorageError | None:
+    def restore_blocked(self) -> CheckpointError | None:
         """Why the last `restore(if_unsure="none")` returned None without knowing that no newer step exists."""
         return self._restorer.blocked
 

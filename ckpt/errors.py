@@ -50,6 +50,23 @@ class CheckpointConflictError(CheckpointError):
     it; nothing was written. Use another directory, or start from its checkpoints with init_from."""
 
 
+class CheckpointAccessError(CheckpointError):
+    """A checkpoint file or directory this process may not read (permission denied): not damage. Nothing is
+    removed, and a restore does not go back past it; fix its owner or mode and start again."""
+
+
+def permission_denied(exc: BaseException) -> BaseException | None:
+    """The permission error (EACCES, EPERM) that `exc` is, or was raised from; None if none is."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (PermissionError, CheckpointAccessError)):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 class SharedStorageError(CheckpointError):
     """Tier 2 (shared storage) failed after bounded retries; training goes on, uploads retry."""
 

@@ -22,6 +22,7 @@ from typing import Any
 from ckpt.commit import CommitMarker, parse_commit
 from ckpt.durable import discard_tree, remove_quietly, strerror
 from ckpt.errors import (
+    CheckpointAccessError,
     CheckpointConflictError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -53,6 +54,9 @@ class LocalTier:
         """Steps whose copy here failed verification at restore (local retention drops them)."""
         self.foreign: dict[int, str] = {}
         """Steps committed by another run (found by the last listing), with that run: never deleted."""
+        self.inaccessible: dict[int, CheckpointAccessError] = {}
+        """Steps whose COMMIT this process may not read (found by the last listing): never deleted, and a restore
+        does not go back past them (ckpt/restore.py)."""
         self._read_timeout = read_timeout
 
     @property
@@ -76,11 +80,17 @@ class LocalTier:
         markers: dict[int, CommitMarker] = {}
         newer: set[int] = set()
         foreign_now: dict[int, str] = {}
+        denied: dict[int, CheckpointAccessError] = {}
         for step in self.layout.step_dirs():
             try:
                 marker = self.read_commit(step)
             except CheckpointVersionError:
                 newer.add(step)
+                continue
+            except CheckpointAccessError as exc:
+                if step not in self.inaccessible:
+                    logger.warning("step %d: %s", step, exc)
+                denied[step] = exc
                 continue
             except CheckpointError as exc:
                 logger.warning("ignoring step %d: %s", step, exc)
@@ -104,6 +114,7 @@ class LocalTier:
             markers[step] = marker
         if identity is not None:
             self.foreign = foreign_now
+        self.inaccessible = denied
         return markers, newer
 
     def read_commit(self, step: int) -> CommitMarker | None:
@@ -112,6 +123,11 @@ class LocalTier:
             data = read_regular(path, timeout=self._read_timeout)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        except PermissionError as exc:
+            raise CheckpointAccessError(
+                f"cannot read {path}: {strerror(exc)}. The step is not damaged, and nothing is removed or restored "
+                "in its place: give this job read access to it (its owner or mode) and start again, or move "
+                f"{self.layout.step_dir(step)} away to resume from the step before it", path=path) from exc
         except OSError as exc:
             raise CheckpointError(f"cannot read {path}: {strerror(exc)}", path=path) from exc
         return parse_commit(data, path=path, step=step)

@@ -33,7 +33,14 @@ from typing import Any
 
 from ckpt.commit import CommitMarker
 from ckpt.config import CheckpointConfig
-from ckpt.errors import CheckpointError, CheckpointNotFoundError, CheckpointVersionError, SharedStorageError
+from ckpt.errors import (
+    CheckpointAccessError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+    SharedStorageError,
+    permission_denied,
+)
 from ckpt.identity import RunIdentity
 from ckpt.init_source import open_source
 from ckpt.layout import MANIFEST_FILE, list_dir
@@ -112,9 +119,10 @@ class Restorer:
         self.config = config
         self._pool = pool
         self._timeout = config.read_timeout.total_seconds()
-        self.blocked: SharedStorageError | None = None
+        self.blocked: CheckpointError | None = None
         """Why the last restore returned None without knowing that nothing newer exists (the shared tier could not
-        be listed, or a step could not be downloaded): starting over would throw that progress away."""
+        be listed, a step could not be downloaded, or this process may not read a newer step): starting over, or
+        from an older step, would throw that progress away."""
 
     def available_steps(self) -> list[int]:
         """Steps committed in any tier, newest first (the shared tier only if reachable)."""
@@ -157,7 +165,8 @@ class Restorer:
                 f"{unlisted}; with none in this node's tiers, the run starts from step 0 only once the shared "
                 "tier answers. Start the job again when it is reachable")
             self.blocked.__cause__ = unlisted
-        candidates = _select(sorted(local | set(shared) | set(host), reverse=True), step, max_step)
+        denied = dict(self.local.inaccessible)  # listed by committed_steps() above
+        candidates = _select(sorted(local | set(shared) | set(host) | set(denied), reverse=True), step, max_step)
         for candidate in candidates:
             copies = []
             if candidate in host:
@@ -171,8 +180,12 @@ class Restorer:
             try:
                 restored = self._restore_step(candidate, copies, replicated=replicated, init_from=False, into=into,
                                               detach=detach)
-            except _Blocked as exc:
+            except (_Blocked, CheckpointAccessError) as exc:  # raised only to stop the walk back
                 self.blocked = exc
+                return None
+            if restored is None and candidate in denied:
+                # Its COMMIT here may not be read: not damage. An older step would lose it (its re-save replaces it).
+                self.blocked = denied[candidate]
                 return None
             if restored is None:
                 continue
@@ -296,6 +309,14 @@ class Restorer:
                         "first save would remove this one: start the job again once the store answers and "
                         "tier 1 has room for the download") from exc
                 except CheckpointError as exc:
+                    denied = permission_denied(exc)
+                    if denied is not None and not init_from:
+                        # Not damage: going back to an older step would throw this one away, as above.
+                        raise CheckpointAccessError(
+                            f"step {step} (rank {rank}'s part) could not be read from "
+                            f"{copy.tier.describe_rank(step, rank)}: {denied}. The step is not damaged, and nothing is "
+                            "removed or restored in its place: give this job read access to its files (their owner "
+                            "or mode) and start again", path=exc.path) from exc
                     self._unusable(copy.tier, step, rank, exc, init_from=init_from)
                     if files.is_sharded(rank):
                         return None  # every tier was tried, and another part needs the same pieces

@@ -115,7 +115,7 @@ def apply_local_retention(
         return
     present = list(local.layout.step_dirs())
     abandoned = abandoned_steps(committed, saved=saved, unreadable=local.unreadable)
-    protected: set[int] = set(local.foreign)
+    protected: set[int] = set(local.foreign) | set(local.inaccessible)  # another run's; or unreadable here, not damaged
     if shared is not None:
         candidates = select_deletions(
             committed=committed, present=present, keep_last=keep_last, keep_every=keep_every, abandoned=abandoned
