@@ -335,14 +335,15 @@ class Checkpointer:
                 path=step_dir,
             )
 
-    def check(self) -> None:
+    def check(self, *, final: bool = False) -> None:
         """Raise CheckpointSaveError when saving cannot go on (ckpt/save_policy.py): the last
         `max_failed_saves` saves failed, or another live job writes the shared prefix. Cheap:
-        no I/O; save_async() calls it too."""
+        no I/O; save_async() calls it too. `final` (at the run's end, after close()): also when the
+        last save failed, however few in a row (unless max_failed_saves is None)."""
         fence = None
         if self._shared is not None:
             fence = self._shared.fence or (self._owner.fence if self._owner else None)
-        self._failures.check(fence)
+        self._failures.check(fence, final=final)
 
     def prepare(self, state: Mapping[str, Any]) -> int:
         """Allocate the staging buffer for `state` now (e.g. right after restore) so that the

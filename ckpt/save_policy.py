@@ -38,12 +38,20 @@ class SaveFailures:
             self.in_a_row = 0
             self.last = None
 
-    def check(self, fence: CheckpointError | None = None) -> None:
-        """Raise CheckpointSaveError if saving cannot go on."""
+    def check(self, fence: CheckpointError | None = None, *, final: bool = False) -> None:
+        """Raise CheckpointSaveError if saving cannot go on; `final` (the run's end): also if its last save
+        failed, fewer than `limit` in a row (its end is not checkpointed: a job that exits 0 says it is)."""
         if fence is not None:
             raise CheckpointSaveError(f"checkpoints of {self.root} stop: {fence}", path=self.root) from fence
         with self._lock:
             count, last = self.in_a_row, self.last
+        if final and self.limit is not None and last is not None and count < self.limit:
+            raise CheckpointSaveError(
+                f"the last save to {self.root} failed, so the end of this run is not checkpointed (a restart redoes "
+                f"the steps since the newest committed one; max_failed_saves=None only logs this). The failure: "
+                f"{last}",
+                path=self.root,
+            ) from last
         if self.limit is None or count < self.limit or last is None:
             return
         raise CheckpointSaveError(

@@ -743,8 +743,8 @@ class Resumable:
     def close(self) -> None:
         """Flush the save in flight and pending uploads (bounded), then stop the checkpointer's threads.
 
-        Raises CheckpointSaveError when the last `max_failed_saves` saves failed (no later save
-        would have noticed). A second call does nothing."""
+        Raises CheckpointSaveError when the last save failed (the run's end is not checkpointed; no
+        later save would have noticed), unless max_failed_saves is None. A second call does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -761,7 +761,7 @@ class Resumable:
             log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
                         self.checkpointer.last_error)
         self.telemetry.flush()  # the last saves' outcomes, for the agent's summary
-        self.checkpointer.check()
+        self.checkpointer.check(final=True)
         if unfinished is not None:
             raise unfinished
 

@@ -29,7 +29,14 @@ def _files_where_steps_go(ckpt: Path) -> str:
     return "the last 3 saves to"  # ckpt's max_failed_saves policy, let through by Resumable.save
 
 
-BLOCKS: dict[str, Callable[[Path], str]] = {"file": _file_instead_of_dir, "step-paths": _files_where_steps_go}
+def _file_where_the_last_step_goes(ckpt: Path) -> str:
+    ckpt.mkdir()
+    (ckpt / f"step_{40:012d}").write_text("x")  # only the last save fails: fewer in a row than max_failed_saves
+    return "the end of this run is not checkpointed"  # it used to exit 0
+
+
+BLOCKS: dict[str, Callable[[Path], str]] = {"file": _file_instead_of_dir, "step-paths": _files_where_steps_go,
+                                            "last-step": _file_where_the_last_step_goes}
 """How each job's checkpoint directory is made unwritable; each returns the cause its error must name."""
 
 
