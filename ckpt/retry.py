@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -44,12 +45,26 @@ def call_with_retries(
     stop: threading.Event,
     fn: Callable[..., T],
     *args: Any,
+    bounded: bool = True,
     **kwargs: Any,
 ) -> T:
     """Run `fn` with bounded retries (given up early once `stop` is set); raise SharedStorageError
-    once they are spent. CheckpointError and FileNotFoundError pass through unchanged."""
+    once they are spent. CheckpointError and FileNotFoundError pass through unchanged.
+
+    `bounded`: each try, too, ends by `retry.deadline` (run on a thread that is left behind if the store never
+    answers: a store that takes connections and never replies held a job's start for many minutes, since the
+    client's own timeouts and retries apply inside one try). Off for the transfers of whole files, whose one
+    try may rightly outlast the deadline on a slow link."""
+    started = time.monotonic()
+    limit = retry.deadline.total_seconds()
+
     def sleep(seconds: float) -> None:
         stop.wait(seconds)  # close() sets `stop`: a pause between tries ends at once
+
+    def attempt(*a: Any, **kw: Any) -> T:
+        if not bounded:
+            return fn(*a, **kw)
+        return _within(max(0.0, limit - (time.monotonic() - started)), fn, *a, **kw)
 
     retrying = Retrying(
         stop=(
@@ -65,7 +80,7 @@ def call_with_retries(
         reraise=True,
     )
     try:
-        return retrying(fn, *args, **kwargs)
+        return retrying(attempt, *args, **kwargs)
     except (CheckpointError, FileNotFoundError):
         raise
     except Exception as exc:
@@ -75,6 +90,27 @@ def call_with_retries(
             f"{what} at {url} failed ({type(exc).__name__}: {exc}); {tried}. Check that the store is "
             f"reachable, the credentials in shared.storage_options, and the local disk's free space",
         ) from exc
+
+
+def _within(timeout: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn` on a daemon thread, waited for `timeout` s; TimeoutError (a transient error) if it has not returned."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn(*args, **kwargs))
+        except BaseException as exc:  # thread boundary: handed to the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="ckpt-store-call", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {timeout:.1f}s (the rest of shared.retry.deadline)")
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _transient(exc: BaseException) -> bool:

@@ -196,9 +196,10 @@ class SharedTier:
 
     # -- retries -------------------------------------------------------------------------
 
-    def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run `fn` with bounded retries (ckpt/retry.py); raise SharedStorageError once they are spent."""
-        return call_with_retries(what, self.url, self.config.retry, self._stop, fn, *args, **kwargs)
+    def call(self, what: str, fn: Callable[..., T], *args: Any, bounded: bool = True, **kwargs: Any) -> T:
+        """Run `fn` with bounded retries (ckpt/retry.py); raise SharedStorageError once they are spent.
+        `bounded`=False for a whole file's transfer: its one try is not cut at the deadline."""
+        return call_with_retries(what, self.url, self.config.retry, self._stop, fn, *args, bounded=bounded, **kwargs)
 
     # -- primitives ----------------------------------------------------------------------
 
@@ -266,7 +267,7 @@ class SharedTier:
 
     def upload_file(self, local: Path, step: int, rank: int, name: str) -> None:
         path = f"{self.rank_path(step, rank)}/{name}"
-        self.call(f"upload of {local} to {self.describe(path)}", self._put_file, local, path, step)
+        self.call(f"upload of {local} to {self.describe(path)}", self._put_file, local, path, step, bounded=False)
 
     def write_marker(self, marker: RankMarker) -> None:
         path = self.marker_path(marker.step, marker.rank)
@@ -459,7 +460,8 @@ class SharedTier:
                     continue  # the reader rejects it, naming the manifest
                 source = f"{self.rank_path(step, rank)}/{name}"
                 try:
-                    self.call(f"download of {self.describe(source)}", self.fs.get_file, source, str(fetch / name))
+                    self.call(f"download of {self.describe(source)}", self.fs.get_file, source, str(fetch / name),
+                              bounded=False)
                 except FileNotFoundError as exc:  # the store answered: the file is not there (damage, not outage)
                     raise CheckpointCorruptError(
                         f"{self.describe(source)}: missing although step {step} is committed; restore an earlier "

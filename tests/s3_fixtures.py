@@ -154,7 +154,10 @@ class Checkpointers:
 def ckpt_threads() -> set[Any]:
     import threading
 
-    return {t for t in threading.enumerate() if t.name.startswith("ckpt-") and t.is_alive()}
+    # Not the tries of store calls that never answered: left behind by design until the client's own timeouts
+    # end them (ckpt/retry.py, `bounded`); close() cannot join them.
+    return {t for t in threading.enumerate()
+            if t.name.startswith("ckpt-") and t.name != "ckpt-store-call" and t.is_alive()}
 
 
 @pytest.fixture

@@ -4,8 +4,11 @@ against S3 (s3fs talking HTTP to moto's server on a free port)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,6 +24,7 @@ from ckpt import (
     CheckpointTimeoutError,
     RetryConfig,
     SharedConfig,
+    SharedStorageError,
 )
 from tests import s3_fixtures
 from tests.s3_fixtures import Checkpointers, MotoS3
@@ -351,7 +355,6 @@ def test_a_fresh_node_does_not_start_over_while_the_shared_tier_cannot_be_read(
     (503, or no room in tier 1 for them), started from step 0 (a failed download counted as a damaged step), and
     the first save of that new start removed every committed step in tier 2. Now restore raises, naming the
     store, and the steps are there once it answers."""
-    from ckpt import SharedStorageError
 
     proxy = s3_fixtures.FailingGets(own_moto_s3, r"state\.safetensors")
     try:
@@ -414,3 +417,29 @@ def test_a_bucket_deleted_mid_run_is_named_and_uploads_go_on_once_it_is_back(
     ckpt.wait_uploaded(WAIT)
     assert 3 in store.committed("run"), store.committed("run")
     ckpt.close()
+
+
+def test_a_store_that_takes_connections_and_never_answers_costs_the_retry_deadline_not_minutes(
+    tmp_path: Path, checkpointers: Checkpointers
+) -> None:
+    # A hung gateway: connections accepted, nothing ever answered. Each call held the job's start for the S3
+    # client's own timeouts and retries (over 7 minutes with a 10 s deadline); now each ends by shared.retry.deadline.
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # closed at the end of the test
+            while True:
+                held.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        options = {"endpoint_url": f"http://127.0.0.1:{listener.getsockname()[1]}", "key": "k", "secret": "s",
+                   "client_kwargs": {"region_name": "us-east-1"}}  # s3fs's and botocore's own timeouts
+        c = checkpointers.make(local(tmp_path, "node", Store("s3://bucket/ckpt", options).shared("run")))
+        with pytest.raises(SharedStorageError, match="no answer within"):
+            c.restore()  # the start's calls and this one each within FAST_RETRY's 2 s, in the test's 60 s
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
