@@ -21,6 +21,7 @@ from tenacity import (
 
 from ckpt.config import RetryConfig
 from ckpt.errors import CheckpointError, SharedStorageError
+from ckpt.safe_io import run_within
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,9 @@ def call_with_retries(
     def attempt(*a: Any, **kw: Any) -> T:
         if not bounded:
             return fn(*a, **kw)
-        return _within(max(0.0, limit - (time.monotonic() - started)), fn, *a, **kw)
+        left = max(0.0, limit - (time.monotonic() - started))
+        return run_within(lambda: fn(*a, **kw), left, name="ckpt-store-call",
+                          late=f"no answer within {left:.1f}s (the rest of shared.retry.deadline)")
 
     retrying = Retrying(
         stop=(
@@ -90,27 +93,6 @@ def call_with_retries(
             f"{what} at {url} failed ({type(exc).__name__}: {exc}); {tried}. Check that the store is "
             f"reachable, the credentials in shared.storage_options, and the local disk's free space",
         ) from exc
-
-
-def _within(timeout: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`fn` on a daemon thread, waited for `timeout` s; TimeoutError (a transient error) if it has not returned."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(fn(*args, **kwargs))
-        except BaseException as exc:  # thread boundary: handed to the caller
-            error.append(exc)
-
-    thread = threading.Thread(target=run, name="ckpt-store-call", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise TimeoutError(f"no answer within {timeout:.1f}s (the rest of shared.retry.deadline)")
-    if error:
-        raise error[0]
-    return result[0]
 
 
 def _transient(exc: BaseException) -> bool:

@@ -84,8 +84,13 @@ def open_own_file(path: Path) -> int:
     return fd
 
 
-def with_deadline(fn: Callable[[], T], *, timeout: float, what: str, path: Path) -> T:
-    """Run `fn` on a daemon thread; raise CheckpointTimeoutError naming `path` after `timeout` s."""
+class StillRunning(TimeoutError):
+    """`run_within`: the call had not returned by its deadline (its thread is left running)."""
+
+
+def run_within(fn: Callable[[], T], timeout: float, *, name: str, late: str) -> T:
+    """`fn` on a daemon thread named `name`, waited for `timeout` s; StillRunning(`late`) if it has not returned
+    (nothing can stop a blocked system or client call: its thread is left behind)."""
     result: list[T] = []
     error: list[BaseException] = []
 
@@ -95,18 +100,23 @@ def with_deadline(fn: Callable[[], T], *, timeout: float, what: str, path: Path)
         except BaseException as exc:  # thread boundary: handed to the caller
             error.append(exc)
 
-    thread = threading.Thread(target=run, name="ckpt-read", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise CheckpointTimeoutError(
-            f"{what} of {path} did not finish within {timeout:.0f}s (a hung disk or mount?); "
-            f"this copy is skipped",
-            path=path,
-        )
+        raise StillRunning(late)
     if error:
         raise error[0]
     return result[0]
+
+
+def with_deadline(fn: Callable[[], T], *, timeout: float, what: str, path: Path) -> T:
+    """Run `fn` on a daemon thread; raise CheckpointTimeoutError naming `path` after `timeout` s."""
+    late = f"{what} of {path} did not finish within {timeout:.0f}s (a hung disk or mount?); this copy is skipped"
+    try:
+        return run_within(fn, timeout, name="ckpt-read", late=late)
+    except StillRunning:
+        raise CheckpointTimeoutError(late, path=path) from None
 
 
 def read_regular(path: Path, *, timeout: float, max_bytes: int = MAX_RECORD_BYTES) -> bytes:
