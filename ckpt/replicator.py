@@ -441,11 +441,18 @@ class Replicator:
                 protected=protected | self.tier.foreign_steps,
                 abandoned=abandoned,
             )
+            kept: set[int] = set()
             for step in doomed:
                 why = "abandoned: unreadable, or newer than this run's restart" if step in abandoned else "retention"
                 logger.info("removing step %d from %s (%s)", step, self.tier.url, why)
-                self.tier.delete_step(step)
+                try:
+                    self.tier.delete_step(step)
+                except CheckpointError as exc:  # e.g. a link out of the tree there: the other steps still go
+                    if isinstance(exc, SharedStorageError):
+                        raise  # the store failing: this round of retention ends
+                    logger.warning("shared retention: step %d not removed: %s", step, exc)
+                    kept.add(step)
         except CheckpointError as exc:
             logger.warning("shared retention skipped: %s", exc)
             return None
-        return committed - set(doomed)
+        return committed - (set(doomed) - kept)

@@ -203,8 +203,21 @@ class SharedTier:
 
     # -- primitives ----------------------------------------------------------------------
 
+    def _inside(self, path: str) -> None:
+        """On a mounted path, refuse a path that leads out of the run's prefix (a symbolic link in its tree, e.g.
+        a step directory): reads took another tree's files for this run's, and retention removed files there.
+        Tier 1 refuses such links too (ckpt/layout.py, is_real_dir). Object stores have no links."""
+        if not self.is_local:
+            return
+        root, real = Path(self.root).resolve(), Path(path).resolve()
+        if real != root and root not in real.parents:
+            raise CheckpointCorruptError(
+                f"{path} leads out of {self.root} (to {real}: a symbolic link in the tree?); not following it. "
+                "Remove the link, or move what it points to back in its place", path=Path(path))
+
     def _put_bytes(self, path: str, data: bytes) -> None:
         if self.is_local:
+            self._inside(path)
             target = Path(path)
             target.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(target, data)
@@ -219,12 +232,14 @@ class SharedTier:
     def _cat(self, path: str) -> bytes | None:
         try:
             if self.is_local:  # a FIFO or device there must not block us (ckpt/safe_io.py)
+                self._inside(path)
                 return read_regular(Path(path), timeout=self._read_timeout)
             return self.fs.cat_file(path)
         except (FileNotFoundError, NotADirectoryError):
             return None
 
     def _put_file(self, local: Path, path: str, step: int) -> None:
+        self._inside(path)
         helper, failed = self.helper, None
         if helper is not None and self._helper_options is not None and helper.available():
             try:  # the bytes move in the node's helper process, not beside the training thread
@@ -250,6 +265,7 @@ class SharedTier:
             self._helper_options = None
 
     def _ls(self, path: str) -> list[str]:
+        self._inside(path)
         if not self.is_local:
             self.fs.invalidate_cache(path)
         try:
@@ -258,6 +274,7 @@ class SharedTier:
             return []
 
     def _rm(self, path: str) -> None:
+        self._inside(path)
         try:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
@@ -445,6 +462,7 @@ class SharedTier:
         against the COMMIT, then its files are downloaded into a scratch directory under
         `scratch`, removed when the context closes (loaded tensors keep their mappings)."""
         if self.is_local:
+            self._inside(self.rank_path(step, rank))
             yield Path(self.rank_path(step, rank))
             return
         data, manifest = self._manifest(step, rank, expected_manifest_sha256)
@@ -491,6 +509,7 @@ class SharedTier:
         path = f"{self.rank_path(step, rank)}/{name}"
         check_file_name(name, path=Path(self.describe(f"{self.rank_path(step, rank)}/{MANIFEST_FILE}")))
         if self.is_local:
+            self._inside(path)
             return LocalRange(Path(path), timeout=self._read_timeout)
         what = f"range read of {self.describe(path)}"
         return RemoteRange(

@@ -443,3 +443,26 @@ def test_a_store_that_takes_connections_and_never_answers_costs_the_retry_deadli
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_a_step_linked_out_of_a_mounted_shared_tier_is_neither_read_nor_removed_through(
+    tmp_path: Path, checkpointers: Checkpointers
+) -> None:
+    store = Store(str(tmp_path / "shared"), {})
+    shared = store.shared("run", keep_last=2)
+    first = checkpointers.make(local(tmp_path, "n1", shared, keep_last=1))
+    for step in (1, 2):
+        first.save_async(step, state_of(step)).wait_persisted(WAIT)
+    first.wait_uploaded(WAIT)
+    outside = tmp_path / "elsewhere"
+    Path(store.path("run", 1)).rename(outside)
+    Path(store.path("run", 1)).symlink_to(outside)  # another tree's files in a step's place
+    fresh = checkpointers.make(local(tmp_path, "n2", shared, keep_last=1))
+    assert fresh.restore(step=1) is None  # not read through the link
+    restored = fresh.restore()
+    assert restored is not None and restored.step == 2
+    for step in (3, 4):  # tier-2 retention (keep_last 2) runs: step 2 goes, nothing is removed through the link
+        fresh.save_async(step, state_of(step)).wait_persisted(WAIT)
+    fresh.wait_uploaded(WAIT)
+    wait_for(lambda: not Path(store.path("run", 2)).exists(), "shared retention to remove step 2")
+    assert sorted(p.name for p in outside.iterdir()) == ["COMMIT", "rank_00000", "rank_00000.done"]
