@@ -50,7 +50,7 @@ from ckpt.reshard import StepFiles, load_sharded
 from ckpt.shared import SharedTier
 from ckpt.tier0 import HostTier
 from ckpt.tier0 import detach as copy_out
-from ckpt.tiers import Copy, Tier, TierName
+from ckpt.tiers import Copy, Tier, TierName, holds_rank
 from core.events import emit
 
 logger = logging.getLogger(__name__)
@@ -280,6 +280,7 @@ class Restorer:
         nearby = sorted({r for c in copies for r in c.tier.ranks_here(step, c.marker)})
         files = StepFiles(step, copies, run=None if init_from else self.identity.name, pool=self._pool())
         own = any(c.tier.has_rank(step, self.rank, c.marker) for c in copies)
+        tried = False
         for rank in ranks_to_try(
             rank=self.rank,
             saved_world_size=copies[0].marker.world_size,
@@ -290,6 +291,7 @@ class Restorer:
             for copy in copies:
                 if not copy.tier.has_rank(step, rank, copy.marker):
                     continue
+                tried = True
                 try:
                     if files.is_sharded(rank):
                         return self._load_sharded(files, step, rank, init_from=init_from, into=into)
@@ -320,6 +322,13 @@ class Restorer:
                     self._unusable(copy.tier, step, rank, exc, init_from=init_from)
                     if files.is_sharded(rank):
                         return None  # every tier was tried, and another part needs the same pieces
+        broken = [c for c in copies if c.marker.manifests == {} or (
+            holds_rank(c.marker, self.rank) and not c.tier.has_rank(step, self.rank, c.marker))]
+        if not tried and not init_from and broken:  # not a rank whose part is elsewhere: damage, said as such
+            reason = (f"its {broken[0].tier.name} COMMIT names no rank, or names rank {self.rank} whose directory "
+                      "is not there")
+            logger.warning("skipping checkpoint step %d: %s", step, reason)
+            emit("ckpt_skipped", step=step, reason=reason, tier=broken[0].tier.name, source_rank=self.rank)
         return None
 
     def _load_sharded(

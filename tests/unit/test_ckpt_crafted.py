@@ -289,3 +289,19 @@ def test_a_link_in_place_of_a_checkpoint_directory_or_record_is_not_followed(tmp
     with make(root) as c:
         restored = c.restore()
     assert restored is not None and restored.step == 1
+
+
+@pytest.mark.parametrize("craft", ["rank directory removed", "COMMIT naming no rank"])
+def test_a_committed_step_without_a_part_for_this_rank_is_skipped_with_a_word(
+    tmp_path: Path, craft: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    two_steps(tmp_path)
+    step_dir = tmp_path / "step_000000000002"
+    if craft == "rank directory removed":
+        shutil.rmtree(step_dir / "rank_00000")
+    else:
+        _edit_json(step_dir / "COMMIT", lambda c: c.update(manifests={}))
+    with caplog.at_level(logging.WARNING, logger="ckpt"), make(tmp_path) as c:
+        restored = c.restore()
+    assert restored is not None and restored.step == 1
+    assert any("skipping checkpoint step 2" in r.getMessage() for r in caplog.records), caplog.text  # was silent
