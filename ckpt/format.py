@@ -55,13 +55,13 @@ def loads_object(data: bytes, *, path: Path, what: str) -> dict[str, Any]:
     return obj
 
 
+CORRUPT_ADVICE = "; the file is damaged: delete its checkpoint step directory and restore an earlier step"
+"""What `corrupt` tells to do: right for a step's files, not for a file outside the steps (RUN.json)."""
+
+
 def corrupt(path: Path, problem: str) -> CheckpointCorruptError:
     """A CheckpointCorruptError naming `path`, with the standard advice."""
-    return CheckpointCorruptError(
-        f"{path}: {problem}; the file is damaged: delete its checkpoint step directory "
-        f"and restore an earlier step",
-        path=path,
-    )
+    return CheckpointCorruptError(f"{path}: {problem}{CORRUPT_ADVICE}", path=path)
 
 
 def check_format_version(obj: dict[str, Any], *, path: Path, newest: int = FORMAT_VERSION) -> int:

@@ -15,7 +15,9 @@ from ckpt.durable import strerror
 def advice(exc: OSError, root: Path) -> str:
     """One sentence: how to make writes under the checkpoint directory `root` work again."""
     code = exc.errno
-    where = exc.filename or root
+    # A rename's error (a temp file put in place) is about its target, filename2, when the target is what is wrong.
+    where = (exc.filename2 if code in (errno.EISDIR, errno.EEXIST, errno.ENOTEMPTY) and exc.filename2 else
+             exc.filename) or root
     if code in (errno.ENOSPC, errno.EDQUOT):
         return f"free space on the file system of {root} (or lower keep_last), then save again"
     if code == errno.EROFS:

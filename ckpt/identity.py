@@ -52,7 +52,7 @@ from ckpt.errors import (
     CheckpointTimeoutError,
     CheckpointWriteError,
 )
-from ckpt.format import dumps, get_str, loads_object
+from ckpt.format import CORRUPT_ADVICE, dumps, get_str, loads_object
 from ckpt.fs_errors import describe
 from ckpt.layout import step_dir_name
 from ckpt.safe_io import read_regular
@@ -121,7 +121,9 @@ def read_identity(root: Path) -> RunIdentity | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, CheckpointError) as exc:
-        logger.warning("ignoring %s: %s", path, exc)
+        # Not a step's file: the step-directory advice of a corrupt record does not apply.
+        logger.warning("ignoring %s: %s; the run's identity is taken from its steps' COMMITs", path,
+                       str(exc).removesuffix(CORRUPT_ADVICE))
         return None
 
 

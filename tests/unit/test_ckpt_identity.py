@@ -26,6 +26,7 @@ from ckpt import (
     CheckpointConfig,
     CheckpointConflictError,
     Checkpointer,
+    CheckpointError,
     CheckpointNotFoundError,
     SharedConfig,
 )
@@ -395,3 +396,23 @@ def test_nodes_starting_together_agree_on_the_shared_run_identity(tmp_path, monk
         assert fresh.available_steps() == [1]
         restored = fresh.restore()
     assert restored is not None and restored.tier == "shared"
+
+
+def test_a_damaged_run_record_gets_advice_about_itself_not_about_a_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ckpt"
+    with Checkpointer(CheckpointConfig(local_dir=root), rank=0, world_size=1) as c:
+        c.save_async(1, {"w": torch.ones(4)}).wait_persisted()
+    (root / "RUN.json").write_text("{garbage")
+    with caplog.at_level(logging.WARNING, logger="ckpt"), \
+            Checkpointer(CheckpointConfig(local_dir=root), rank=0, world_size=1) as c:
+        restored = c.restore()
+    assert restored is not None and restored.step == 1  # the identity comes from the COMMITs
+    damaged = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage() and "RUN.json" in r.getMessage()]
+    assert damaged and all("delete its checkpoint step directory" not in m for m in damaged), damaged
+    (root / "RUN.json").unlink()
+    (root / "RUN.json").mkdir()  # a directory in its place: the error names it, not the temp file renamed onto it
+    with pytest.raises(CheckpointError) as caught:
+        Checkpointer(CheckpointConfig(local_dir=root), rank=0, world_size=1).close()
+    assert f"{root / 'RUN.json'} exists" in str(caught.value) and ".tmp-" not in str(caught.value).split(";")[-1]
