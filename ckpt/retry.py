@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 _PERMANENT = (
     CheckpointError,
+    FileExistsError,  # e.g. a mounted store's path through a dangling link: 10 tries took 40 s at start
     FileNotFoundError,
     IsADirectoryError,
     NotADirectoryError,

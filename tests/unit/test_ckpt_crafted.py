@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from ckpt import CheckpointConfig, Checkpointer, CheckpointTimeoutError, SharedConfig
+from ckpt import CheckpointConfig, Checkpointer, CheckpointError, CheckpointTimeoutError, SharedConfig
 from ckpt.identity import LockRecord
 from ckpt.safe_io import read_regular, with_deadline
 
@@ -305,3 +305,12 @@ def test_a_committed_step_without_a_part_for_this_rank_is_skipped_with_a_word(
         restored = c.restore()
     assert restored is not None and restored.step == 1
     assert any("skipping checkpoint step 2" in r.getMessage() for r in caplog.records), caplog.text  # was silent
+
+
+def test_a_mounted_shared_tier_behind_a_dangling_link_fails_at_once_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "mnt").symlink_to(tmp_path / "not-mounted")  # an automount that is not there
+    c = make(tmp_path / "local", shared=SharedConfig(url=str(tmp_path / "mnt" / "ckpt"), run_name="r"))
+    with pytest.raises(CheckpointError, match="not retried") as caught:  # it was retried as transient: 40 s at start
+        c.restore()
+    c.close()
+    assert str(tmp_path / "mnt") in str(caught.value)
