@@ -436,9 +436,11 @@ def test_a_store_that_takes_connections_and_never_answers_costs_the_retry_deadli
     try:
         options = {"endpoint_url": f"http://127.0.0.1:{listener.getsockname()[1]}", "key": "k", "secret": "s",
                    "client_kwargs": {"region_name": "us-east-1"}}  # s3fs's and botocore's own timeouts
-        c = checkpointers.make(local(tmp_path, "node", Store("s3://bucket/ckpt", options).shared("run")))
+        retry = RetryConfig(attempts=2, initial=timedelta(seconds=0.02), maximum=timedelta(seconds=0.1),
+                            jitter=timedelta(seconds=0.01), deadline=timedelta(seconds=0.5))
+        c = checkpointers.make(local(tmp_path, "node", Store("s3://bucket/ckpt", options).shared("run", retry=retry)))
         with pytest.raises(SharedStorageError, match="no answer within"):
-            c.restore()  # the start's calls and this one each within FAST_RETRY's 2 s, in the test's 60 s
+            c.restore()  # the start's calls and this one each within the 0.5 s deadline, in the test's 60 s
     finally:
         listener.close()
         for conn in held:
