@@ -23,7 +23,9 @@ class EtcdStartError(ElasticError):
 
 
 class EtcdUnavailableError(RendezvousConnectionError, ElasticError):
-    """etcd could not be reached within the deadline."""
+    """etcd could not be reached within the deadline (`transient`), or refused a call that no retry mends."""
+
+    transient = False
 
 
 class NodeIdConflictError(RendezvousError, ElasticError):

@@ -162,7 +162,9 @@ class MemoryRunStore:
 
     def _locked(self) -> _Locked:
         if self.unavailable:
-            raise EtcdUnavailableError("the in-memory run store is marked unavailable (a simulated etcd outage)")
+            outage = EtcdUnavailableError("the in-memory run store is marked unavailable (a simulated etcd outage)")
+            outage.transient = True
+            raise outage
         return _Locked(self)
 
     def _check_lease(self, lease: int | None) -> None:

@@ -101,6 +101,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._succeeded = False
         self._round: tuple[str, ...] = ()
         self._store_server: dist.TCPStore | None = None
+        self._store_server_round = 0
+        """The round `_store_server` serves: a retry of that round's store (after an outage) reuses it, since peers
+        may have connected to the address already published."""
         self._joined_at = 0.0
         self._advertised: dict[str, str] = {}
 
@@ -177,7 +180,12 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 try:
                     for attempt in self._through_etcd_outage(deadline):
                         with attempt:
-                            done = self._join_round(deadline)
+                            # After an outage the write that took this node's rank may have landed unseen: that
+                            # round is this node's to run (its peers count on it), not a stale one to leave.
+                            again = attempt.retry_state.attempt_number > 1
+                            done = (again and self._taken_meanwhile()) or self._join_round(deadline)
+                    for attempt in self._through_etcd_outage(deadline):
+                        with attempt:  # the rank is taken: only the store is retried, never the round
                             store, addr, port = self._round_store(done, deadline)
                     break
                 except _RoundAbandoned as exc:
@@ -202,6 +210,14 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         )
         return RendezvousInfo(store, done.rank, done.world_size, RendezvousStoreInfo(addr, port))
 
+    def _taken_meanwhile(self) -> protocol.Done | None:
+        """The round this node took a rank in, if the state says so (a write that etcd committed although its
+        answer was lost in an outage); None otherwise."""
+        state = self.view.read().checked_state()
+        if state is None or state.generation <= self._completed_generation:
+            return None
+        return protocol.taken(state, self.config.node_id)
+
     def _through_etcd_outage(self, deadline: Deadline) -> Retrying:
         """Attempts at a rendezvous step that retry while etcd is unreachable, once this node has run a round:
         the group restarting after a failure (or re-forming after a membership change) while etcd is down waits
@@ -210,8 +226,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         --rdzv-endpoint is reported in seconds, not after join_timeout."""
         warned = False
 
-        def wait_out(exc: BaseException) -> bool:
-            return isinstance(exc, EtcdUnavailableError) and self._ran_round and not deadline.expired()
+        def wait_out(exc: BaseException) -> bool:  # an outage, not a refusal (credentials, NOSPACE): retry those never
+            return (isinstance(exc, EtcdUnavailableError) and exc.transient and self._ran_round
+                    and not deadline.expired())
 
         def before_sleep(state: RetryCallState) -> None:
             nonlocal warned
@@ -439,8 +456,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         timeout = timedelta(seconds=max(1.0, deadline.remaining() or 0.0))
         if done.rank == 0:
             # A fresh TCPStore per round: keys of an earlier round can never leak into this one.
-            server = self._store_server_socket(timeout)
-            self._store_server = server
+            server = self._store_server if self._store_server_round == done.generation else None
+            if server is None:
+                server = self._store_server_socket(timeout)
+                self._store_server, self._store_server_round = server, done.generation
             addr, port = self.config.local_addr, int(server.port)
             lease = self.membership.lease_id
             assert lease is not None, "a node takes a rank only while registered"

@@ -15,6 +15,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
 
+from elastic.errors import EtcdUnavailableError
 from elastic.etcd_client import EtcdClientConfig
 from elastic.keys import RunKeys
 from elastic.membership import Membership, MembershipConfig
@@ -167,6 +168,35 @@ def test_a_healthy_round_survives_an_unreachable_store_in_degraded_mode(run: Run
     finally:
         run.store.unavailable = False
     assert eventually(lambda: not a.degraded, timeout=3 * a.view.RESYNC.total_seconds() + 5)
+
+
+@pytest.mark.parametrize("blip", ["publish_store", "swap_state"])
+def test_an_outage_after_a_rank_was_taken_retries_into_the_same_round(run: Run, blip: str) -> None:
+    # Once a node has run a round, its rendezvous waits out an unreachable etcd. One failed call after its rank
+    # was taken (the store's address, or the write that took it, committed though its answer was lost) made the
+    # retry treat its own round as stale and open the next, while its peer waited in the first until join_timeout.
+    a, b = run.handler("a", min_nodes=2, max_nodes=2), run.handler("b", min_nodes=2, max_nodes=2)
+    fa, fb = run.start(a), run.start(b)
+    fa.result(timeout=15), fb.result(timeout=15)
+    real = getattr(run.store, blip)
+    failed: list[object] = []
+
+    def once(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)  # it lands in the store ...
+        if not failed and (blip == "publish_store" or "closed" in str(args[0])):
+            failed.append(args)
+            outage = EtcdUnavailableError("etcd at x did not answer (a blip)")  # ... but the answer is lost
+            outage.transient = True
+            raise outage
+        return result
+
+    setattr(run.store, blip, once)
+    fa, fb = run.start(a), run.start(b)
+    ra, rb = fa.result(timeout=30), fb.result(timeout=30)
+    assert failed
+    assert a.generation == b.generation == 2 and {ra.rank, rb.rank} == {0, 1}
+    ra.store.set("k", "v")
+    assert rb.store.get("k") == b"v"
 
 
 def test_the_fakes_leases_expire_on_its_clock_and_watchers_hear_of_it() -> None:
