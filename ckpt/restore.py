@@ -281,6 +281,7 @@ class Restorer:
         files = StepFiles(step, copies, run=None if init_from else self.identity.name, pool=self._pool())
         own = any(c.tier.has_rank(step, self.rank, c.marker) for c in copies)
         tried = False
+        denied_here: CheckpointAccessError | None = None  # raised once no other copy of the step loads
         for rank in ranks_to_try(
             rank=self.rank,
             saved_world_size=copies[0].marker.world_size,
@@ -313,15 +314,20 @@ class Restorer:
                 except CheckpointError as exc:
                     denied = permission_denied(exc)
                     if denied is not None and not init_from:
-                        # Not damage: going back to an older step would throw this one away, as above.
-                        raise CheckpointAccessError(
+                        # Not damage: another tier's copy may serve; if none does, going back to an older step
+                        # would throw this one away, as above.
+                        denied_here = denied_here or CheckpointAccessError(
                             f"step {step} (rank {rank}'s part) could not be read from "
                             f"{copy.tier.describe_rank(step, rank)}: {denied}. The step is not damaged, and nothing is "
                             "removed or restored in its place: give this job read access to its files (their owner "
-                            "or mode) and start again", path=exc.path) from exc
+                            "or mode) and start again", path=exc.path)
+                        denied_here.__cause__ = exc
+                        continue
                     self._unusable(copy.tier, step, rank, exc, init_from=init_from)
                     if files.is_sharded(rank):
                         return None  # every tier was tried, and another part needs the same pieces
+        if denied_here is not None:
+            raise denied_here
         broken = [c for c in copies if c.marker.manifests == {} or (
             holds_rank(c.marker, self.rank) and not c.tier.has_rank(step, self.rank, c.marker))]
         if not tried and not init_from and broken:  # not a rank whose part is elsewhere: damage, said as such

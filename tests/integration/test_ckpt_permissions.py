@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt import CheckpointConfig, Checkpointer
+from ckpt import CheckpointConfig, Checkpointer, SharedConfig
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -72,3 +72,34 @@ def test_a_step_that_may_not_be_read_is_neither_skipped_nor_removed(tmp_path: Pa
     restored = c.restore(step=2)
     c.close()
     assert restored is not None and torch.equal(restored.state["w"], torch.full((64,), 2.0))
+
+
+def test_a_copy_that_may_not_be_read_gives_way_to_another_tiers_copy_of_the_same_step(tmp_path: Path) -> None:
+    def config() -> CheckpointConfig:
+        return CheckpointConfig(local_dir=tmp_path / "local", keep_last=2,
+                                shared=SharedConfig(url=str(tmp_path / "shared"), run_name="r"))
+
+    c = Checkpointer(config(), rank=0, world_size=1)
+    for step in (1, 2):
+        c.save_async(step, {"w": torch.full((64,), float(step))}).wait_persisted()
+    c.close()
+    denied = next((tmp_path / "local" / "step_000000000002").glob("rank_00000/*.safetensors"))
+    denied.chmod(0)
+    child = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from ckpt import CheckpointConfig, Checkpointer, SharedConfig\n"
+        "root = Path(sys.argv[1])\n"
+        "shared = SharedConfig(url=str(root / 'shared'), run_name='r')\n"
+        "config = CheckpointConfig(local_dir=root / 'local', keep_last=2, shared=shared)\n"
+        "c = Checkpointer(config, rank=0, world_size=1)\n"
+        "r = c.restore()\n"
+        "print('RESTORED', r.step, r.tier, float(r.state['w'][0]))\n"
+        "c.close()\n"
+    )
+    try:
+        out = subprocess.run([*as_another_user(), sys.executable, "-c", child, str(tmp_path)], cwd=REPO, text=True,
+                             capture_output=True, timeout=90, env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        denied.chmod(0o644)
+    assert "RESTORED 2 shared 2.0" in out.stdout, out.stdout + out.stderr[-3000:]
