@@ -73,6 +73,10 @@ def plan(
             # nothing (soak seed 1609: planned at 56 of 60, step 60 damaged after the job's end).
             roomy = [s for s in good if s <= steps - ckpt_every - 2]
             candidates = roomy or good or candidates
+        elif spec.kind == "disk-full":
+            # Healed before the job's last save: a run whose last save failed does not exit 0 (trainer), and this
+            # fault's invariant allows no restart.
+            candidates = [s for s in candidates if s <= steps - 2 * ckpt_every - 2] or candidates
         at_step = rng.choice(candidates)
         target = spec.target
         if target is None:

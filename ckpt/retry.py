@@ -66,7 +66,9 @@ def call_with_retries(
     def attempt(*a: Any, **kw: Any) -> T:
         if not bounded:
             return fn(*a, **kw)
-        left = max(0.0, limit - (time.monotonic() - started))
+        left = limit - (time.monotonic() - started)
+        if left < 0.05:  # no time for a try: not one more thread left behind
+            raise TimeoutError(f"no time left of shared.retry.deadline ({limit:.1f}s) for another try")
         return run_within(lambda: fn(*a, **kw), left, name="ckpt-store-call",
                           late=f"no answer within {left:.1f}s (the rest of shared.retry.deadline)")
 

@@ -207,7 +207,7 @@ class SharedTier:
         """On a mounted path, refuse a path that leads out of the run's prefix (a symbolic link in its tree, e.g.
         a step directory): reads took another tree's files for this run's, and retention removed files there.
         Tier 1 refuses such links too (ckpt/layout.py, is_real_dir). Object stores have no links."""
-        if not self.is_local:
+        if not self.is_local or self.any_run:  # an init_from source: read only, and a curated tree of links is fine
             return
         root, real = Path(self.root).resolve(), Path(path).resolve()
         if real != root and root not in real.parents:
@@ -324,7 +324,8 @@ class SharedTier:
 
     def uncommit(self, step: int) -> None:
         path = self.commit_path(step)
-        self.call(f"removal of {self.describe(path)}", self._rm, path)
+        # Unbounded: a removal left running past its deadline could land after the step is committed again.
+        self.call(f"removal of {self.describe(path)}", self._rm, path, bounded=False)
 
     def steps(self) -> list[int]:
         """Every step directory of this run, committed or not."""
@@ -443,7 +444,7 @@ class SharedTier:
         """Delete a step: its COMMIT first, so it vanishes for readers before its files do."""
         self.uncommit(step)
         path = self.step_path(step)
-        self.call(f"removal of {self.describe(path)}", self._rm, path)
+        self.call(f"removal of {self.describe(path)}", self._rm, path, bounded=False)
 
     # -- reading a rank (the Tier interface, ckpt/tiers.py) ---------------------------
 

@@ -462,7 +462,11 @@ class Resumable:
                 rng.restore(self._boundary_rng)  # the interrupted step's draws are void
             self.step = step
             self.save(step)
-        self.close()
+        try:
+            self.close()
+        except CheckpointSaveError as exc:  # still exit 75: the requeue resumes from the newest committed step
+            log.error("rank %d: %s", self.topology.rank, exc)
+            saved = False
         emit("below_min_exit", step=step if saved else self._saved_step, persisted=saved, why=why)
         log.error("rank %d: %s; persisted step %d, exiting with %d", self.topology.rank, why,
                   step if saved else self._saved_step, EXIT_BELOW_MIN)

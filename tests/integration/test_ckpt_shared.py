@@ -468,3 +468,16 @@ def test_a_step_linked_out_of_a_mounted_shared_tier_is_neither_read_nor_removed_
     fresh.wait_uploaded(WAIT)
     wait_for(lambda: not Path(store.path("run", 2)).exists(), "shared retention to remove step 2")
     assert sorted(p.name for p in outside.iterdir()) == ["COMMIT", "rank_00000", "rank_00000.done"]
+
+
+def test_init_from_a_curated_directory_of_links_to_steps_still_reads_them(
+    tmp_path: Path, checkpointers: Checkpointers
+) -> None:
+    source = checkpointers.make(CheckpointConfig(local_dir=tmp_path / "run-a"))
+    source.save_async(2, state_of(2)).wait_persisted(WAIT)
+    (tmp_path / "curated").mkdir()  # a read-only source: links out of it are the user's choice, not a hazard
+    (tmp_path / "curated" / "step_000000000002").symlink_to(tmp_path / "run-a" / "step_000000000002")
+    fresh = checkpointers.make(CheckpointConfig(local_dir=tmp_path / "run-b", init_from=str(tmp_path / "curated")))
+    restored = fresh.restore()
+    assert restored is not None and restored.step == 2 and restored.init_from
+    assert_same(restored.state, state_of(2))
