@@ -25,7 +25,9 @@ class EtcdStartError(ElasticError):
 class EtcdUnavailableError(RendezvousConnectionError, ElasticError):
     """etcd could not be reached within the deadline (`transient`), or refused a call that no retry mends."""
 
-    transient = False
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class NodeIdConflictError(RendezvousError, ElasticError):

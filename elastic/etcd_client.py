@@ -234,15 +234,14 @@ class EtcdClient:
         """Raise EtcdUnavailableError, naming the endpoints and what to do, for an etcd failure `exc` that has
         one; return for any other exception (the caller re-raises it)."""
         if _is_transient(exc):
-            unreachable = EtcdUnavailableError(
+            raise EtcdUnavailableError(
                 redact(
                     f"etcd at {self.config.endpoints} did not answer `{what}` {within} "
                     f"({type(exc).__name__}: {exc}). "
                     "Is etcd running and reachable? Check --rdzv-endpoint and the network."
-                )
-            )
-            unreachable.transient = True
-            raise unreachable from exc
+                ),
+                transient=True,
+            ) from exc
         if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") and exc.code() in (
             grpc.StatusCode.UNAUTHENTICATED,
             grpc.StatusCode.INVALID_ARGUMENT,

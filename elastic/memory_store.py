@@ -162,9 +162,8 @@ class MemoryRunStore:
 
     def _locked(self) -> _Locked:
         if self.unavailable:
-            outage = EtcdUnavailableError("the in-memory run store is marked unavailable (a simulated etcd outage)")
-            outage.transient = True
-            raise outage
+            raise EtcdUnavailableError("the in-memory run store is marked unavailable (a simulated etcd outage)",
+                                       transient=True)
         return _Locked(self)
 
     def _check_lease(self, lease: int | None) -> None:

@@ -185,9 +185,7 @@ def test_an_outage_after_a_rank_was_taken_retries_into_the_same_round(run: Run, 
         result = real(*args, **kwargs)  # it lands in the store ...
         if not failed and (blip == "publish_store" or "closed" in str(args[0])):
             failed.append(args)
-            outage = EtcdUnavailableError("etcd at x did not answer (a blip)")  # ... but the answer is lost
-            outage.transient = True
-            raise outage
+            raise EtcdUnavailableError("etcd at x did not answer (a blip)", transient=True)  # ... the answer is lost
         return result
 
     setattr(run.store, blip, once)
