@@ -115,6 +115,10 @@ class Membership:
                 if failing:
                     log.info("membership: the lease of %s is refreshed again, after %d failed tries", self.key,
                              failing)
+                    # The peers reach etcd again at their own next refresh (a third of the TTL, plus up to a
+                    # second to reconnect: etcd_client._CHANNEL_OPTIONS); one whose lease lapsed meanwhile is
+                    # missing from the live set until then, though alive.
+                    self._doubt(extra=interval + 1.0)
                 failing = 0
             except NodeIdConflictError:
                 log.error("membership: %s was taken by another agent; giving up the keep-alive", self.key)
@@ -126,8 +130,9 @@ class Membership:
                     interval)
                 failing += 1
 
-    def _doubt(self) -> None:
-        self._unsure_until = time.monotonic() + self.config.lease_ttl.total_seconds()
+    def _doubt(self, extra: float = 0.0) -> None:
+        until = time.monotonic() + self.config.lease_ttl.total_seconds() + extra
+        self._unsure_until = max(self._unsure_until, until)
 
     def unsure_for(self) -> float:
         """Seconds until a live set can judge again (0: it can now, if this node is in it)."""

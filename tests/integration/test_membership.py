@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 
 from elastic.errors import NodeIdConflictError
-from elastic.etcd_client import EtcdClient
-from elastic.etcd_server import EtcdServer
+from elastic.etcd_client import EtcdClient, EtcdClientConfig
+from elastic.etcd_server import EtcdServer, EtcdServerConfig
 from elastic.etcd_store import EtcdRunStore
 from elastic.keys import RunKeys
 from elastic.membership import Membership, MembershipConfig
@@ -204,8 +204,9 @@ def test_the_view_follows_etcd_whose_data_was_reset(tmp_path) -> None:
     finally:
         own.close()
         first.stop()
-        if second is not None:
-            second.stop()
+        for server in (first, second):
+            if server is not None:
+                server.stop()
 
 
 def _created(store: EtcdRunStore, client: EtcdClient, node_id: str) -> bool:
@@ -213,4 +214,45 @@ def _created(store: EtcdRunStore, client: EtcdClient, node_id: str) -> bool:
         return store.create(store.keys.node(node_id), json.dumps({"node_id": node_id, "joined_at": 2.0}),
                             lease=client.raw.lease(60).id)[0]
     except Exception:  # noqa: BLE001 - the client's endpoint is marked failed for a second after the restart
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_a_live_nodes_lease_outlives_a_long_etcd_outage(tmp_path, run_id: str) -> None:
+    """etcd down for 30 s, then back with its data: every lease gets its TTL again, and a live node must refresh
+    its own in time. gRPC's reconnect backoff (up to 120 s) had grown so far by then that the node reached etcd
+    again up to 15 s after it was back: its lease lapsed, and a peer judged the healthy job below --nnodes MIN
+    and stopped it (CI, stop 51)."""
+    first = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "etcd"))).start()
+    ports = {"client_port": first.client_port, "peer_port": first.peer_port}
+    client = EtcdClient(EtcdClientConfig(endpoints=first.endpoint))
+    ttl = 2
+    m = Membership(EtcdRunStore(client, RunKeys.of(run_id)),
+                   MembershipConfig(run_id=run_id, node_id="outage-a", lease_ttl=timedelta(seconds=ttl)))
+    second: EtcdServer | None = None
+    try:
+        m.join()
+        lease = m.lease_id
+        first.kill()
+        time.sleep(30)  # the keep-alive tries every TTL/3 meanwhile, as a node's does
+        second = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "etcd"), **ports)).start()
+        # The keep-alive shares this client's channel: once it answers, the next refresh is at most TTL/3 away.
+        assert wait_until(lambda: _answers(client, m.key), 30), "the client never reached etcd again"
+        time.sleep(ttl)
+        assert m.lease_id == lease, "the lease of a live node lapsed after etcd came back: it reconnected too late"
+        value, meta = client.raw.get(m.key)
+        assert value is not None and meta.lease_id == lease
+    finally:
+        m.leave()
+        client.close()
+        for server in (first, second):
+            if server is not None:
+                server.stop()
+
+
+def _answers(client: EtcdClient, key: str) -> bool:
+    try:
+        client.raw.get(key)
+        return True
+    except Exception:  # noqa: BLE001 - etcd not reachable yet
         return False
