@@ -33,6 +33,16 @@ os.environ.setdefault("ELASTIC_WARM_SPARE", "0")
 os.environ.setdefault("ELASTIC_CKPT_HELPER", "0")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `make test`'s two workers (--dist loadgroup), the tests that use one of their module's module-scoped
+    fixtures (a reference run, a chaos job started in the background) go to one worker, so it runs once."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope == "module" for chain in defs for d in chain):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(scope="session")
 def etcd_server() -> Iterator[EtcdServer]:
     """One real etcd for the whole session; tests isolate themselves with unique run ids."""
