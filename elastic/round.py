@@ -201,6 +201,13 @@ def decide(state: RoundState | None, k: Knowledge) -> Decision:
         return Write(nxt, f"open round {nxt.generation} after round {state.generation}")
 
     # status == "joining"
+    if state.generation <= k.completed_generation:
+        # Opened at or below the rounds this node ran: by a node that ran none (a spare, a replacement) after etcd
+        # lost its data. Its ranks would be taken for stale by the running nodes; with MIN 1 its opener could
+        # close it alone, at last call, and train beside them. Renumbered past them, it is the next round of all.
+        return Write(replace(state, generation=k.completed_generation + 1),
+                     f"renumber round {state.generation} as {k.completed_generation + 1}: it was opened below the "
+                     "rounds this node ran (etcd lost the run's state?)")
     alive = tuple(p for p in state.participants if p in k.live or p == me)
     if alive != state.participants:
         gone = sorted(set(state.participants) - set(alive))
@@ -241,13 +248,18 @@ def nodes_waiting(state: RoundState | None, k: Knowledge, my_round: tuple[str, .
     """For a node running round `k.completed_generation`: how many reasons there are to re-rendezvous now.
 
     Counts nodes waiting in a newer round (a newer closed round without us counts once: we must
-    rejoin), plus members of our round whose lease expired (their peers would otherwise hang in a
-    collective until its timeout). With no readable state (`None`) only the lost members count.
+    rejoin), or in a round that is neither ours nor newer (opened after etcd lost the run's state),
+    plus members of our round whose lease expired (their peers would otherwise hang in a collective
+    until its timeout). With no readable state (`None`) only the lost members count.
     """
     if state is not None and state.shutdown:
         return 0
     waiting = 0
-    if state is not None and state.generation > k.completed_generation:
+    ours = state is not None and state.generation == k.completed_generation and set(state.participants) == set(my_round)
+    if state is not None and not ours:
+        # A newer round, or one that is neither ours nor newer: opened after etcd lost the run's state (a node that
+        # ran none numbers it from 1), or a state restored from an older backup. Ignored, the latter could form a
+        # second job beside ours; we re-rendezvous and renumber it past our rounds (`decide`).
         waiting = len(state.participants) if state.status == "joining" else 1
     lost = [p for p in my_round if p not in k.live]
     return waiting + len(lost)

@@ -197,6 +197,26 @@ def test_an_outage_after_a_rank_was_taken_retries_into_the_same_round(run: Run, 
     assert rb.store.get("k") == b"v"
 
 
+def test_after_etcd_lost_the_runs_state_a_round_a_newcomer_opened_is_renumbered_and_joined(run: Run) -> None:
+    # etcd lost its data (the nodes' leases were registered again) while a and b ran round 1; a newcomer c opened
+    # round 1 again. The running nodes took it for their own round and ignored it: c waited until join_timeout,
+    # or with MIN 1 closed it alone at last call and trained beside them.
+    a, b, c = (run.handler(n, min_nodes=2, max_nodes=3) for n in "abc")
+    fa, fb = run.start(a), run.start(b)
+    fa.result(timeout=15), fb.result(timeout=15)
+    assert a.generation == b.generation == 1
+    with run.store._lock:  # what etcd restarted without its data keeps: only the records nodes write again
+        for key in [k for k in run.store._data if run.store.keys.node_id(k) is None]:
+            del run.store._data[key]
+    fc = run.start(c)
+    assert eventually(lambda: (s := run.state()) is not None and s.participants == ("c",) and s.generation == 1)
+    assert eventually(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0), "the running nodes ignore it"
+    fa, fb = run.start(a), run.start(b)
+    infos = [f.result(timeout=30) for f in (fa, fb, fc)]
+    assert a.generation == b.generation == c.generation == 2
+    assert sorted(i.rank for i in infos) == [0, 1, 2] and {i.world_size for i in infos} == {3}
+
+
 def test_the_fakes_leases_expire_on_its_clock_and_watchers_hear_of_it() -> None:
     clock = FakeClock()
     store = MemoryRunStore(RunKeys.of(RUN), clock=clock)

@@ -286,3 +286,20 @@ def test_after_etcd_lost_the_runs_state_rounds_are_numbered_past_the_ones_the_no
     stale = decide(closed("c", generation=1), know("a", "ac", min_nodes=1, completed=3))
     assert isinstance(stale, Write) and stale.state.generation == 4
     assert decide(None, know("a", "a")).state.generation == 1  # type: ignore[union-attr] # a new run starts at 1
+
+
+def test_a_round_a_newcomer_opened_below_the_running_ones_is_joined_and_renumbered_past_them() -> None:
+    # etcd lost its data while a and b ran round 3; a spare c (no rounds run) opened round 1. The running nodes
+    # ignored it, and with MIN 1 c closed it alone at last call and trained beside them: two jobs on one run.
+    opened = joining("c", generation=1, nnodes=(1, 4))
+    assert nodes_waiting(opened, know("a", "abc", completed=3), ("a", "b")) == 1  # a re-rendezvous now
+    renumbered = decide(opened, know("a", "abc", completed=3))
+    assert isinstance(renumbered, Write) and renumbered.state.generation == 4
+    assert renumbered.state.participants == ("c",)
+    joined = decide(renumbered.state, know("a", "abc", completed=3))
+    assert isinstance(joined, Write) and joined.state.participants == ("c", "a") and joined.state.generation == 4
+    # Our own round, running, is no reason to move; a newer one is, as before.
+    assert nodes_waiting(closed("ab", generation=3), know("a", "abc", completed=3), ("a", "b")) == 0
+    assert nodes_waiting(joining("c", generation=4), know("a", "abc", completed=3), ("a", "b")) == 1
+    # An older closed round (etcd restored from a backup) is not ours either.
+    assert nodes_waiting(closed("ab", generation=2), know("a", "ab", completed=3), ("a", "b")) == 1
