@@ -170,6 +170,26 @@ def test_a_healthy_round_survives_an_unreachable_store_in_degraded_mode(run: Run
     assert eventually(lambda: not a.degraded, timeout=3 * a.view.RESYNC.total_seconds() + 5)
 
 
+def test_a_member_lost_while_etcd_is_unreachable_is_a_membership_change(run: Run) -> None:
+    # Only the lease told of a lost member; during an outage it could not be revoked nor expire, so the survivors'
+    # failed workers were charged to --max-restarts as a worker failure. Its beacon closing tells of it too.
+    a, b = run.handler("a", min_nodes=2, max_nodes=2), run.handler("b", min_nodes=2, max_nodes=2)
+    a.view.RESYNC = timedelta(milliseconds=100)
+    fa, fb = run.start(a), run.start(b)
+    fa.result(timeout=15), fb.result(timeout=15)
+    run.store.unavailable = True
+    try:
+        assert eventually(lambda: a.degraded, timeout=5)
+        assert a.num_nodes_waiting() == 0, "healthy workers keep running while the store cannot be reached"
+        beacon = b._beacon
+        assert beacon is not None
+        for conn in [beacon._sock, *beacon._peers]:  # b's agent process dies: its kernel closes its sockets
+            conn.close()
+        assert eventually(lambda: a.num_nodes_waiting() > 0, timeout=5), "the lost member went unnoticed"
+    finally:
+        run.store.unavailable = False
+
+
 @pytest.mark.parametrize("blip", ["publish_store", "swap_state"])
 def test_an_outage_after_a_rank_was_taken_retries_into_the_same_round(run: Run, blip: str) -> None:
     # Once a node has run a round, its rendezvous waits out an unreachable etcd. One failed call after its rank
