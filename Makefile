@@ -27,10 +27,11 @@ lint: venv
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass. Two workers (pytest-xdist): most of
 # a test's time is spent waiting on the processes it started, and the tests pass beside a CPU-heavy job anyway.
-# loadgroup keeps the tests that share a module's fixture on one worker (tests/conftest.py).
+# Each module runs whole on one worker (loadfile: its module-scoped fixtures run once), the slowest first
+# (tests/conftest.py). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: venv lint
-	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadgroup --durations=15; rc=$$?; \
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile --durations=15; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-unit: venv
