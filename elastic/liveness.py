@@ -117,9 +117,10 @@ class Beacon:
 
 
 class Monitor:
-    """Holds a connection to each peer's beacon and calls `on_lost(node_id)` when one closes."""
+    """Holds a connection to each peer's beacon and calls `on_lost(node_id, left)` when one closes (`left`: it said
+    LEAVING first, its agent left on purpose)."""
 
-    def __init__(self, on_lost: Callable[[str], None]) -> None:
+    def __init__(self, on_lost: Callable[[str, bool], None]) -> None:
         self._on_lost = on_lost
         self._selector = selectors.DefaultSelector()
         self._conns: dict[str, socket.socket] = {}
@@ -193,7 +194,7 @@ class Monitor:
                     else:
                         log.warning("liveness: the agent of node %s closed its beacon: it is gone", node)
                     try:
-                        self._on_lost(node)
+                        self._on_lost(node, left)
                     except Exception as exc:  # noqa: BLE001 - thread boundary; the lease TTL is the fallback
                         log.warning("liveness: reporting %s lost failed (%s): its lease running out reports it",
                                      node, exc)

@@ -100,9 +100,9 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """`stop_below_minimum` was called: a later round with fewer than MIN live nodes raises at once."""
         self._succeeded = False
         self._round: tuple[str, ...] = ()
-        self._closed_beacons: set[str] = set()
-        """Peers whose beacon closed since this node's last round (liveness.Monitor): what tells this node of a lost
-        member while etcd cannot, its lease not yet revoked (an outage)."""
+        self._dead_agents: set[str] = set()
+        """Peers whose beacon closed without saying LEAVING since this node's rendezvous began (liveness.Monitor):
+        what tells this node of a lost member while etcd cannot, its lease not yet revoked (an outage)."""
         self._store_server: dist.TCPStore | None = None
         self._store_server_round = 0
         """The round `_store_server` serves: a retry of that round's store (after an outage) reuses it, since peers
@@ -175,6 +175,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         started = self._clock()
         deadline = Deadline.after(self.config.join_timeout, clock=self._clock)
+        dead_before = set(self._dead_agents)  # losses of the rounds before; one during this rendezvous still counts
         try:
             for attempt in self._through_etcd_outage(deadline):
                 with attempt:
@@ -203,7 +204,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         self._completed_generation = done.generation
         self._ran_round = True
         self._round = done.participants
-        self._closed_beacons.clear()  # every member of this round was live to take its rank in it
+        self._dead_agents -= dead_before
         emit("round_closed", run_id=self.config.run_id, node=self.config.node_id, generation=done.generation,
              rank=done.rank, world_size=done.world_size, participants=list(done.participants),
              rendezvous_s=round(self._clock() - started, 3))
@@ -312,16 +313,18 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         # keeps the last membership, so healthy workers keep training (degraded mode).
         # A member whose beacon closed counts as lost even while etcd is unreachable: its peers' collectives fail,
         # and the restart that follows is a membership change, not a worker failure (no --max-restarts used).
-        gone = sum(1 for p in self._round if p in self._closed_beacons)
+        dead = sum(1 for p in self._round if p in self._dead_agents)
         try:
             snap = self.view.snapshot()
         except EtcdUnavailableError as exc:
-            if not gone:
+            if not dead:
                 log.warning("rendezvous: etcd unreachable while workers are healthy; keeping them running (%s)", exc)
-            return gone
+            return dead
+        if snap.state is not None and snap.state.shutdown:
+            return 0  # the job is over: its last workers finish, whoever left
         # A malformed state (the view warned, naming the key) leaves healthy workers running; a lost
         # member still counts, and the rendezvous that follows fails naming the key.
-        return max(gone, protocol.nodes_waiting(snap.state, self._knowledge(snap), self._round))
+        return max(dead, protocol.nodes_waiting(snap.state, self._knowledge(snap), self._round))
 
     @property
     def degraded(self) -> bool:
@@ -378,9 +381,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._monitor.track({n: r.beacon for n, r in snap.nodes.items()
                                  if n != self.config.node_id and r.beacon})
 
-    def _peer_lost(self, node: str) -> None:
+    def _peer_lost(self, node: str, left: bool = False) -> None:
         # The peer's agent process is gone: revoke its lease now instead of waiting out the TTL.
-        self._closed_beacons.add(node)
+        if not left:
+            self._dead_agents.add(node)
         record = self.view.snapshot().nodes.get(node)
         lease_id = record.lease_id if record else 0
         if lease_id:

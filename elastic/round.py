@@ -255,7 +255,8 @@ def nodes_waiting(state: RoundState | None, k: Knowledge, my_round: tuple[str, .
     if state is not None and state.shutdown:
         return 0
     waiting = 0
-    ours = state is not None and state.generation == k.completed_generation and set(state.participants) == set(my_round)
+    # Our round, or the joining state our own write closed it from (a view not yet past that write): a subset.
+    ours = state is not None and state.generation == k.completed_generation and set(state.participants) <= set(my_round)
     if state is not None and not ours:
         # A newer round, or one that is neither ours nor newer: opened after etcd lost the run's state (a node that
         # ran none numbers it from 1), or a state restored from an older backup. Ignored, the latter could form a

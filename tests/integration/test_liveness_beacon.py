@@ -55,7 +55,8 @@ def test_a_peer_that_left_on_purpose_is_logged_as_leaving_and_a_dead_one_as_gone
 ) -> None:
     # Every normal finish logged the other agents as gone, a warning ("closed its beacon: it is gone").
     lost: list[str] = []
-    monitor = Monitor(lost.append)
+    said: dict[str, bool] = {}
+    monitor = Monitor(lambda node, left: (lost.append(node), said.__setitem__(node, left)))
     leaving = Beacon("127.0.0.1")
     dead = listening_socket("127.0.0.1")  # an agent SIGKILLed: its kernel closes the connection, nothing sent
     try:
@@ -69,6 +70,7 @@ def test_a_peer_that_left_on_purpose_is_logged_as_leaving_and_a_dead_one_as_gone
     finally:
         monitor.close()
         dead.close()
+    assert said == {"leaving": True, "dead": False}
     by_node = {n: [r for r in caplog.records if n in r.getMessage()] for n in ("leaving", "dead")}
     assert [(r.levelno, "left" in r.getMessage()) for r in by_node["leaving"]] == [(logging.INFO, True)], caplog.text
     assert [(r.levelno, "gone" in r.getMessage()) for r in by_node["dead"]] == [(logging.WARNING, True)], caplog.text

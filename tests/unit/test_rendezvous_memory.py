@@ -188,6 +188,8 @@ def test_a_member_lost_while_etcd_is_unreachable_is_a_membership_change(run: Run
         assert eventually(lambda: a.num_nodes_waiting() > 0, timeout=5), "the lost member went unnoticed"
     finally:
         run.store.unavailable = False
+    b.set_closed()  # the job is over: a's last workers finish, whoever left
+    assert eventually(lambda: a.num_nodes_waiting() == 0, timeout=5)
 
 
 @pytest.mark.parametrize("blip", ["publish_store", "swap_state"])

@@ -301,5 +301,7 @@ def test_a_round_a_newcomer_opened_below_the_running_ones_is_joined_and_renumber
     # Our own round, running, is no reason to move; a newer one is, as before.
     assert nodes_waiting(closed("ab", generation=3), know("a", "abc", completed=3), ("a", "b")) == 0
     assert nodes_waiting(joining("c", generation=4), know("a", "abc", completed=3), ("a", "b")) == 1
+    # The joining state our own write closed (a view not yet past it) is ours too.
+    assert nodes_waiting(joining("cb", generation=3), know("a", "abc", completed=3), ("c", "b", "a")) == 0
     # An older closed round (etcd restored from a backup) is not ours either.
     assert nodes_waiting(closed("ab", generation=2), know("a", "ab", completed=3), ("a", "b")) == 1
