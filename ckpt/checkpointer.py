@@ -551,10 +551,14 @@ class Checkpointer:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def close(self, timeout: timedelta = timedelta(minutes=2), *, world_over: bool = False) -> bool:
+    def close(self, timeout: timedelta = timedelta(minutes=2), *, world_over: bool = False,
+              uploads: timedelta | None = None) -> bool:
         """Finish the save in flight and pending uploads (up to `timeout`), then stop and join
         every thread and free the staging buffer. Returns False if work was left unfinished
         (logged; committed checkpoints are unaffected). Idempotent.
+
+        `uploads`: how long the pending uploads may take once the local writes are done, in place of
+        what is left of `timeout` (Resumable.close gives them the shared tier's `retry.deadline`).
 
         `world_over`: this rank leaves the world it saved for (an in-place re-formation); tier 2 then
         does not wait for other ranks' uploads (see `Replicator.close`)."""
@@ -565,7 +569,8 @@ class Checkpointer:
         finished = self._writer.tier0_thread.close(timeout.total_seconds())
         finished = self._writer.thread.close(timeout.total_seconds()) and finished
         if self._replicator is not None:
-            finished = self._replicator.close(deadline.remaining(), world_over=world_over) and finished
+            wait = deadline.remaining() if uploads is None else uploads.total_seconds()
+            finished = self._replicator.close(wait, world_over=world_over) and finished
         self._stop.set()
         if self._shared is not None and self._shared.helper is not None:
             self._shared.helper.interrupt()  # an upload still waiting on the helper ends (the replicator gave up)

@@ -761,7 +761,10 @@ class Resumable:
             regroup.stop_round_watcher()  # from here on a membership change restarts this process
         worker.finish()  # flushing may outlast elastic-run's --hang-timeout; nothing is stuck
         self._unhook()
-        if not self.checkpointer.close(timedelta(minutes=5)):
+        # The local writes get 5 minutes; the uploads one operation's retry deadline, which the user set for the
+        # shared store: with the store down they held every rank's exit a fixed 5 minutes.
+        shared = self.checkpointer.config.shared
+        if not self.checkpointer.close(timedelta(minutes=5), uploads=shared.retry.deadline if shared else None):
             log.warning("rank %d: checkpoint work left unfinished at close: %s", self.topology.rank,
                         self.checkpointer.last_error)
         self.telemetry.flush()  # the last saves' outcomes, for the agent's summary

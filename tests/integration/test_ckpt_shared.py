@@ -18,9 +18,11 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from torch import nn
 
 from ckpt import (
     CheckpointConfig,
+    CheckpointError,
     CheckpointTimeoutError,
     RetryConfig,
     SharedConfig,
@@ -29,6 +31,7 @@ from ckpt import (
 from tests import s3_fixtures
 from tests.s3_fixtures import Checkpointers, MotoS3
 from tests.unit.test_ckpt_async import assert_same, flip_bit, state_of
+from trainer import Resumable, ResumeConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -481,3 +484,25 @@ def test_init_from_a_curated_directory_of_links_to_steps_still_reads_them(
     restored = fresh.restore()
     assert restored is not None and restored.step == 2 and restored.init_from
     assert_same(restored.state, state_of(2))
+
+
+@pytest.mark.timeout(120)
+def test_closing_a_run_with_the_store_down_waits_its_retry_deadline_not_five_minutes(
+    tmp_path: Path, own_moto_s3: MotoS3, fast_s3fs_retries: None
+) -> None:
+    # Resumable.close waited a fixed 5 minutes for the uploads, whatever retry.deadline the user set for the store.
+    retry = RetryConfig(attempts=2, initial=timedelta(seconds=0.2), maximum=timedelta(seconds=0.5),
+                        jitter=timedelta(0), deadline=timedelta(seconds=3))
+    shared = SharedConfig(url=f"s3://{own_moto_s3.make_bucket()}/ckpt", storage_options=own_moto_s3.storage_options(),
+                          retry=retry)
+    run = Resumable(ResumeConfig.at(tmp_path / "local", persist_every=1, shared=shared), model=nn.Linear(2, 1))
+    assert run.restore() == 0
+    run.step_done(1)
+    run.checkpointer.wait_uploaded(WAIT)
+    own_moto_s3.stop()
+    run.step_done(2)
+    started = time.monotonic()
+    with contextlib.suppress(CheckpointError):
+        run.close()
+    assert time.monotonic() - started < 60, "close waited for the store past its retry deadline"
+    assert 2 in run.checkpointer.committed_steps()  # the local copy stays for the next start to upload
