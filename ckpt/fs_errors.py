@@ -37,6 +37,11 @@ def advice(exc: OSError, root: Path) -> str:
             f"{where} exists and is not what a checkpoint expects there (a file where a "
             f"directory belongs, or the reverse): move it away, then save again"
         )
+    if code == errno.ELOOP:
+        return (
+            f"{where} is a symbolic link, and a checkpoint never follows a link inside its directory: replace the "
+            f"link with what it points to, or remove it"
+        )
     if code == errno.EIO:
         return f"the device under {root} reports I/O errors: check the disk (dmesg) before saving again"
     if code == errno.ENAMETOOLONG:

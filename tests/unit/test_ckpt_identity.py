@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import signal
@@ -28,6 +29,7 @@ from ckpt import (
     Checkpointer,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWriteError,
     SharedConfig,
 )
 from ckpt.owner import OWNER_FILE
@@ -416,3 +418,19 @@ def test_a_damaged_run_record_gets_advice_about_itself_not_about_a_step(
     with pytest.raises(CheckpointError) as caught:
         Checkpointer(CheckpointConfig(local_dir=root), rank=0, world_size=1).close()
     assert f"{root / 'RUN.json'} exists" in str(caught.value) and ".tmp-" not in str(caught.value).split(";")[-1]
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_lock_that_is_a_link_or_a_fifo_is_named_with_what_to_do(tmp_path: Path, kind: str) -> None:
+    # A LOCK that was a symbolic link got "check that <dir> is a writable directory on a healthy file system".
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    if kind == "link":
+        (root / "LOCK").symlink_to(tmp_path / "elsewhere")
+    else:
+        os.mkfifo(root / "LOCK")
+    with pytest.raises(CheckpointWriteError) as info:
+        run_in(root)
+    message = str(info.value)
+    assert f"{root / 'LOCK'}" in message and ("never follows a link" if kind == "link" else "move it away") in message
+    assert not (tmp_path / "elsewhere").exists()  # the link was not followed
