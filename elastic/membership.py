@@ -110,8 +110,10 @@ class Membership:
             try:
                 if not self._store.refresh_lease(lease):
                     log.warning("membership: lease of %s expired; registering again", self.key)
+                    # The others' leases may have lapsed with this one (etcd paused or restored). Doubted before the
+                    # key is back: a rendezvous woken by its write must not judge the live set in between.
+                    self._doubt()
                     self._register(self._info)
-                    self._doubt()  # the others' leases may have lapsed with this one (etcd paused or restored)
                 if failing:
                     log.info("membership: the lease of %s is refreshed again, after %d failed tries", self.key,
                              failing)

@@ -425,6 +425,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     f"run id {self.config.run_id!r}: {decision.reason}. Every agent of one job must use the same "
                     "--nnodes; a different job needs its own --rdzv-id."
                 )
+            held: Deadline | None = None  # a judgement held back while the live set settles: retried after
+            if isinstance(decision, protocol.Write) and self._closes_on_unsettled_live_set(state, decision, snap):
+                held = Deadline.after(timedelta(seconds=max(0.1, self.membership.unsure_for())), clock=self._clock)
+                decision = protocol.Wait(f"{decision.why}: held back until the live set settles (etcd was "
+                                         "unreachable or lost the nodes' leases; they register again)")
             if isinstance(decision, protocol.Write):
                 if self._swap_state(decision.state, snap.state_revision):
                     log.info("rendezvous: %s", decision.why)
@@ -433,7 +438,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                         return took
                 continue
             last_reason = decision.reason
-            judge_again: Deadline | None = None  # a judgement held back while the live set settles: retried after
+            judge_again = held
             if self._stop_below_min and self._ran_round and len(snap.live) < self.config.min_nodes:
                 if self._live_set_settled(snap.live):
                     # Nodes lost while this round forms, after the job ran (not nodes still arriving at its start):
@@ -455,6 +460,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 )
             until = deadline if last_call is None else _earlier(deadline, last_call)
             self.view.wait_changed(snap, until if judge_again is None else _earlier(until, judge_again))
+
+    def _closes_on_unsettled_live_set(self, state: protocol.RoundState | None, decision: protocol.Write,
+                                      snap: Snapshot) -> bool:
+        """Whether `decision` closes a round while the live set read cannot be trusted: after etcd was unreachable
+        past the lease TTL or lost its data, nodes that are alive are missing from it until they register again.
+        Closed on it, with MIN 1 each node closed a round of its own (two worlds beside each other, until the next
+        re-formation) and published its store under a lease etcd no longer had (both agents crashed)."""
+        closing = decision.state.status == "closed" and (state is None or state.status != "closed")
+        return closing and self._ran_round and not self._live_set_settled(snap.live)
 
     def _swap_state(self, state: protocol.RoundState, token: int) -> bool:
         """Compare-and-set the round state on `token` (with the join-token MAC, in a run with a token)."""

@@ -170,6 +170,36 @@ def test_a_healthy_round_survives_an_unreachable_store_in_degraded_mode(run: Run
     assert eventually(lambda: not a.degraded, timeout=3 * a.view.RESYNC.total_seconds() + 5)
 
 
+def test_after_etcd_lost_every_lease_no_node_closes_a_round_alone_before_the_others_register_again(
+    run: Run,
+) -> None:
+    # etcd restarted empty: every node's key and lease gone. A node whose workers failed then closed a round on a
+    # live set without its peers (MIN 1: each node a world of its own) and published its store under a lease etcd
+    # no longer had: the agent crashed.
+    a, b = run.handler("a", min_nodes=1, max_nodes=2), run.handler("b", min_nodes=1, max_nodes=2)
+    b.membership.join()  # live before a's first round: a waits for it rather than close round 1 alone
+    fa = run.start(a)
+    assert eventually(lambda: (s := run.state()) is not None and s.participants == ("a",))
+    fb = run.start(b)
+    fa.result(timeout=15), fb.result(timeout=15)
+    assert a.generation == b.generation == 1 and set(a.round_members) == {"a", "b"}
+    with run.store._lock:  # what an etcd restarted without its data has: nothing
+        run.store._data.clear()
+        run.store._leases.clear()
+    fa = run.start(a)  # a's workers failed: its next round, before any node registered again
+    assert eventually(lambda: b.num_nodes_waiting() > 0), "b never learned of a's round"
+    fb = run.start(b)
+    time.sleep(0.5)
+    assert not fa.done() and not fb.done(), "a round closed on a live set the nodes had not registered in again"
+    # Both register again at their keep-alive's next refresh and wait out one TTL; then the round closes with both.
+    assert eventually(lambda: all(h.membership.unsure_for() == 0 and h.membership.lease_id is not None
+                                  and h.node_id in h.membership.live_nodes() for h in (a, b)), timeout=20)
+    run.clock.advance(10)
+    run.register("passer")  # a change: the waiting handlers judge again, on the advanced clock
+    ra, rb = fa.result(timeout=30), fb.result(timeout=30)
+    assert a.generation == b.generation and ra.world_size == rb.world_size == 2
+
+
 def test_a_member_lost_while_etcd_is_unreachable_is_a_membership_change(run: Run) -> None:
     # Only the lease told of a lost member; during an outage it could not be revoked nor expire, so the survivors'
     # failed workers were charged to --max-restarts as a worker failure. Its beacon closing tells of it too.
