@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from core.exc_chain import chain
+
 
 class CheckpointError(Exception):
     """Base class of every error raised by `ckpt`.
@@ -57,14 +59,7 @@ class CheckpointAccessError(CheckpointError):
 
 def permission_denied(exc: BaseException) -> BaseException | None:
     """The permission error (EACCES, EPERM) that `exc` is, or was raised from; None if none is."""
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, (PermissionError, CheckpointAccessError)):
-            return cur
-        cur = cur.__cause__ or cur.__context__
-    return None
+    return next((e for e in chain(exc) if isinstance(e, (PermissionError, CheckpointAccessError))), None)
 
 
 class SharedStorageError(CheckpointError):

@@ -27,6 +27,7 @@ import traceback
 from types import TracebackType
 
 from core.deadline import Deadline
+from core.exc_chain import chain
 
 ENV_GRACE = "ELASTIC_PEER_LOSS_GRACE_S"
 
@@ -43,15 +44,8 @@ _PEER_GONE = (
 
 def looks_like_peer_loss(exc: BaseException) -> bool:
     """Whether `exc` (or what it was raised from) reads like a lost peer rather than a bug."""
-    seen: BaseException | None = exc
-    for _ in range(8):  # bounded walk down the cause chain
-        if seen is None:
-            return False
-        text = str(seen).lower()
-        if isinstance(seen, RuntimeError | ConnectionError) and any(words in text for words in _PEER_GONE):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(e, RuntimeError | ConnectionError) and any(words in str(e).lower() for words in _PEER_GONE)
+               for e in chain(exc, limit=8))
 
 
 def install() -> bool:

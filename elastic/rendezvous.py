@@ -427,7 +427,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 )
             held: Deadline | None = None  # a judgement held back while the live set settles: retried after
             if isinstance(decision, protocol.Write) and self._closes_on_unsettled_live_set(state, decision, snap):
-                held = Deadline.after(timedelta(seconds=max(0.1, self.membership.unsure_for())), clock=self._clock)
+                held = self._settled_by()
                 decision = protocol.Wait(f"{decision.why}: held back until the live set settles (etcd was "
                                          "unreachable or lost the nodes' leases; they register again)")
             if isinstance(decision, protocol.Write):
@@ -444,8 +444,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     # Nodes lost while this round forms, after the job ran (not nodes still arriving at its start):
                     # no round can form until some come back. The agent stops the job (exit 75) rather than wait.
                     raise BelowMinimumError.of(len(snap.live), self.config.min_nodes)
-                judge_again = Deadline.after(timedelta(seconds=max(0.1, self.membership.unsure_for())),
-                                             clock=self._clock)
+                judge_again = self._settled_by()
             generation = state.generation if state else 0
             if decision.last_call_armed and (last_call is None or generation != last_call_generation):
                 last_call = Deadline.after(self.config.last_call_timeout, clock=self._clock)
@@ -460,6 +459,10 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                 )
             until = deadline if last_call is None else _earlier(deadline, last_call)
             self.view.wait_changed(snap, until if judge_again is None else _earlier(until, judge_again))
+
+    def _settled_by(self) -> Deadline:
+        """When a judgement held back while the live set settles is made again."""
+        return Deadline.after(timedelta(seconds=max(0.1, self.membership.unsure_for())), clock=self._clock)
 
     def _closes_on_unsettled_live_set(self, state: protocol.RoundState | None, decision: protocol.Write,
                                       snap: Snapshot) -> bool:
