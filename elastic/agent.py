@@ -195,6 +195,7 @@ class ElasticAgent(LocalElasticAgent):
         self.progress_dir = progress.make_dir()
         self._workers_started_at: float | None = None
         self._first_step_s: float | None = None  # how long the job's first step took (hang detection's allowance)
+        self._judged: set[Any] = set()  # the worker pids judged hung (and SIGKILLed): each reported once
         os.environ[progress.ENV_DIR] = self.progress_dir  # workers inherit the agent's environment
         # The node's host memory for tier-0 snapshots (core/tier0_dir.py): it outlives any one worker.
         # A value set by the user (a directory of their own, or "" for none) is left alone.
@@ -268,6 +269,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         progress.clear(self.progress_dir)
+        self._judged.clear()  # new processes
         if self._workers_started_at is None:
             self._workers_started_at = time.monotonic()  # the first workers: their first step's time is measured
         self._rounds.clear()
@@ -359,9 +361,11 @@ class ElasticAgent(LocalElasticAgent):
                 continue
             stopped = _stopped(worker.id)
             if stopped or beat.age > timeout + allowance:
-                emit("hang_detected", local_rank=worker.local_rank, global_rank=worker.global_rank,
-                     pid=worker.id, seconds_without_progress=round(beat.age, 2), hang_timeout_s=timeout,
-                     stopped=stopped, first_step=beat.restarted)
+                if worker.id not in self._judged:  # once: a SIGKILLed process can take ticks to be reaped
+                    self._judged.add(worker.id)
+                    emit("hang_detected", local_rank=worker.local_rank, global_rank=worker.global_rank,
+                         pid=worker.id, seconds_without_progress=round(beat.age, 2), hang_timeout_s=timeout,
+                         stopped=stopped, first_step=beat.restarted)
                 hung.append(worker)
         return hung
 
@@ -496,9 +500,12 @@ class ElasticAgent(LocalElasticAgent):
             self._failure_seen_at = time.monotonic()
         self.job.failed(self._failure_seen_at)
         dead = {lr: handlers[lr].proc.pid for lr in failed}
-        progress.clear(self.progress_dir, dead)  # a replacement is not judged by its predecessor's last beat
         kept = {w.local_rank: w.id for w in worker_group.workers if w.local_rank not in dead}
         generation = self._next_round_in_place(worker_group, kept)
+        # A replacement is not judged by its predecessor's last beat, and its first step is timed from its start,
+        # as the job's first was: marked before the round, the round's wait counted against it (seen: a healthy
+        # replacement judged hung under load).
+        progress.clear(self.progress_dir, dead)
         restart_count = worker_group.spec.max_restarts - self._remaining_restarts
         warm, warmed_up = [], []
         for w in worker_group.workers:

@@ -335,7 +335,11 @@ def test_a_stopped_worker_is_judged_hung_before_its_blocked_peer_which_keeps_its
     os.kill(victim, signal.SIGSTOP)
     for j in jobs:
         j.finish(timeout=150)
-    assert [(int(e["pid"]), e["stopped"]) for e in n1.events("hang_detected")] == [(victim, True)]
+    judged = [(int(e["pid"]), e["stopped"], e["first_step"]) for e in n1.events("hang_detected")]
+    assert judged[0] == (victim, True, False), judged
+    # Under load (seen in CI) a replacement can take longer than its first step's allowance, and be judged in it:
+    # never the victim twice, nor a process that had made a step.
+    assert len({pid for pid, _, _ in judged}) == len(judged) and all(first for _, _, first in judged[1:]), judged
     assert not n0.events("hang_detected"), n0.events("hang_detected")
     assert step_pids(n0) == {healthy}  # the blocked peer kept its process to the end
     assert all(last_step(j) == 60 for j in jobs)
