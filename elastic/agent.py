@@ -428,6 +428,8 @@ class ElasticAgent(LocalElasticAgent):
 
     def _next_round_in_place(self, worker_group: WorkerGroup, kept: dict[int, Any]) -> int:
         """Run the next round with the processes of `kept` (local rank -> pid) staying; publish it to them."""
+        if self._round_info is not None:
+            self._rounds.announce(self._round_info.generation)  # they wait for it, however long etcd takes
         while True:
             try:
                 self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay

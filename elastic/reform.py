@@ -13,6 +13,8 @@ Files in the agent's progress directory (tmpfs, elastic/progress.py), all replac
                                 "stop": the job stops below its minimum of nodes (persist, then exit)
     reforming_<local_rank>      "<generation>": the worker left its old process group for that round
     reformed_<local_rank>       "<generation>": the worker joined that round's process group (its ack)
+    round_coming                "<generation>": the agent is forming a round after that one (its rendezvous may wait
+                                on etcd): a kept worker waits for it past the lost-peer grace, up to its join timeout
 
 A file, not a socket: a worker polls one stat() every 20 ms, and nothing breaks when either side
 dies. The agent sets `ELASTIC_REFORM=in-process`, `ELASTIC_ROUND_GENERATION` and
@@ -40,6 +42,7 @@ ENV_GENERATION = "ELASTIC_ROUND_GENERATION"
 ENV_TIMEOUT = "ELASTIC_REFORM_TIMEOUT_S"
 MODES = ("in-process", "restart")
 _ROUND = "round.json"
+_COMING = "round_coming"
 _POLL_S = 0.02
 
 
@@ -82,7 +85,7 @@ class RoundChannel:
 
     def clear(self) -> None:
         """Before a new set of workers starts: forget the old ones' readiness and acks."""
-        for pattern in ("reform_ready_*", "reforming_*", "reformed_*"):
+        for pattern in ("reform_ready_*", "reforming_*", "reformed_*", _COMING):
             for f in self.directory.glob(pattern):
                 f.unlink(missing_ok=True)
 
@@ -96,16 +99,26 @@ class RoundChannel:
                 continue  # being replaced, or not ours
         return ready
 
+    def announce(self, after: int) -> None:
+        """Tell the kept workers a round after generation `after` is forming. Seen without it: a node lost while etcd
+        was down; the agent waited in its rendezvous for etcd, the kept worker's lost-peer grace ran out first, and
+        it died, a worker failure with `--max-restarts 0`."""
+        _write(self.directory / _COMING, str(after))
+
     def publish(self, generation: int, master_addr: str, master_port: int,
                 ranks: Iterable[tuple[int, int, int]]) -> None:
         """Tell the workers the round `generation`: (local rank, global rank, world size) of each."""
         doc = _LocalRanks(generation, master_addr, master_port,
                           {str(local): (rank, world) for local, rank, world in ranks})
-        _write(self.directory / _ROUND, json.dumps(asdict(doc)))
+        self._publish(json.dumps(asdict(doc)))
 
     def publish_stop(self, generation: int, why: str) -> None:
         """Tell the workers the job stops (no round `generation` will form): persist the newest state, exit."""
-        _write(self.directory / _ROUND, json.dumps({"generation": generation, "stop": why}))
+        self._publish(json.dumps({"generation": generation, "stop": why}))
+
+    def _publish(self, text: str) -> None:
+        _write(self.directory / _ROUND, text)
+        (self.directory / _COMING).unlink(missing_ok=True)  # after: a waiting worker sees one or the other
 
     def acked(self, local_rank: int) -> int:
         """The newest generation the worker joined in place (-1: none)."""
@@ -186,6 +199,13 @@ class RoundWatcher:
             while waiting() and not deadline.expired():
                 self._changed.wait(deadline.capped(0.5))
             return None if waiting() else self._newest
+
+    def coming(self) -> bool:
+        """Whether the agent says it is forming a round newer than this worker's (`RoundChannel.announce`)."""
+        try:
+            return int((self.directory / _COMING).read_text()) >= self.generation
+        except (OSError, ValueError):
+            return False
 
     def leaving(self, round_: Round) -> None:
         """The worker is leaving its old process group for `round_` (the agent then waits for the join)."""

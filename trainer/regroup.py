@@ -88,8 +88,8 @@ def join_next_round(watcher: RoundWatcher, error: BaseException | None, *, step:
             break
         except Exception as exc:  # noqa: BLE001 - a newer round is the way out; else the error stands
             # A peer of the round lost while joining it (its store's host, say): the agent's next round follows.
-            grace = float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0) if may_be_peer_loss(exc) else 0.0
-            newer = watcher.wait(Deadline.after(grace), newer_than=round_.generation)
+            newer = (await_round(watcher, newer_than=round_.generation) if may_be_peer_loss(exc)
+                     else watcher.wait(Deadline.after(0), newer_than=round_.generation))
             if newer is None:
                 raise
             round_ = newer
@@ -109,7 +109,18 @@ def next_round(watcher: RoundWatcher, error: BaseException | None) -> Round | No
     lost-peer grace for the agent to publish one. None when there is none."""
     round_ = watcher.newest()
     if round_ is None and error is not None and may_be_peer_loss(error):
-        round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)))
+        round_ = await_round(watcher)
+    return round_
+
+
+def await_round(watcher: RoundWatcher, *, newer_than: int | None = None) -> Round | None:
+    """The agent's next round (newer than generation `newer_than`, if given), waiting the lost-peer grace for it,
+    and past the grace while the agent says one is forming (its rendezvous waiting on etcd, say), up to the join
+    timeout. None: no round came."""
+    round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)), newer_than=newer_than)
+    limit = Deadline.after(reform.join_timeout())
+    while round_ is None and watcher.coming() and not limit.expired():
+        round_ = watcher.wait(Deadline.after(limit.capped(1.0)), newer_than=newer_than)
     return round_
 
 

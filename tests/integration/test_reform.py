@@ -26,7 +26,7 @@ import pytest
 from core.faults import Fault
 from core.procfs import alive as pid_alive
 from elastic.errors import EXIT_BELOW_MIN
-from elastic.etcd_server import EtcdServer
+from elastic.etcd_server import EtcdServer, EtcdServerConfig
 from tests.conftest import Procs
 from tests.integration.tiny_job import TinyJob
 
@@ -362,3 +362,36 @@ def test_a_replacement_that_hangs_in_its_restore_is_judged_hung_and_the_job_fini
     hung = job.events("hang_detected")
     assert hung and all(e["first_step"] for e in hung), hung
     assert last_step(job) == 40
+
+
+@pytest.mark.timeout(240)
+def test_a_node_lost_while_etcd_is_down_leaves_the_survivor_training_in_place_without_a_restart(
+        procs: Procs, tmp_path: Path) -> None:
+    """--max-restarts 0. n1 (agent and worker) is SIGKILLed 3 s into an etcd outage of ~13 s. n0's worker fails its
+    collective at once; its agent sees n1 gone, opens the next round, and waits in it for etcd, for longer than the
+    worker's lost-peer grace. Told that a round is coming (RoundChannel.announce), the worker waits for it and
+    re-forms alone, in place: its process kept, no restart consumed. Before, it died at the end of its grace: a
+    worker failure, which ended the job (found by an audit, 2 runs of 2)."""
+    first = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "etcd"))).start()
+    second: EtcdServer | None = None
+    try:
+        run_id = f"reform-{uuid.uuid4().hex[:8]}"
+        jobs = [node(procs, tmp_path, first, run_id, f"n{i}", "1:2", 100_000, launcher=("--max-restarts", "0"))
+                for i in range(2)]
+        wait_until("2 nodes training", lambda: all(last_step(j) >= 8 for j in jobs), jobs)
+        n0, n1 = jobs
+        [kept] = step_pids(n0)
+        first.kill()
+        time.sleep(3)
+        procs.kill_node(n1.proc)
+        time.sleep(10)  # past the worker's grace: the lease TTL, two monitor intervals and 2 s
+        second = EtcdServer(EtcdServerConfig(data_dir=str(tmp_path / "etcd"), client_port=first.client_port,
+                                             peer_port=first.peer_port)).start()
+        wait_until("n0 training alone", lambda: sum(e["world"] == 1 for e in n0.events("step")) >= 20, [n0])
+        assert n0.proc.poll() is None, n0.out[-3000:]
+        assert step_pids(n0) == {kept}, n0.events("restart")
+        assert [e["lost"] for e in n0.events("reform")] == [["n1"]]
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
