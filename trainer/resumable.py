@@ -281,8 +281,9 @@ class Resumable:
                 check_state(restored.state, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
                             template=template_for(restored), step=restored.step, stateful=self._stateful())
             except StateMismatchError as exc:
-                if not restored.init_from:
-                    raise
+                if not restored.init_from:  # named: which step, which copy (several runs may share a machine)
+                    raise StateMismatchError(f"checkpoint step {restored.step}, {restored.tier} copy "
+                                             f"{restored.path}: {exc}") from exc
                 # Not this run's own checkpoint: "a fresh --ckpt-dir" would not help.
                 why = str(exc).replace(RESUME_HINT, "")
                 raise StateMismatchError(

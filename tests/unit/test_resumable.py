@@ -619,7 +619,8 @@ def test_other_data_settings_say_what_differs_and_change_nothing(tmp_path: Path,
     settings = {"dataset_size": 64, "global_batch": 8, "seed": 0, field: value}
     sampler = ElasticSampler(DataConfig(**settings))
     other = Resumable(ResumeConfig.at(str(tmp_path / "ckpt"), save_every=2), model=other_model, sampler=sampler)
-    with pytest.raises(StateMismatchError, match=f"{field}: checkpoint .*, now {value}"):
+    with pytest.raises(StateMismatchError, match=f"checkpoint step 2, \\w+ copy \\S+: .*{field}: checkpoint "
+                                                 f".*, now {value}"):
         other.restore()
     assert training_digest(other_model) == before  # checked before anything was loaded
 
