@@ -62,6 +62,10 @@ class ElasticRendezvousClosedError(RendezvousClosedError, ElasticError):
     """The run's rendezvous is closed: the job finished or was shut down."""
 
 
+class LeaseGoneError(ElasticError):
+    """A write under a lease etcd no longer has (it lapsed, or etcd lost its data): the node registers again."""
+
+
 __all__ = [
     "AdmissionError",
     "ElasticError",
@@ -71,6 +75,7 @@ __all__ = [
     "EtcdRecordError",
     "EtcdStartError",
     "EtcdUnavailableError",
+    "LeaseGoneError",
     "NodeIdConflictError",
     "RunIdConflictError",
 ]

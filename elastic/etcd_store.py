@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 
+from elastic.errors import LeaseGoneError
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.keys import RunKeys
 from elastic.run_store import RunRead, WatchCallback
@@ -88,7 +89,12 @@ class EtcdRunStore:
 
     def publish_store(self, generation: int, record: str, lease: int) -> None:
         raw, key = self.client.raw, self._keys.store(generation)
-        self.client.call(lambda: raw.put(key, record, lease=lease), what=f"publish {key}")
+        try:
+            self.client.call(lambda: raw.put(key, record, lease=lease), what=f"publish {key}")
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # "requested lease not found"
+                raise LeaseGoneError(f"etcd no longer has lease {lease:x} to publish {key} under") from exc
+            raise
 
     def prune_stores(self, generation: int) -> None:
         raw = self.client.raw

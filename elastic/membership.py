@@ -110,10 +110,7 @@ class Membership:
             try:
                 if not self._store.refresh_lease(lease):
                     log.warning("membership: lease of %s expired; registering again", self.key)
-                    # The others' leases may have lapsed with this one (etcd paused or restored). Doubted before the
-                    # key is back: a rendezvous woken by its write must not judge the live set in between.
-                    self._doubt()
-                    self._register(self._info)
+                    self.register_again(lease)
                 if failing:
                     log.info("membership: the lease of %s is refreshed again, after %d failed tries", self.key,
                              failing)
@@ -131,6 +128,17 @@ class Membership:
                     "membership: refreshing the lease of %s failed: %s (tried again every %.1fs)", self.key, exc,
                     interval)
                 failing += 1
+
+    def register_again(self, lost: int) -> None:
+        """Register under a fresh lease, unless that was done since `lost` (this node's lease, which etcd no longer
+        has) was found gone: by the keep-alive, or by a rendezvous that could not publish under it."""
+        with self._lock:
+            if self._lease != lost or self._stop.is_set():
+                return
+            # The others' leases may have lapsed with this one (etcd paused or restored). Doubted before the key is
+            # back: a rendezvous woken by its write must not judge the live set in between.
+            self._doubt()
+            self._register(self._info)
 
     def _doubt(self, extra: float = 0.0) -> None:
         until = time.monotonic() + self.config.lease_ttl.total_seconds() + extra

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from core.deadline import Clock
-from elastic.errors import EtcdUnavailableError
+from elastic.errors import EtcdUnavailableError, LeaseGoneError
 from elastic.keys import RunKeys
 from elastic.run_store import RunRead, WatchCallback
 
@@ -100,7 +100,8 @@ class MemoryRunStore:
 
     def publish_store(self, generation: int, record: str, lease: int) -> None:
         with self._locked() as changed:
-            self._check_lease(lease)
+            if lease not in self._leases:
+                raise LeaseGoneError(f"lease {lease:x} does not exist (it expired or was revoked)")
             self._revision += 1
             self._put(self._keys.store(generation), record, lease)
             changed.append(True)

@@ -40,6 +40,7 @@ from elastic.errors import (
     ElasticRendezvousTimeoutError,
     EtcdRecordError,
     EtcdUnavailableError,
+    LeaseGoneError,
     RunIdConflictError,
 )
 from elastic.etcd_store import EtcdRunStore
@@ -494,7 +495,15 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             lease = self.membership.lease_id
             assert lease is not None, "a node takes a rank only while registered"
             record = json.dumps(self.admission.sign_store(done.generation, addr, port))
-            self._store.publish_store(done.generation, record, lease)  # the address dies with rank 0's lease
+            try:
+                self._store.publish_store(done.generation, record, lease)  # the address dies with rank 0's lease
+            except LeaseGoneError as exc:
+                # etcd lost this node's lease (and its key) since it took the rank: its peers see rank 0 gone and
+                # abandon the round too. Registered again first: under the lost lease it would take rank 0 in
+                # round after round, each abandoned. Seen after etcd restarted empty.
+                self.membership.register_again(lease)
+                raise _RoundAbandoned(f"this node's lease lapsed before it published the round's store ({exc})") \
+                    from exc
             self._store.prune_stores(done.generation)
             return server, addr, port
         self._store_server = None

@@ -86,7 +86,8 @@ class RunStore(Protocol):
         ...
 
     def publish_store(self, generation: int, record: str, lease: int) -> None:
-        """Put round `generation`'s store address under `lease` (it dies with its publisher)."""
+        """Put round `generation`'s store address under `lease` (it dies with its publisher). Raises
+        LeaseGoneError when the store no longer has `lease`."""
         ...
 
     def prune_stores(self, generation: int) -> None:

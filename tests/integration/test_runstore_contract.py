@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from elastic.errors import LeaseGoneError
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.etcd_server import EtcdServer
 from elastic.etcd_store import EtcdRunStore
@@ -123,6 +124,8 @@ def test_keys_under_a_lease_go_when_it_is_revoked(store: RunStore) -> None:
     assert list(store.read().kvs) == []
     assert store.refresh_lease(lease) is False, "a revoked lease cannot be refreshed"
     store.revoke_lease(lease)  # revoking a lease that is gone is no error
+    with pytest.raises(LeaseGoneError, match=f"{lease:x}"):  # rank 0 then abandons its round (rendezvous.py)
+        store.publish_store(2, '{"addr": "h", "port": 1}', lease)
 
 
 def test_registration_order_is_the_create_revision(store: RunStore) -> None:

@@ -285,3 +285,23 @@ def test_the_fakes_leases_expire_on_its_clock_and_watchers_hear_of_it() -> None:
     assert store.get(store.keys.node("a")) is None, "the key outlived its lease's TTL"
     assert len(events) > seen, "the expiry was not reported to the watcher"
     assert store.refresh_lease(lease) is False
+
+
+def test_rank_0_whose_lease_etcd_lost_abandons_the_round_and_forms_the_next(run: Run) -> None:
+    """After etcd lost its data, a node could take rank 0 in a round while its lease was gone: publishing the
+    round's store under it failed (etcd: NOT_FOUND), unhandled, and the agent crashed. Now it abandons the round,
+    its keep-alive registers it again, and it forms the next round."""
+    h = run.handler("a")
+    publish = run.store.publish_store
+    lost: list[int] = []
+
+    def publish_after_etcd_lost_the_lease(generation: int, record: str, lease: int) -> None:
+        if not lost:
+            lost.append(lease)
+            run.store.revoke_lease(lease)  # as etcd restarted without its data: the lease and the node's key gone
+        publish(generation, record, lease)
+
+    run.store.publish_store = publish_after_etcd_lost_the_lease  # type: ignore[method-assign]
+    info = run.start(h).result(timeout=20)
+    assert lost and info.rank == 0 and info.world_size == 1
+    assert h.generation == 2 and h.membership.lease_id != lost[0]  # the next round, under its new lease
