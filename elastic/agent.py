@@ -150,6 +150,11 @@ class RoundAware(Protocol):
         """How soon after a node dies its peers learn of it."""
         ...
 
+    @property
+    def join_timeout(self) -> timedelta:
+        """The longest one rendezvous waits (for its peers, or for etcd to answer again)."""
+        ...
+
     def mark_succeeded(self) -> None:
         """The workers finished the job: the handler may close the run on shutdown."""
         ...
@@ -428,9 +433,9 @@ class ElasticAgent(LocalElasticAgent):
 
     def _next_round_in_place(self, worker_group: WorkerGroup, kept: dict[int, Any]) -> int:
         """Run the next round with the processes of `kept` (local rank -> pid) staying; publish it to them."""
-        if self._round_info is not None:
-            self._rounds.announce(self._round_info.generation)  # they wait for it, however long etcd takes
         while True:
+            if self._round_info is not None:  # they wait for it as long as the rendezvous may take (etcd down, say)
+                self._rounds.announce(self._round_info.generation, self._round_info.join_timeout)
             try:
                 self._rendezvous(worker_group)  # the next round: new ranks, a new store; the processes stay
                 break
@@ -525,6 +530,7 @@ class ElasticAgent(LocalElasticAgent):
                                                 env=env, stdout=pcontext.stdouts.get(w.local_rank),
                                                 stderr=pcontext.stderrs.get(w.local_rank))
             w.id = spare.pid
+            self._judged.discard(spare.pid)  # a pid used again: this process was never judged
         by = ("a warm spare" if all(warmed_up) else "a spare still warming up") if all(warm) else "a new process"
         log.warning("worker%s local rank %s (pid %s) failed; replaced by %s, the others re-form in place "
                     "(round %d)", "s" if len(dead) > 1 else "", ", ".join(map(str, dead)),

@@ -86,7 +86,10 @@ class Membership:
         doc: dict[str, object] = {"node_id": self.node_id, "joined_at": time.time(), **info}
         if self._admission is not None:
             doc = self._admission.sign_node(doc, lease)
-        ok, _ = self._store.create(self.key, json.dumps(doc), lease=lease)
+        value = json.dumps(doc)
+        ok, current = self._store.create(self.key, value, lease=lease)
+        if not ok and current == value.encode():
+            ok = True  # our own write, retried after its answer was lost (etcd restarting, say)
         if not ok:
             self._store.revoke_lease(lease)
             raise NodeIdConflictError(
@@ -168,7 +171,13 @@ class Membership:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        lease, self._lease = self._lease, None
+        # Not while the keep-alive or a rendezvous registers again (register_again): its new lease is revoked too.
+        locked = self._lock.acquire(timeout=15)
+        try:
+            lease, self._lease = self._lease, None
+        finally:
+            if locked:
+                self._lock.release()
         if lease is not None:
             try:
                 self._store.revoke_lease(lease, deadline=timedelta(seconds=3))

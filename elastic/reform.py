@@ -13,8 +13,9 @@ Files in the agent's progress directory (tmpfs, elastic/progress.py), all replac
                                 "stop": the job stops below its minimum of nodes (persist, then exit)
     reforming_<local_rank>      "<generation>": the worker left its old process group for that round
     reformed_<local_rank>       "<generation>": the worker joined that round's process group (its ack)
-    round_coming                "<generation>": the agent is forming a round after that one (its rendezvous may wait
-                                on etcd): a kept worker waits for it past the lost-peer grace, up to its join timeout
+    round_coming                "<generation> <until>": the agent is forming a round after that one, by `until`
+                                (time.monotonic(): the host's clock); its rendezvous may wait on etcd meanwhile, and
+                                a kept worker waits for the round past the lost-peer grace
 
 A file, not a socket: a worker polls one stat() every 20 ms, and nothing breaks when either side
 dies. The agent sets `ELASTIC_REFORM=in-process`, `ELASTIC_ROUND_GENERATION` and
@@ -28,6 +29,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -99,11 +101,11 @@ class RoundChannel:
                 continue  # being replaced, or not ours
         return ready
 
-    def announce(self, after: int) -> None:
-        """Tell the kept workers a round after generation `after` is forming. Seen without it: a node lost while etcd
-        was down; the agent waited in its rendezvous for etcd, the kept worker's lost-peer grace ran out first, and
-        it died, a worker failure with `--max-restarts 0`."""
-        _write(self.directory / _COMING, str(after))
+    def announce(self, after: int, within: timedelta) -> None:
+        """Tell the kept workers a round after generation `after` is forming, within `within` (the rendezvous's
+        longest wait). Seen without it: a node lost while etcd was down; the agent waited in its rendezvous for etcd,
+        the kept worker's lost-peer grace ran out first, and it died, a worker failure with `--max-restarts 0`."""
+        _write(self.directory / _COMING, f"{after} {time.monotonic() + within.total_seconds():.3f}")
 
     def publish(self, generation: int, master_addr: str, master_port: int,
                 ranks: Iterable[tuple[int, int, int]]) -> None:
@@ -118,7 +120,7 @@ class RoundChannel:
 
     def _publish(self, text: str) -> None:
         _write(self.directory / _ROUND, text)
-        (self.directory / _COMING).unlink(missing_ok=True)  # after: a waiting worker sees one or the other
+        (self.directory / _COMING).unlink(missing_ok=True)  # after: a waiting worker looks once more (await_round)
 
     def acked(self, local_rank: int) -> int:
         """The newest generation the worker joined in place (-1: none)."""
@@ -201,9 +203,11 @@ class RoundWatcher:
             return None if waiting() else self._newest
 
     def coming(self) -> bool:
-        """Whether the agent says it is forming a round newer than this worker's (`RoundChannel.announce`)."""
+        """Whether the agent says it is forming a round newer than this worker's, and its time is not up
+        (`RoundChannel.announce`)."""
         try:
-            return int((self.directory / _COMING).read_text()) >= self.generation
+            after, until = (self.directory / _COMING).read_text().split()
+            return int(after) >= self.generation and time.monotonic() < float(until)
         except (OSError, ValueError):
             return False
 

@@ -145,6 +145,11 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         return self.config.lease_ttl
 
     @property
+    def join_timeout(self) -> timedelta:
+        """The longest one rendezvous waits (for its peers, or for etcd to answer again)."""
+        return self.config.join_timeout
+
+    @property
     def bind_addr(self) -> str | None:
         """The address this node's listeners bind (`--local-addr`; None: every interface)."""
         return self.config.bind_addr

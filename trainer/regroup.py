@@ -115,12 +115,14 @@ def next_round(watcher: RoundWatcher, error: BaseException | None) -> Round | No
 
 def await_round(watcher: RoundWatcher, *, newer_than: int | None = None) -> Round | None:
     """The agent's next round (newer than generation `newer_than`, if given), waiting the lost-peer grace for it,
-    and past the grace while the agent says one is forming (its rendezvous waiting on etcd, say), up to the join
-    timeout. None: no round came."""
+    and past the grace while the agent says one is forming (its rendezvous waiting on etcd, say), until the time it
+    gave. None: no round came."""
     round_ = watcher.wait(Deadline.after(float(os.environ.get(peer_loss.ENV_GRACE, "0") or 0)), newer_than=newer_than)
-    limit = Deadline.after(reform.join_timeout())
-    while round_ is None and watcher.coming() and not limit.expired():
-        round_ = watcher.wait(Deadline.after(limit.capped(1.0)), newer_than=newer_than)
+    if round_ is None and watcher.coming():
+        while round_ is None and watcher.coming():
+            round_ = watcher.wait(Deadline.after(1.0), newer_than=newer_than)
+        if round_ is None:  # the announcement just ended: its round may be published, not yet seen (20 ms polls)
+            round_ = watcher.wait(Deadline.after(1.0), newer_than=newer_than)
     return round_
 
 

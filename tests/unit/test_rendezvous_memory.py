@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousTimeoutError
 
-from elastic.errors import EtcdUnavailableError
+from elastic.errors import EtcdUnavailableError, NodeIdConflictError
 from elastic.etcd_client import EtcdClientConfig
 from elastic.keys import RunKeys
 from elastic.membership import Membership, MembershipConfig
@@ -305,3 +305,21 @@ def test_rank_0_whose_lease_etcd_lost_abandons_the_round_and_forms_the_next(run:
     info = run.start(h).result(timeout=20)
     assert lost and info.rank == 0 and info.world_size == 1
     assert h.generation == 2 and h.membership.lease_id != lost[0]  # the next round, under its new lease
+
+
+def test_a_registration_whose_answer_was_lost_is_this_nodes_own_not_a_conflict(run: Run) -> None:
+    """etcd restarting: the create of a node's key committed, its answer was lost, and the retry found the key. It
+    was taken for another agent's (NodeIdConflictError), the fresh lease revoked: the node unregistered for good."""
+    create = run.store.create
+
+    def create_and_lose_the_answer(key: str, value: str, **kw: object) -> tuple[bool, bytes | None]:
+        create(key, value, **kw)  # type: ignore[arg-type]
+        return create(key, value, **kw)  # type: ignore[arg-type]  # the retry: (False, what is there)
+
+    run.store.create = create_and_lose_the_answer  # type: ignore[method-assign]
+    m = run.register("a")
+    assert run.store.refresh_lease(m.lease_id or 0) and "a" in m.live_nodes()
+    run.store.create = create  # type: ignore[method-assign]
+    other = Membership(run.store, MembershipConfig(run_id=RUN, node_id="a", lease_ttl=timedelta(seconds=5)))
+    with pytest.raises(NodeIdConflictError):  # another agent's key is still a conflict
+        other.join()
