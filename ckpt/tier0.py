@@ -461,11 +461,20 @@ class HostTier:
     def committed(self) -> dict[int, CommitMarker]:
         markers: dict[int, CommitMarker] = {}
         self._where = {}
-        for step, pieces in self._scan().items():
+        scan = self._scan()
+        ours: dict[tuple[int, str], set[int]] = {}  # (world size, generation) -> the ranks this node snapshots
+        for f in (f for pieces in scan.values() for f in pieces if not f.replica):
+            ours.setdefault((f.world_size, f.generation), set()).add(f.rank)
+        for step, pieces in scan.items():
             chosen = _choose(pieces)
-            if len(chosen) < min(self.local_world_size, next(iter(chosen.values())).world_size):
-                continue
             world = next(iter(chosen.values())).world_size
+            if len(chosen) < min(self.local_world_size, world):
+                continue
+            # A peer's replica stands in for a rank of the peer's (a lost node's), never for one of this node's own:
+            # counted, a rank killed before its snapshot of this step was whole resumed from another rank's copy.
+            mine = set().union(*(ours.get((world, f.generation), set()) for f in chosen.values()))
+            if not mine <= {r for r, f in chosen.items() if not f.replica}:
+                continue
             self._where.update({(step, r): f.path for r, f in chosen.items()})
             markers[step] = CommitMarker(
                 step=step, world_size=world, run=self.identity.name if self.identity else "",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -384,3 +385,29 @@ def test_a_spare_warm_before_the_slots_exist_maps_them_once_the_worker_makes_the
         assert restored is not None and restored.step == 3 and torch.equal(restored.state["w"], state(3)["w"])
         train(again, range(4, 5), persist_every=10)
         assert not premap.held()
+
+
+def test_a_peers_replicas_do_not_stand_in_for_a_rank_of_this_node(tmp_path: Path, shm: Path) -> None:
+    # Ranks 0 and 1 run here, 2 and 3 on a peer whose replicas this node holds (tier0/peers/). Rank 0 was killed
+    # before its snapshot of step 5 was whole: step 5 has three pieces here (rank 1's and the two replicas), but not
+    # this node's two. Counted with the replicas, rank 0 resumed from another rank's copy of step 5 (its RNG
+    # streams); the node resumes from step 4, each rank its own.
+    peer_shm = tmp_path / "peer-shm"
+    ranks = [Checkpointer(CheckpointConfig(local_dir=tmp_path / "ckpt", tier0_dir=shm), rank=r, world_size=4,
+                          local_world_size=2) for r in (0, 1)]
+    peers = [Checkpointer(CheckpointConfig(local_dir=tmp_path / "peer-ckpt", tier0_dir=peer_shm), rank=r,
+                          world_size=4, local_world_size=2) for r in (2, 3)]
+    try:
+        for step in (3, 4):
+            for ck in ranks + peers:
+                ck.snapshot(step, state(step)).wait_persisted()
+        for ck in (ranks[1], *peers):
+            ck.snapshot(5, state(5)).wait_persisted()
+        for rank_dir in peer_shm.glob("rank_*"):
+            shutil.copytree(rank_dir, shm / "peers" / "node-b" / rank_dir.name)
+        for ck in ranks:
+            restored = ck.restore()
+            assert restored is not None and (restored.step, restored.tier, restored.own) == (4, "memory", True)
+    finally:
+        for ck in ranks + peers:
+            ck.close()
