@@ -555,3 +555,23 @@ def test_a_corruption_is_superseded_only_by_a_step_newer_than_every_damaged_copy
 
     assert judge.damaged_steps({"corrupted_step": 15, "damaged_steps": [17, 15, 16]}) == (15, 16, 17)
     assert judge.damaged_steps({"corrupted_step": 15}) == (15,)  # a report from before tier 0 was tracked
+
+
+def test_a_fault_that_landed_after_the_jobs_last_step_is_not_judged_for_restarts() -> None:
+    """kill-node@last planned at step 36 of 40; on a loaded machine the harness saw the step late, and by the kill
+    the survivor had done step 40: its finished worker restarted on the membership change, by design (seen in a
+    stress run of the suite). The same restart before the last step still breaks the invariant."""
+    def run(last_step_first: bool) -> inv.Evidence:
+        log = Log().start().steps(1, 20 if last_step_first else 19)
+        fault = inv.FaultOutcome(kind="kill-node", injected=True, skipped=None, steps_lost=0, lost_bound=1,
+                                 injected_t=log.t + 0.05, node="node1")
+        log.emit("restart", "node1", replaced=[0], warm_spare=True)  # an earlier re-formation in place
+        log.worker(0, 1, pid=300, node="node0")
+        if not last_step_first:
+            log.steps(20, 20)
+        return evidence(log.digest("ab"), faults=[fault])
+
+    late = inv.only_hit_processes_restart(run(last_step_first=True))
+    assert late.ok is True and "kill-node on node1 landed after the job's last step" in late.detail, late
+    early = inv.only_hit_processes_restart(run(last_step_first=False))
+    assert early.ok is False and "[300]" in early.detail, early
