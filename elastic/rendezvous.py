@@ -432,7 +432,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
                     "--nnodes; a different job needs its own --rdzv-id."
                 )
             held: Deadline | None = None  # a judgement held back while the live set settles: retried after
-            if isinstance(decision, protocol.Write) and self._closes_on_unsettled_live_set(state, decision, snap):
+            if isinstance(decision, protocol.Write) and self._judges_unsettled_live_set(state, decision, snap):
                 held = self._settled_by()
                 decision = protocol.Wait(f"{decision.why}: held back until the live set settles (etcd was "
                                          "unreachable or lost the nodes' leases; they register again)")
@@ -470,14 +470,22 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
         """When a judgement held back while the live set settles is made again."""
         return Deadline.after(timedelta(seconds=max(0.1, self.membership.unsure_for())), clock=self._clock)
 
-    def _closes_on_unsettled_live_set(self, state: protocol.RoundState | None, decision: protocol.Write,
-                                      snap: Snapshot) -> bool:
-        """Whether `decision` closes a round while the live set read cannot be trusted: after etcd was unreachable
-        past the lease TTL or lost its data, nodes that are alive are missing from it until they register again.
-        Closed on it, with MIN 1 each node closed a round of its own (two worlds beside each other, until the next
-        re-formation) and published its store under a lease etcd no longer had (both agents crashed)."""
-        closing = decision.state.status == "closed" and (state is None or state.status != "closed")
-        return closing and self._ran_round and not self._live_set_settled(snap.live)
+    def _judges_unsettled_live_set(self, state: protocol.RoundState | None, decision: protocol.Write,
+                                   snap: Snapshot) -> bool:
+        """Whether `decision` judges the live set (closes a round on it, or drops a participant missing from it)
+        while that set cannot be trusted: after etcd was unreachable past the lease TTL or lost its data, nodes that
+        are alive are missing from it until they register again.
+        - Closed on it, with MIN 1 each node closed a round of its own (two worlds beside each other, until the next
+          re-formation) and published its store under a lease etcd no longer had (both agents crashed).
+        - Dropped on it, two nodes dropped each other from the joining round and joined again, hundreds of writes a
+          second, until their keys were back (the close is held meanwhile, so the drop gains nothing)."""
+        if not self._ran_round or self._live_set_settled(snap.live):
+            return False
+        new = decision.state
+        closing = new.status == "closed" and (state is None or state.status != "closed")
+        dropping = (state is not None and state.status == new.status == "joining"
+                    and state.generation == new.generation and not set(state.participants) <= set(new.participants))
+        return closing or dropping
 
     def _swap_state(self, state: protocol.RoundState, token: int) -> bool:
         """Compare-and-set the round state on `token` (with the join-token MAC, in a run with a token)."""

@@ -189,8 +189,12 @@ def test_after_etcd_lost_every_lease_no_node_closes_a_round_alone_before_the_oth
     fa = run.start(a)  # a's workers failed: its next round, before any node registered again
     assert eventually(lambda: b.num_nodes_waiting() > 0), "b never learned of a's round"
     fb = run.start(b)
+    before = run.store.read().revision
     time.sleep(0.5)
     assert not fa.done() and not fb.done(), "a round closed on a live set the nodes had not registered in again"
+    # Nor do they drop each other from the round and join again while their keys are gone (a burst of writes).
+    writes = run.store.read().revision - before
+    assert writes <= 4, f"{writes} writes to the run in 0.5 s while the live set settles"
     # Both register again at their keep-alive's next refresh and wait out one TTL; then the round closes with both.
     assert eventually(lambda: all(h.membership.unsure_for() == 0 and h.membership.lease_id is not None
                                   and h.node_id in h.membership.live_nodes() for h in (a, b)), timeout=20)
