@@ -7,9 +7,9 @@ deadline, then `EtcdUnavailableError` names the endpoints.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -17,6 +17,8 @@ from elastic.errors import LeaseGoneError
 from elastic.etcd_client import EtcdClient, EtcdClientConfig
 from elastic.keys import RunKeys
 from elastic.run_store import RunRead, WatchCallback
+
+T = TypeVar("T")
 
 
 class EtcdRunStore:
@@ -61,8 +63,9 @@ class EtcdRunStore:
         txn = raw.transactions
         compare = [txn.version(k) == 0 for k in (key, *absent)]
         put = txn.put(key, value, lease=lease) if lease else txn.put(key, value)
-        ok, responses = self.client.call(
-            lambda: raw.transaction(compare=compare, success=[put], failure=[txn.get(key)]), what=f"create {key}")
+        ok, responses = self._under_lease(
+            lambda: raw.transaction(compare=compare, success=[put], failure=[txn.get(key)]), lease,
+            what=f"create {key}")
         if ok:
             return True, None
         found = responses[0] if responses else []
@@ -89,11 +92,15 @@ class EtcdRunStore:
 
     def publish_store(self, generation: int, record: str, lease: int) -> None:
         raw, key = self.client.raw, self._keys.store(generation)
+        self._under_lease(lambda: raw.put(key, record, lease=lease), lease, what=f"publish {key}")
+
+    def _under_lease(self, fn: Callable[[], T], lease: int | None, *, what: str) -> T:
+        """`fn`, a write under `lease`, through `client.call`; LeaseGoneError when etcd no longer has the lease."""
         try:
-            self.client.call(lambda: raw.put(key, record, lease=lease), what=f"publish {key}")
+            return self.client.call(fn, what=what)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # "requested lease not found"
-                raise LeaseGoneError(f"etcd no longer has lease {lease:x} to publish {key} under") from exc
+            if lease and exc.code() == grpc.StatusCode.NOT_FOUND:  # "requested lease not found"
+                raise LeaseGoneError(f"etcd no longer has lease {lease:x} to {what} under") from exc
             raise
 
     def prune_stores(self, generation: int) -> None:

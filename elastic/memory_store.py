@@ -100,8 +100,7 @@ class MemoryRunStore:
 
     def publish_store(self, generation: int, record: str, lease: int) -> None:
         with self._locked() as changed:
-            if lease not in self._leases:
-                raise LeaseGoneError(f"lease {lease:x} does not exist (it expired or was revoked)")
+            self._check_lease(lease)
             self._revision += 1
             self._put(self._keys.store(generation), record, lease)
             changed.append(True)
@@ -169,7 +168,7 @@ class MemoryRunStore:
 
     def _check_lease(self, lease: int | None) -> None:
         if lease and lease not in self._leases:
-            raise ValueError(f"lease {lease:x} does not exist (it expired or was revoked)")
+            raise LeaseGoneError(f"lease {lease:x} does not exist (it expired or was revoked)")
 
     def _put(self, key: str, value: str, lease: int) -> None:
         old = self._data.get(key)

@@ -387,7 +387,7 @@ class EtcdV3RendezvousHandler(RendezvousHandler):
             self._monitor.track({n: r.beacon for n, r in snap.nodes.items()
                                  if n != self.config.node_id and r.beacon})
 
-    def _peer_lost(self, node: str, left: bool = False) -> None:
+    def _peer_lost(self, node: str, left: bool) -> None:
         # The peer's agent process is gone: revoke its lease now instead of waiting out the TTL.
         if not left:
             self._dead_agents.add(node)

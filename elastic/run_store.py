@@ -70,7 +70,8 @@ class RunStore(Protocol):
                absent: Sequence[str] = ()) -> tuple[bool, bytes | None]:
         """Put `key` if neither it nor any key of `absent` exists (under `lease`, if given).
 
-        Returns (True, None) when written; else (False, the current value of `key`, None if missing)."""
+        Returns (True, None) when written; else (False, the current value of `key`, None if missing). Raises
+        LeaseGoneError when the store no longer has `lease`."""
         ...
 
     def grant_lease(self, ttl: int) -> int:

@@ -126,6 +126,8 @@ def test_keys_under_a_lease_go_when_it_is_revoked(store: RunStore) -> None:
     store.revoke_lease(lease)  # revoking a lease that is gone is no error
     with pytest.raises(LeaseGoneError, match=f"{lease:x}"):  # rank 0 then abandons its round (rendezvous.py)
         store.publish_store(2, '{"addr": "h", "port": 1}', lease)
+    with pytest.raises(LeaseGoneError, match=f"{lease:x}"):  # a registration under it: the node registers again
+        store.create(store.keys.node("b"), '{"node_id": "b"}', lease=lease)
 
 
 def test_registration_order_is_the_create_revision(store: RunStore) -> None:
